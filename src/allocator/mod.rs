@@ -1,0 +1,406 @@
+//! The caching allocator: PyTorch's size classes and best fit, per-stream shards, an
+//! expandable (virtual-memory) mode, and an exact tagged ledger.
+//!
+//! Invariants kept across this module (see `shard.rs` for the per-shard ones):
+//! - A stream's blocks live in exactly one shard (chosen by hashing the stream), so a cached
+//!   allocation or free takes one lock and never allocates on the heap.
+//! - `committed` ≥ reserved bytes at every instant, and equals it at quiescence: growth first
+//!   commits against the limit, then calls the driver, then uncommits what it did not get.
+//! - Cross-shard work (releasing the cache, dumps) takes shard locks one at a time, in index
+//!   order, never while holding another, so it cannot deadlock with allocation.
+
+pub(crate) mod block;
+pub mod rules;
+pub(crate) mod shard;
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use crossbeam::utils::CachePadded;
+use parking_lot::Mutex;
+
+use self::shard::{GrowError, Shard};
+use crate::driver::{DevicePtr, Driver, StreamId};
+use crate::error::{gib, Error, OomReport, Result};
+use crate::ledger::{Ledger, PerTag, Snapshot};
+use crate::tag::Tag;
+
+/// How device memory is obtained.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SegmentMode {
+    /// One `cuMemAlloc` per segment (2 MiB, 20 MiB, or a 2 MiB multiple), like PyTorch's default.
+    #[default]
+    Plain,
+    /// One virtual reservation per stream and pool; pages mapped on demand and unmapped by
+    /// `empty_cache`, like PyTorch's `expandable_segments:True`.
+    Expandable,
+}
+
+/// A cap on the bytes the allocator may hold from the driver.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Limit {
+    Bytes(u64),
+    /// A fraction of the device's total memory, in (0, 1].
+    Fraction(f64),
+}
+
+/// Allocator settings. The defaults are PyTorch's.
+#[derive(Clone, Debug, Default)]
+pub struct Config {
+    pub mode: SegmentMode,
+    pub limit: Option<Limit>,
+    /// Cached blocks at least this large are never split (PyTorch's `max_split_size_mb`).
+    pub max_split_size: Option<u64>,
+}
+
+/// One live allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Allocation {
+    /// Device address; 0 for a zero-byte request.
+    pub ptr: DevicePtr,
+    /// Bytes reserved for it (the rounded size, plus any unsplit tail).
+    pub size: u64,
+    /// Bytes asked for.
+    pub requested: u64,
+    pub stream: StreamId,
+    pub tag: Tag,
+}
+
+/// What the shards share: the driver, the ledger, settings.
+pub(crate) struct Core<D> {
+    pub(crate) driver: D,
+    pub(crate) ledger: Ledger,
+    pub(crate) expandable: bool,
+    pub(crate) max_split: u64,
+    pub(crate) granularity: u64,
+    pub(crate) device_total: u64,
+    limit: AtomicU64,
+    committed: AtomicU64,
+}
+
+impl<D: Driver> Core<D> {
+    /// Count `bytes` against the limit before asking the driver for them.
+    pub(crate) fn commit(&self, bytes: u64) -> std::result::Result<(), String> {
+        let limit = self.limit.load(Relaxed);
+        let before = self.committed.fetch_add(bytes, Relaxed);
+        if before + bytes > limit {
+            self.committed.fetch_sub(bytes, Relaxed);
+            return Err(format!(
+                "{} more would exceed the allocator's limit of {} ({} held)",
+                gib(bytes),
+                gib(limit),
+                gib(before)
+            ));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn uncommit(&self, bytes: u64) {
+        self.committed.fetch_sub(bytes, Relaxed);
+    }
+}
+
+const SHARDS: usize = 16;
+
+/// A caching allocator for one device.
+pub struct Allocator<D: Driver> {
+    core: Core<D>,
+    shards: Box<[CachePadded<Mutex<Shard>>]>,
+}
+
+#[inline]
+fn shard_index(stream: StreamId) -> usize {
+    // Stream handles are pointers: drop the alignment bits, then mix.
+    let h = (stream.0 >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (h >> 60) as usize % SHARDS
+}
+
+impl<D: Driver> Allocator<D> {
+    /// An allocator over `driver`. Asks the driver once for the device's total memory (for a
+    /// fractional limit and the expandable reservations).
+    pub fn new(driver: D, config: Config) -> Result<Self> {
+        let total = driver.mem_info()?.total;
+        let core = Core {
+            granularity: driver.granularity(),
+            driver,
+            ledger: Ledger::default(),
+            expandable: config.mode == SegmentMode::Expandable,
+            max_split: config.max_split_size.unwrap_or(u64::MAX),
+            device_total: total,
+            limit: AtomicU64::new(u64::MAX),
+            committed: AtomicU64::new(0),
+        };
+        let a = Allocator {
+            core,
+            shards: (0..SHARDS)
+                .map(|_| CachePadded::new(Mutex::new(Shard::default())))
+                .collect(),
+        };
+        a.set_limit(config.limit)?;
+        Ok(a)
+    }
+
+    pub fn driver(&self) -> &D {
+        &self.core.driver
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.core.ledger
+    }
+
+    /// Every counter, now.
+    pub fn snapshot(&self) -> Snapshot {
+        self.core.ledger.snapshot()
+    }
+
+    pub fn mode(&self) -> SegmentMode {
+        if self.core.expandable {
+            SegmentMode::Expandable
+        } else {
+            SegmentMode::Plain
+        }
+    }
+
+    /// The device's total memory, as the driver reported it at creation.
+    pub fn device_total(&self) -> u64 {
+        self.core.device_total
+    }
+
+    /// Set or clear the limit on reserved bytes. A limit below what is held now is allowed:
+    /// growth fails (after releasing the cache) until enough is freed.
+    pub fn set_limit(&self, limit: Option<Limit>) -> Result<()> {
+        let bytes = match limit {
+            None => u64::MAX,
+            Some(Limit::Bytes(b)) => b,
+            Some(Limit::Fraction(f)) if f > 0.0 && f <= 1.0 => {
+                (self.core.device_total as f64 * f) as u64
+            }
+            Some(Limit::Fraction(f)) => {
+                return Err(Error::InvalidLimit(format!(
+                    "fraction {f} is not in (0, 1]"
+                )))
+            }
+        };
+        self.core.limit.store(bytes, Relaxed);
+        Ok(())
+    }
+
+    /// The limit in bytes, if any.
+    pub fn limit(&self) -> Option<u64> {
+        Some(self.core.limit.load(Relaxed)).filter(|&l| l != u64::MAX)
+    }
+
+    #[inline]
+    fn shard(&self, stream: StreamId) -> &Mutex<Shard> {
+        &self.shards[shard_index(stream)]
+    }
+
+    /// Allocate `size` bytes for use on `stream`, tagged with this thread's current tag.
+    #[inline]
+    pub fn allocate(&self, size: u64, stream: StreamId) -> Result<Allocation> {
+        self.allocate_tagged(size, stream, Tag::current())
+    }
+
+    /// Allocate `size` bytes for use on `stream` with an explicit tag.
+    ///
+    /// A zero-byte request returns an [`Allocation`] whose pointer is 0 and counts nothing;
+    /// freeing pointer 0 does nothing (PyTorch's allocator behaves the same way). Requests of
+    /// 2^60 bytes or more are refused with [`Error::SizeTooLarge`]. When neither the cache nor
+    /// the driver can serve the request, every shard's cache is released and the request is
+    /// retried once before [`Error::OutOfMemory`] is returned.
+    #[inline]
+    pub fn allocate_tagged(&self, size: u64, stream: StreamId, tag: Tag) -> Result<Allocation> {
+        if size == 0 {
+            return Ok(Allocation {
+                ptr: 0,
+                size: 0,
+                requested: 0,
+                stream,
+                tag,
+            });
+        }
+        if size >= rules::ABSURD_SIZE {
+            return Err(Error::SizeTooLarge(size));
+        }
+        let rounded = rules::round_size(size);
+        let cause = {
+            let mut sh = self.shard(stream).lock();
+            if !sh.pending.is_empty() {
+                sh.process_pending(&self.core, false)?;
+            }
+            if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {
+                return Ok(a);
+            }
+            match self.grow_and_take(&mut sh, stream, rounded, size, tag) {
+                Ok(a) => return Ok(a),
+                Err(GrowError::Driver(e)) => return Err(e.into()),
+                Err(GrowError::Memory(cause)) => cause,
+            }
+        };
+        self.retry_after_release(stream, rounded, size, tag, cause)
+    }
+
+    fn grow_and_take(
+        &self,
+        sh: &mut Shard,
+        stream: StreamId,
+        rounded: u64,
+        size: u64,
+        tag: Tag,
+    ) -> std::result::Result<Allocation, GrowError> {
+        let id = sh.grow(&self.core, stream, rounded)?;
+        Ok(sh.take(&self.core, id, rounded, size, tag))
+    }
+
+    #[cold]
+    fn retry_after_release(
+        &self,
+        stream: StreamId,
+        rounded: u64,
+        size: u64,
+        tag: Tag,
+        cause: String,
+    ) -> Result<Allocation> {
+        self.core.ledger.retries.fetch_add(1, Relaxed);
+        tracing::debug!(
+            size,
+            "allocation missed the cache and the driver; releasing the cache and retrying"
+        );
+        if let Err(e) = self.empty_cache() {
+            tracing::warn!(error = %e, "releasing the cache before a retry failed");
+        }
+        let cause = {
+            let mut sh = self.shard(stream).lock();
+            if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {
+                return Ok(a);
+            }
+            match self.grow_and_take(&mut sh, stream, rounded, size, tag) {
+                Ok(a) => return Ok(a),
+                Err(GrowError::Driver(e)) => return Err(e.into()),
+                Err(GrowError::Memory(c)) => c.max(cause),
+            }
+        };
+        self.core.ledger.ooms.fetch_add(1, Relaxed);
+        let report = self.oom_report(size, rounded, cause);
+        tracing::warn!("{report}");
+        Err(Error::OutOfMemory(Box::new(report)))
+    }
+
+    fn oom_report(&self, requested: u64, rounded: u64, cause: String) -> OomReport {
+        let info = self.core.driver.mem_info().unwrap_or_default();
+        let usage = self.core.driver.process_usage().ok().flatten();
+        let snap = self.snapshot();
+        let reserved = snap.reserved_bytes.current;
+        let needed = if self.core.expandable {
+            rounded.div_ceil(self.core.granularity) * self.core.granularity
+        } else {
+            rules::segment_size(rounded)
+        };
+        OomReport {
+            requested,
+            needed,
+            device_total: info.total,
+            device_free: info.free,
+            process_usage: usage,
+            allocated: snap.all.allocated_bytes.current,
+            reserved,
+            cached: snap.cached_bytes,
+            non_allocator: usage.map(|u| u.saturating_sub(reserved)),
+            per_tag: PerTag(snap.per_tag.0.map(|t| t.allocated_bytes.current)),
+            limit: self.limit(),
+            cause,
+        }
+    }
+
+    /// Free an allocation. Looks the pointer up in every shard; prefer [`Allocator::free_on`]
+    /// when the allocation's stream is known. Pointer 0 is a no-op.
+    pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        for s in self.shards.iter() {
+            let mut sh = s.lock();
+            if sh.owns(ptr) {
+                return sh.free(&self.core, ptr);
+            }
+        }
+        Err(Error::UnknownPointer(ptr))
+    }
+
+    /// Free an allocation made on `stream`: one lock. Falls back to a search of every shard when
+    /// the pointer is not in `stream`'s shard.
+    #[inline]
+    pub fn free_on(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        {
+            let mut sh = self.shard(stream).lock();
+            if sh.owns(ptr) {
+                return sh.free(&self.core, ptr);
+            }
+        }
+        self.free(ptr)
+    }
+
+    /// Record that `stream` uses the allocation at `ptr`: when it is freed, its memory is not
+    /// reused until the work queued on `stream` by then has completed.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        for s in self.shards.iter() {
+            let mut sh = s.lock();
+            if sh.owns(ptr) {
+                return sh.record_stream(ptr, stream);
+            }
+        }
+        Err(Error::UnknownPointer(ptr))
+    }
+
+    /// Give every cached byte back to the driver (waiting first for the streams that still use
+    /// freed blocks). Every shard is attempted; the first error is returned and what could not
+    /// be released stays cached and accounted.
+    pub fn empty_cache(&self) -> Result<()> {
+        let mut first = None;
+        for s in self.shards.iter() {
+            if let Err(e) = s.lock().release_cached(&self.core) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Live allocations, over all streams.
+    pub fn live_allocations(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().live_count()).sum()
+    }
+
+    /// A copy of the allocator's whole state, for the invariant checker.
+    pub fn dump(&self) -> crate::invariants::StateDump {
+        let mut dump = crate::invariants::StateDump::default();
+        for s in self.shards.iter() {
+            let sh = s.lock();
+            sh.self_check(&mut dump.problems);
+            crate::invariants::dump_shard(&sh, &mut dump);
+        }
+        dump.ledger = self.snapshot();
+        dump.committed = self.core.committed.load(Relaxed);
+        dump
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_index_spreads_streams() {
+        let used: std::collections::HashSet<usize> = (1..=64u64)
+            .map(|i| shard_index(StreamId(0x5555_0000 + i * 0x40)))
+            .collect();
+        assert!(
+            used.len() >= 8,
+            "64 streams landed in only {} shards",
+            used.len()
+        );
+    }
+}

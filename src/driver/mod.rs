@@ -1,0 +1,208 @@
+//! The driver trait: the only door to device memory.
+//!
+//! Everything above this module (allocator, ledger, profiler) talks to device memory through
+//! [`Driver`] and nothing else. Two backends implement it: [`sim::SimDriver`], a simulated
+//! device used by tests, fuzzing and replay, and (behind run-time detection) the CUDA driver.
+//!
+//! The trait mirrors the CUDA driver API one call per method so that a real implementation is a
+//! thin checked wrapper: plain segments are `cuMemAlloc`/`cuMemFree`; virtual memory is
+//! `cuMemAddressReserve`/`cuMemCreate`/`cuMemMap`/`cuMemSetAccess`/`cuMemUnmap`/`cuMemRelease`/
+//! `cuMemAddressFree`; streams and events are `cuEventRecord`/`cuEventQuery`/
+//! `cuEventSynchronize`/`cuStreamSynchronize`. Handles are plain integers (device pointers,
+//! generic allocation handles, event pointers) so that the allocator can store them in its
+//! tables without lifetimes or heap allocation.
+
+pub mod sim;
+
+use std::fmt;
+
+use thiserror::Error;
+
+/// A device virtual address (a `CUdeviceptr`).
+pub type DevicePtr = u64;
+
+/// A CUDA stream, identified by its raw handle value. `StreamId(0)` is the legacy default stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(pub u64);
+
+impl StreamId {
+    /// The legacy default stream.
+    pub const DEFAULT: StreamId = StreamId(0);
+}
+
+/// A physical memory handle created by [`Driver::create_physical`] (`CUmemGenericAllocationHandle`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PhysHandle(pub u64);
+
+/// An event recorded on a stream by [`Driver::record_event`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EventId(pub u64);
+
+/// Device-wide memory as the driver reports it (`cuMemGetInfo`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemInfo {
+    pub free: u64,
+    pub total: u64,
+}
+
+/// Every driver primitive, for call counting and fault injection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DriverCall {
+    AllocSegment,
+    FreeSegment,
+    ReserveVa,
+    ReleaseVa,
+    CreatePhysical,
+    ReleasePhysical,
+    Map,
+    SetAccess,
+    Unmap,
+    MemInfo,
+    ProcessUsage,
+    RecordEvent,
+    QueryEvent,
+    WaitEvent,
+    DestroyEvent,
+    SyncStream,
+}
+
+impl DriverCall {
+    pub const ALL: [DriverCall; 16] = [
+        DriverCall::AllocSegment,
+        DriverCall::FreeSegment,
+        DriverCall::ReserveVa,
+        DriverCall::ReleaseVa,
+        DriverCall::CreatePhysical,
+        DriverCall::ReleasePhysical,
+        DriverCall::Map,
+        DriverCall::SetAccess,
+        DriverCall::Unmap,
+        DriverCall::MemInfo,
+        DriverCall::ProcessUsage,
+        DriverCall::RecordEvent,
+        DriverCall::QueryEvent,
+        DriverCall::WaitEvent,
+        DriverCall::DestroyEvent,
+        DriverCall::SyncStream,
+    ];
+
+    /// Position in [`DriverCall::ALL`], for per-kind counter arrays.
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            DriverCall::AllocSegment => "alloc_segment",
+            DriverCall::FreeSegment => "free_segment",
+            DriverCall::ReserveVa => "reserve_va",
+            DriverCall::ReleaseVa => "release_va",
+            DriverCall::CreatePhysical => "create_physical",
+            DriverCall::ReleasePhysical => "release_physical",
+            DriverCall::Map => "map",
+            DriverCall::SetAccess => "set_access",
+            DriverCall::Unmap => "unmap",
+            DriverCall::MemInfo => "mem_info",
+            DriverCall::ProcessUsage => "process_usage",
+            DriverCall::RecordEvent => "record_event",
+            DriverCall::QueryEvent => "query_event",
+            DriverCall::WaitEvent => "wait_event",
+            DriverCall::DestroyEvent => "destroy_event",
+            DriverCall::SyncStream => "sync_stream",
+        }
+    }
+}
+
+impl fmt::Display for DriverCall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What went wrong in a driver call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DriverErrorKind {
+    /// The device (or the simulated device) has no memory for the request.
+    OutOfMemory,
+    /// A fault injected by the simulated driver.
+    Injected,
+    /// Arguments the driver rejected (unknown handle, misaligned size, ...).
+    InvalidValue,
+    /// No driver or no device: CUDA is not installed, or the ordinal does not exist.
+    NoDevice,
+    /// Any other driver error, with the raw `CUresult` code.
+    Other(i32),
+}
+
+/// A failed driver call.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+#[error("driver call {call} failed ({kind:?}): {detail}")]
+pub struct DriverError {
+    pub call: DriverCall,
+    pub kind: DriverErrorKind,
+    pub detail: String,
+}
+
+impl DriverError {
+    pub fn new(call: DriverCall, kind: DriverErrorKind, detail: impl Into<String>) -> Self {
+        DriverError {
+            call,
+            kind,
+            detail: detail.into(),
+        }
+    }
+
+    pub fn is_out_of_memory(&self) -> bool {
+        self.kind == DriverErrorKind::OutOfMemory
+    }
+}
+
+pub type DriverResult<T> = Result<T, DriverError>;
+
+/// The primitives the allocator needs from a device. Implementations must be thread-safe:
+/// the allocator calls them from any thread, without holding a global lock.
+pub trait Driver: Send + Sync + 'static {
+    /// The device ordinal this driver talks to.
+    fn ordinal(&self) -> usize;
+
+    /// Allocate a plain segment (`cuMemAlloc`). `stream` is the stream the caller is on, so a
+    /// real driver can switch to relaxed capture mode while that stream captures a graph.
+    fn alloc_segment(&self, bytes: u64, stream: StreamId) -> DriverResult<DevicePtr>;
+    /// Free a plain segment (`cuMemFree`). The caller has synchronised every stream that used it.
+    fn free_segment(&self, ptr: DevicePtr, bytes: u64) -> DriverResult<()>;
+
+    /// The physical allocation granularity for virtual-memory mappings.
+    fn granularity(&self) -> u64;
+    /// Reserve a range of device virtual addresses (`cuMemAddressReserve`).
+    fn reserve_va(&self, bytes: u64) -> DriverResult<DevicePtr>;
+    /// Give a reserved range back (`cuMemAddressFree`). Nothing may be mapped in it.
+    fn release_va(&self, ptr: DevicePtr, bytes: u64) -> DriverResult<()>;
+    /// Create physical memory of `bytes` (a multiple of the granularity) (`cuMemCreate`).
+    fn create_physical(&self, bytes: u64) -> DriverResult<PhysHandle>;
+    /// Release physical memory (`cuMemRelease`); the memory is freed once it is unmapped.
+    fn release_physical(&self, handle: PhysHandle) -> DriverResult<()>;
+    /// Map a whole physical handle at `va` (`cuMemMap`).
+    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle) -> DriverResult<()>;
+    /// Make a mapped range readable and writable by this device (`cuMemSetAccess`).
+    fn set_access(&self, va: DevicePtr, bytes: u64) -> DriverResult<()>;
+    /// Unmap a range mapped by one [`Driver::map`] call (`cuMemUnmap`).
+    fn unmap(&self, va: DevicePtr, bytes: u64) -> DriverResult<()>;
+
+    /// Device-wide free and total memory (`cuMemGetInfo`).
+    fn mem_info(&self) -> DriverResult<MemInfo>;
+    /// This process's memory on the device as the driver accounts it (NVML's per-process used
+    /// memory). `None` when the driver cannot tell (no NVML, or our PID is not visible).
+    fn process_usage(&self) -> DriverResult<Option<u64>>;
+
+    /// Record an event on `stream` capturing all work queued on it so far.
+    fn record_event(&self, stream: StreamId) -> DriverResult<EventId>;
+    /// Whether all work captured by the event has completed.
+    fn query_event(&self, event: EventId) -> DriverResult<bool>;
+    /// Block until the event's work completes.
+    fn wait_event(&self, event: EventId) -> DriverResult<()>;
+    /// Give the event back (it may be pooled).
+    fn destroy_event(&self, event: EventId) -> DriverResult<()>;
+    /// Block until all work queued on `stream` completes.
+    fn sync_stream(&self, stream: StreamId) -> DriverResult<()>;
+}

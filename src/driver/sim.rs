@@ -1,0 +1,681 @@
+//! A simulated device: a first-class [`Driver`] backend for tests, fuzzing and replay.
+//!
+//! Invariants kept here:
+//! - Device used = Σ over simulated processes (context + memory allocated behind the
+//!   allocator's back + plain segments + physical handles) + other tenants' usage; no call
+//!   succeeds that would push it above capacity.
+//! - Physical memory is charged from `create_physical` until `release_physical` *and* the last
+//!   unmap (as in CUDA, a released handle stays alive while mapped).
+//! - A mapping covers exactly one whole handle at a granularity-aligned address inside a live
+//!   reservation, never overlapping another mapping; `unmap` takes exactly a mapped range.
+//! - Every call is counted by kind before any fault or validation is applied, so tests can
+//!   assert how many driver calls a policy makes and target the Nth call with a fault.
+//!
+//! Several [`SimDriver`]s can share one [`SimDevice`]: each is a process with its own PID,
+//! context overhead and per-process usage, which is how profiling tests model engines
+//! sharing one GPU.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::{
+    DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId, MemInfo,
+    PhysHandle, StreamId,
+};
+
+pub const GIB: u64 = 1 << 30;
+pub const MIB: u64 = 1 << 20;
+
+/// Construction parameters of a simulated device.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Device memory in bytes (default 80 GiB).
+    pub capacity: u64,
+    /// VMM granularity in bytes (default 2 MiB).
+    pub granularity: u64,
+    /// Memory charged to each process when it creates its context (default 512 MiB).
+    pub context_overhead: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            capacity: 80 * GIB,
+            granularity: 2 * MIB,
+            context_overhead: 512 * MIB,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Process {
+    context: u64,
+    external: u64,
+    segments: HashMap<DevicePtr, u64>,
+    /// Physical handles: bytes, released flag, live mapping count.
+    phys: HashMap<u64, Phys>,
+    reservations: BTreeMap<DevicePtr, u64>,
+    /// Mapped ranges: va -> (bytes, handle, access set).
+    mappings: BTreeMap<DevicePtr, Mapping>,
+    usage_visible: bool,
+}
+
+struct Phys {
+    bytes: u64,
+    released: bool,
+    mapped: u32,
+}
+
+struct Mapping {
+    bytes: u64,
+    handle: u64,
+    accessible: bool,
+}
+
+impl Process {
+    fn usage(&self) -> u64 {
+        self.context
+            + self.external
+            + self.segments.values().sum::<u64>()
+            + self.phys.values().map(|p| p.bytes).sum::<u64>()
+    }
+}
+
+#[derive(Default, Clone, Copy)]
+struct StreamState {
+    submitted: u64,
+    completed: u64,
+}
+
+struct DeviceState {
+    other_usage: u64,
+    processes: HashMap<u32, Process>,
+    streams: HashMap<StreamId, StreamState>,
+    events: HashMap<u64, (StreamId, u64)>,
+    next_addr: u64,
+    next_handle: u64,
+    next_pid: u32,
+}
+
+impl DeviceState {
+    fn used(&self) -> u64 {
+        self.other_usage + self.processes.values().map(Process::usage).sum::<u64>()
+    }
+
+    fn bump_addr(&mut self, bytes: u64, align: u64) -> DevicePtr {
+        let base = self.next_addr.div_ceil(align) * align;
+        // Leave a guard gap so that adjacent segments never look contiguous.
+        self.next_addr = base + bytes + align;
+        base
+    }
+}
+
+/// A simulated GPU shared by one or more simulated processes.
+pub struct SimDevice {
+    config: SimConfig,
+    state: Mutex<DeviceState>,
+}
+
+impl SimDevice {
+    pub fn new(config: SimConfig) -> Arc<SimDevice> {
+        assert!(
+            config.granularity.is_power_of_two(),
+            "granularity must be a power of two"
+        );
+        Arc::new(SimDevice {
+            config,
+            state: Mutex::new(DeviceState {
+                other_usage: 0,
+                processes: HashMap::new(),
+                streams: HashMap::new(),
+                events: HashMap::new(),
+                next_addr: 1 << 40,
+                next_handle: 1,
+                next_pid: 1000,
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    /// Start a new simulated process on this device: its context overhead is charged now.
+    /// Fails when the device cannot hold the context.
+    pub fn spawn_process(self: &Arc<Self>) -> DriverResult<SimDriver> {
+        let mut st = self.state.lock();
+        if st.used() + self.config.context_overhead > self.config.capacity {
+            return Err(DriverError::new(
+                DriverCall::AllocSegment,
+                DriverErrorKind::OutOfMemory,
+                "no room for a CUDA context",
+            ));
+        }
+        let pid = st.next_pid;
+        st.next_pid += 1;
+        st.processes.insert(
+            pid,
+            Process {
+                context: self.config.context_overhead,
+                usage_visible: true,
+                ..Default::default()
+            },
+        );
+        drop(st);
+        Ok(SimDriver {
+            device: Arc::clone(self),
+            pid,
+            counts: Default::default(),
+            faults: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Memory used by processes that are not simulated here (other tenants of the GPU).
+    pub fn set_other_usage(&self, bytes: u64) {
+        self.state.lock().other_usage = bytes;
+    }
+
+    pub fn other_usage(&self) -> u64 {
+        self.state.lock().other_usage
+    }
+
+    /// Device-wide used bytes.
+    pub fn used(&self) -> u64 {
+        self.state.lock().used()
+    }
+
+    /// Queue one unit of work on a stream (it completes when told to).
+    pub fn submit(&self, stream: StreamId) {
+        self.state
+            .lock()
+            .streams
+            .entry(stream)
+            .or_default()
+            .submitted += 1;
+    }
+
+    /// Complete all work queued so far on a stream.
+    pub fn complete(&self, stream: StreamId) {
+        let mut st = self.state.lock();
+        let s = st.streams.entry(stream).or_default();
+        s.completed = s.submitted;
+    }
+
+    /// Complete all work on every stream.
+    pub fn complete_all(&self) {
+        for s in self.state.lock().streams.values_mut() {
+            s.completed = s.submitted;
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Fault {
+    call: DriverCall,
+    /// Fail when the call count of this kind reaches `at` (1-based, absolute).
+    at: u64,
+    /// Keep failing from `at` on.
+    sticky: bool,
+}
+
+/// One simulated process's view of a [`SimDevice`], implementing [`Driver`].
+pub struct SimDriver {
+    device: Arc<SimDevice>,
+    pid: u32,
+    counts: [AtomicU64; DriverCall::ALL.len()],
+    faults: Mutex<Vec<Fault>>,
+}
+
+impl SimDriver {
+    /// A process on a fresh device with default settings (80 GiB, 2 MiB, 512 MiB context).
+    pub fn new() -> SimDriver {
+        Self::with_config(SimConfig::default())
+    }
+
+    /// A process on a fresh device.
+    pub fn with_config(config: SimConfig) -> SimDriver {
+        SimDevice::new(config)
+            .spawn_process()
+            .expect("a fresh device holds one context")
+    }
+
+    pub fn device(&self) -> &Arc<SimDevice> {
+        &self.device
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// How many times `call` was made.
+    pub fn calls(&self, call: DriverCall) -> u64 {
+        self.counts[call.index()].load(Ordering::Relaxed)
+    }
+
+    /// Fail the `n`th call of `call` from now (n = 1: the next one).
+    pub fn fail_nth(&self, call: DriverCall, n: u64) {
+        assert!(n >= 1);
+        let at = self.calls(call) + n;
+        self.faults.lock().push(Fault {
+            call,
+            at,
+            sticky: false,
+        });
+    }
+
+    /// Fail every call of `call` from the `n`th from now on.
+    pub fn fail_from(&self, call: DriverCall, n: u64) {
+        assert!(n >= 1);
+        let at = self.calls(call) + n;
+        self.faults.lock().push(Fault {
+            call,
+            at,
+            sticky: true,
+        });
+    }
+
+    pub fn clear_faults(&self) {
+        self.faults.lock().clear();
+    }
+
+    /// Allocate memory behind the allocator's back (a library calling cudaMalloc directly).
+    pub fn alloc_external(&self, bytes: u64) -> DriverResult<()> {
+        let mut st = self.device.state.lock();
+        self.check_room(&st, bytes, DriverCall::AllocSegment)?;
+        st.processes
+            .get_mut(&self.pid)
+            .expect("process exists")
+            .external += bytes;
+        Ok(())
+    }
+
+    /// Free memory allocated with [`SimDriver::alloc_external`].
+    pub fn free_external(&self, bytes: u64) {
+        let mut st = self.device.state.lock();
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        p.external = p.external.saturating_sub(bytes);
+    }
+
+    /// Whether `process_usage` can see this process (false models PID namespaces).
+    pub fn set_usage_visible(&self, visible: bool) {
+        self.device
+            .state
+            .lock()
+            .processes
+            .get_mut(&self.pid)
+            .expect("process exists")
+            .usage_visible = visible;
+    }
+
+    /// Bytes of plain segments plus physical handles this process holds through the driver
+    /// (what an allocator on it has reserved), excluding context and external memory.
+    pub fn held_bytes(&self) -> u64 {
+        let st = self.device.state.lock();
+        let p = &st.processes[&self.pid];
+        p.segments.values().sum::<u64>() + p.phys.values().map(|h| h.bytes).sum::<u64>()
+    }
+
+    /// Number of live driver objects: segments, physical handles, reservations, mappings.
+    pub fn live_objects(&self) -> usize {
+        let st = self.device.state.lock();
+        let p = &st.processes[&self.pid];
+        p.segments.len() + p.phys.len() + p.reservations.len() + p.mappings.len()
+    }
+
+    /// Whether `[ptr, ptr+bytes)` lies inside this process's accessible device memory.
+    pub fn is_accessible(&self, ptr: DevicePtr, bytes: u64) -> bool {
+        let st = self.device.state.lock();
+        let p = &st.processes[&self.pid];
+        if let Some((&base, &size)) = p.segments.iter().find(|(&b, &s)| ptr >= b && ptr < b + s) {
+            return ptr + bytes <= base + size;
+        }
+        // Walk mappings covering the range in address order.
+        let mut cursor = ptr;
+        let end = ptr + bytes;
+        while cursor < end {
+            match p.mappings.range(..=cursor).next_back() {
+                Some((&va, m)) if cursor < va + m.bytes && m.accessible => cursor = va + m.bytes,
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    fn count(&self, call: DriverCall) -> DriverResult<()> {
+        let n = self.counts[call.index()].fetch_add(1, Ordering::Relaxed) + 1;
+        let faults = self.faults.lock();
+        let hit = faults
+            .iter()
+            .any(|f| f.call == call && (n == f.at || (f.sticky && n >= f.at)));
+        if hit {
+            return Err(DriverError::new(
+                call,
+                DriverErrorKind::Injected,
+                format!("injected fault on call #{n}"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_room(&self, st: &DeviceState, bytes: u64, call: DriverCall) -> DriverResult<()> {
+        let used = st.used();
+        if used.saturating_add(bytes) > self.device.config.capacity {
+            return Err(DriverError::new(
+                call,
+                DriverErrorKind::OutOfMemory,
+                format!(
+                    "{} bytes requested, {} of {} bytes free",
+                    bytes,
+                    self.device.config.capacity - used.min(self.device.config.capacity),
+                    self.device.config.capacity
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn invalid(call: DriverCall, detail: impl Into<String>) -> DriverError {
+        DriverError::new(call, DriverErrorKind::InvalidValue, detail)
+    }
+}
+
+impl Default for SimDriver {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for SimDriver {
+    fn drop(&mut self) {
+        // Process exit: the driver reclaims everything the process held.
+        self.device.state.lock().processes.remove(&self.pid);
+    }
+}
+
+impl Driver for SimDriver {
+    fn ordinal(&self) -> usize {
+        0
+    }
+
+    fn alloc_segment(&self, bytes: u64, _stream: StreamId) -> DriverResult<DevicePtr> {
+        const CALL: DriverCall = DriverCall::AllocSegment;
+        self.count(CALL)?;
+        if bytes == 0 {
+            return Err(Self::invalid(CALL, "zero-byte segment"));
+        }
+        let mut st = self.device.state.lock();
+        self.check_room(&st, bytes, CALL)?;
+        let ptr = st.bump_addr(bytes, 512);
+        st.processes
+            .get_mut(&self.pid)
+            .expect("process exists")
+            .segments
+            .insert(ptr, bytes);
+        Ok(ptr)
+    }
+
+    fn free_segment(&self, ptr: DevicePtr, bytes: u64) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::FreeSegment;
+        self.count(CALL)?;
+        let mut st = self.device.state.lock();
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        match p.segments.get(&ptr) {
+            Some(&b) if b == bytes => {
+                p.segments.remove(&ptr);
+                Ok(())
+            }
+            Some(&b) => Err(Self::invalid(
+                CALL,
+                format!("segment {ptr:#x} has {b} bytes, not {bytes}"),
+            )),
+            None => Err(Self::invalid(CALL, format!("{ptr:#x} is not a segment"))),
+        }
+    }
+
+    fn granularity(&self) -> u64 {
+        self.device.config.granularity
+    }
+
+    fn reserve_va(&self, bytes: u64) -> DriverResult<DevicePtr> {
+        const CALL: DriverCall = DriverCall::ReserveVa;
+        self.count(CALL)?;
+        let g = self.device.config.granularity;
+        if bytes == 0 || bytes % g != 0 {
+            return Err(Self::invalid(
+                CALL,
+                format!("{bytes} is not a positive multiple of {g}"),
+            ));
+        }
+        let mut st = self.device.state.lock();
+        let va = st.bump_addr(bytes, g);
+        st.processes
+            .get_mut(&self.pid)
+            .expect("process exists")
+            .reservations
+            .insert(va, bytes);
+        Ok(va)
+    }
+
+    fn release_va(&self, ptr: DevicePtr, bytes: u64) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::ReleaseVa;
+        self.count(CALL)?;
+        let mut st = self.device.state.lock();
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        if p.reservations.get(&ptr) != Some(&bytes) {
+            return Err(Self::invalid(
+                CALL,
+                format!("{ptr:#x}+{bytes} is not a reservation"),
+            ));
+        }
+        if p.mappings.range(ptr..ptr + bytes).next().is_some() {
+            return Err(Self::invalid(CALL, "reservation still has mappings"));
+        }
+        p.reservations.remove(&ptr);
+        Ok(())
+    }
+
+    fn create_physical(&self, bytes: u64) -> DriverResult<PhysHandle> {
+        const CALL: DriverCall = DriverCall::CreatePhysical;
+        self.count(CALL)?;
+        let g = self.device.config.granularity;
+        if bytes == 0 || bytes % g != 0 {
+            return Err(Self::invalid(
+                CALL,
+                format!("{bytes} is not a positive multiple of {g}"),
+            ));
+        }
+        let mut st = self.device.state.lock();
+        self.check_room(&st, bytes, CALL)?;
+        let h = st.next_handle;
+        st.next_handle += 1;
+        st.processes
+            .get_mut(&self.pid)
+            .expect("process exists")
+            .phys
+            .insert(
+                h,
+                Phys {
+                    bytes,
+                    released: false,
+                    mapped: 0,
+                },
+            );
+        Ok(PhysHandle(h))
+    }
+
+    fn release_physical(&self, handle: PhysHandle) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::ReleasePhysical;
+        self.count(CALL)?;
+        let mut st = self.device.state.lock();
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        match p.phys.get_mut(&handle.0) {
+            Some(ph) if !ph.released => {
+                ph.released = true;
+                if ph.mapped == 0 {
+                    p.phys.remove(&handle.0);
+                }
+                Ok(())
+            }
+            _ => Err(Self::invalid(CALL, format!("unknown handle {}", handle.0))),
+        }
+    }
+
+    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::Map;
+        self.count(CALL)?;
+        let g = self.device.config.granularity;
+        let mut st = self.device.state.lock();
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        if va % g != 0 {
+            return Err(Self::invalid(CALL, "unaligned address"));
+        }
+        match p.phys.get(&handle.0) {
+            Some(ph) if !ph.released && ph.bytes == bytes => {}
+            _ => {
+                return Err(Self::invalid(
+                    CALL,
+                    "handle unknown, released, or of another size",
+                ))
+            }
+        }
+        let inside = p
+            .reservations
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(&b, &s)| va + bytes <= b + s);
+        if !inside {
+            return Err(Self::invalid(CALL, "range is not inside a reservation"));
+        }
+        let overlaps = p
+            .mappings
+            .range(..va + bytes)
+            .next_back()
+            .is_some_and(|(&m, mm)| m + mm.bytes > va);
+        if overlaps {
+            return Err(Self::invalid(CALL, "range is already mapped"));
+        }
+        p.mappings.insert(
+            va,
+            Mapping {
+                bytes,
+                handle: handle.0,
+                accessible: false,
+            },
+        );
+        p.phys.get_mut(&handle.0).expect("checked").mapped += 1;
+        Ok(())
+    }
+
+    fn set_access(&self, va: DevicePtr, bytes: u64) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::SetAccess;
+        self.count(CALL)?;
+        let mut st = self.device.state.lock();
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        let mut cursor = va;
+        while cursor < va + bytes {
+            match p.mappings.get_mut(&cursor) {
+                Some(m) => {
+                    m.accessible = true;
+                    cursor += m.bytes;
+                }
+                None => return Err(Self::invalid(CALL, format!("{cursor:#x} is not mapped"))),
+            }
+        }
+        Ok(())
+    }
+
+    fn unmap(&self, va: DevicePtr, bytes: u64) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::Unmap;
+        self.count(CALL)?;
+        let mut st = self.device.state.lock();
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        let m = match p.mappings.get(&va) {
+            Some(m) if m.bytes == bytes => p.mappings.remove(&va).expect("present"),
+            _ => {
+                return Err(Self::invalid(
+                    CALL,
+                    format!("{va:#x}+{bytes} is not a mapped range"),
+                ))
+            }
+        };
+        let ph = p.phys.get_mut(&m.handle).expect("mapped handle exists");
+        ph.mapped -= 1;
+        if ph.released && ph.mapped == 0 {
+            p.phys.remove(&m.handle);
+        }
+        Ok(())
+    }
+
+    fn mem_info(&self) -> DriverResult<MemInfo> {
+        self.count(DriverCall::MemInfo)?;
+        let st = self.device.state.lock();
+        let total = self.device.config.capacity;
+        Ok(MemInfo {
+            free: total.saturating_sub(st.used()),
+            total,
+        })
+    }
+
+    fn process_usage(&self) -> DriverResult<Option<u64>> {
+        self.count(DriverCall::ProcessUsage)?;
+        let st = self.device.state.lock();
+        let p = &st.processes[&self.pid];
+        Ok(p.usage_visible.then(|| p.usage()))
+    }
+
+    fn record_event(&self, stream: StreamId) -> DriverResult<EventId> {
+        self.count(DriverCall::RecordEvent)?;
+        let mut st = self.device.state.lock();
+        let target = st.streams.entry(stream).or_default().submitted;
+        let id = st.next_handle;
+        st.next_handle += 1;
+        st.events.insert(id, (stream, target));
+        Ok(EventId(id))
+    }
+
+    fn query_event(&self, event: EventId) -> DriverResult<bool> {
+        const CALL: DriverCall = DriverCall::QueryEvent;
+        self.count(CALL)?;
+        let st = self.device.state.lock();
+        let (stream, target) = *st
+            .events
+            .get(&event.0)
+            .ok_or_else(|| Self::invalid(CALL, "unknown event"))?;
+        Ok(st.streams.get(&stream).map_or(0, |s| s.completed) >= target)
+    }
+
+    fn wait_event(&self, event: EventId) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::WaitEvent;
+        self.count(CALL)?;
+        let mut st = self.device.state.lock();
+        let (stream, target) = *st
+            .events
+            .get(&event.0)
+            .ok_or_else(|| Self::invalid(CALL, "unknown event"))?;
+        // Blocking until the event completes is, on a simulated device, completing it.
+        let s = st.streams.entry(stream).or_default();
+        s.completed = s.completed.max(target);
+        Ok(())
+    }
+
+    fn destroy_event(&self, event: EventId) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::DestroyEvent;
+        self.count(CALL)?;
+        let mut st = self.device.state.lock();
+        st.events
+            .remove(&event.0)
+            .map(|_| ())
+            .ok_or_else(|| Self::invalid(CALL, "unknown event"))
+    }
+
+    fn sync_stream(&self, stream: StreamId) -> DriverResult<()> {
+        self.count(DriverCall::SyncStream)?;
+        let mut st = self.device.state.lock();
+        let s = st.streams.entry(stream).or_default();
+        s.completed = s.submitted;
+        Ok(())
+    }
+}

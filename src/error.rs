@@ -1,0 +1,120 @@
+//! Typed errors. Out of memory is a value carrying the whole picture, never a panic.
+
+use std::fmt;
+
+use thiserror::Error;
+
+use crate::driver::{DevicePtr, DriverError};
+use crate::ledger::PerTag;
+use crate::tag::UnknownTag;
+
+/// Everything known when an allocation could not be served, after the cache was released and
+/// the allocation retried.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct OomReport {
+    /// Bytes the caller asked for.
+    pub requested: u64,
+    /// What the allocator needed from the driver for it.
+    pub needed: u64,
+    pub device_total: u64,
+    pub device_free: u64,
+    /// This process's usage as the driver reports it, when it can.
+    pub process_usage: Option<u64>,
+    pub allocated: u64,
+    pub reserved: u64,
+    /// Reserved but unallocated.
+    pub cached: u64,
+    /// process usage − reserved: context, libraries, memory allocated behind our back.
+    pub non_allocator: Option<u64>,
+    pub per_tag: PerTag<u64>,
+    pub limit: Option<u64>,
+    /// Why the last attempt failed (the driver's words, or the limit).
+    pub cause: String,
+}
+
+pub(crate) fn gib(bytes: u64) -> String {
+    let b = bytes as f64;
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else if bytes >= 1 << 20 {
+        format!("{:.2} MiB", b / (1u64 << 20) as f64)
+    } else {
+        format!("{bytes} bytes")
+    }
+}
+
+impl fmt::Display for OomReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "out of device memory. Tried to allocate {} (needing {} more from the driver). \
+             The device has a total capacity of {} of which {} is free.",
+            gib(self.requested),
+            gib(self.needed),
+            gib(self.device_total),
+            gib(self.device_free)
+        )?;
+        if let Some(p) = self.process_usage {
+            write!(f, " This process has {} in use.", gib(p))?;
+        }
+        write!(
+            f,
+            " Of it, {} is allocated by vram-ledger and {} is reserved but unallocated (cached)",
+            gib(self.allocated),
+            gib(self.cached)
+        )?;
+        match self.non_allocator {
+            Some(n) => write!(
+                f,
+                "; {} is outside the allocator (context, libraries).",
+                gib(n)
+            )?,
+            None => write!(
+                f,
+                "; memory outside the allocator is unknown (the driver cannot see this process)."
+            )?,
+        }
+        write!(f, " Allocated by tag:")?;
+        for t in crate::tag::Tag::ALL {
+            write!(f, " {} {}", t, gib(self.per_tag[t]))?;
+        }
+        write!(f, ".")?;
+        if let Some(l) = self.limit {
+            write!(f, " The allocator's limit is {}.", gib(l))?;
+        }
+        write!(f, " Last failure: {}.", self.cause)?;
+        if self.cached > self.needed {
+            write!(
+                f,
+                " Much is cached but fragmented: the expandable segment mode may help."
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum Error {
+    #[error("{0}")]
+    OutOfMemory(Box<OomReport>),
+
+    #[error("pointer {0:#x} was not allocated by this allocator, or was already freed")]
+    UnknownPointer(DevicePtr),
+
+    #[error("a request of {0} bytes is absurd (at least 2^60 bytes); refused")]
+    SizeTooLarge(u64),
+
+    #[error("invalid memory limit: {0}")]
+    InvalidLimit(String),
+
+    #[error(transparent)]
+    UnknownTag(#[from] UnknownTag),
+
+    #[error("no device with ordinal {ordinal}: {available} device(s) available")]
+    NoSuchDevice { ordinal: usize, available: usize },
+
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,273 @@
+//! The invariant checker: a pure function over a [`StateDump`], so that a test can break a
+//! copy of a real state and see the checker catch it.
+//!
+//! What it checks (DESIGN's contracts):
+//! - blocks of each segment tile it exactly, in address order (no overlap, no gap);
+//! - segments never overlap one another;
+//! - every allocated or pending block lies in mapped memory;
+//! - Σ tags = allocated (bytes, requested bytes, counts), and those equal what the blocks say;
+//! - allocated ≤ active ≤ reserved, active = allocated + pending, reserved = mapped bytes,
+//!   cached = reserved − allocated, the segment count matches, every peak ≥ its current;
+//! - reserved = what the driver says the allocator holds, when the driver can tell;
+//! - the shards' own structures are consistent (`problems` collected while dumping).
+
+use serde::Serialize;
+
+use crate::allocator::block::BlockState;
+use crate::allocator::shard::{SegmentKind, Shard};
+use crate::ledger::{Counter, Snapshot};
+use crate::tag::Tag;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DumpState {
+    Free,
+    Allocated,
+    Pending,
+    Unmapped,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BlockDump {
+    pub addr: u64,
+    pub size: u64,
+    pub requested: u64,
+    pub state: DumpState,
+    pub tag: Tag,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SegmentDump {
+    pub base: u64,
+    pub size: u64,
+    pub expandable: bool,
+    /// Mapped ranges, `(addr, len)`; the whole segment for a plain one.
+    pub mapped: Vec<(u64, u64)>,
+    pub blocks: Vec<BlockDump>,
+}
+
+/// A copy of an allocator's state.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StateDump {
+    pub segments: Vec<SegmentDump>,
+    pub ledger: Snapshot,
+    /// Bytes committed against the limit.
+    pub committed: u64,
+    /// What the driver says the allocator holds, when the caller knows it (the simulated
+    /// driver does).
+    pub driver_held: Option<u64>,
+    /// Internal inconsistencies found while dumping.
+    pub problems: Vec<String>,
+}
+
+pub(crate) fn dump_shard(sh: &Shard, out: &mut StateDump) {
+    for s in sh.segments.iter().flatten() {
+        let mut blocks = Vec::new();
+        let mut id = s.first;
+        while id != crate::allocator::block::NIL {
+            let b = &sh.blocks[id];
+            let state = match b.state {
+                BlockState::Free => DumpState::Free,
+                BlockState::Allocated => DumpState::Allocated,
+                BlockState::Pending(_) => DumpState::Pending,
+                BlockState::Unmapped => DumpState::Unmapped,
+            };
+            blocks.push(BlockDump {
+                addr: b.addr,
+                size: b.size,
+                requested: b.requested,
+                state,
+                tag: b.tag,
+            });
+            id = b.next;
+        }
+        let (expandable, mapped) = match &s.kind {
+            SegmentKind::Plain => (false, vec![(s.base, s.size)]),
+            SegmentKind::Expandable { page, pages, .. } => {
+                let mut v: Vec<(u64, u64)> =
+                    pages.keys().map(|&i| (s.base + i * page, *page)).collect();
+                v.sort_unstable();
+                (true, v)
+            }
+        };
+        out.segments.push(SegmentDump {
+            base: s.base,
+            size: s.size,
+            expandable,
+            mapped,
+            blocks,
+        });
+    }
+}
+
+/// The first broken invariant found.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invariant broken: {0}")]
+pub struct Violation(pub String);
+
+fn ensure(ok: bool, msg: impl FnOnce() -> String) -> Result<(), Violation> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Violation(msg()))
+    }
+}
+
+fn covered(mapped: &[(u64, u64)], addr: u64, size: u64) -> bool {
+    let mut cursor = addr;
+    for &(a, l) in mapped {
+        if a <= cursor && cursor < a + l {
+            cursor = a + l;
+        }
+        if cursor >= addr + size {
+            return true;
+        }
+    }
+    cursor >= addr + size
+}
+
+fn peak_ok(name: &str, c: Counter) -> Result<(), Violation> {
+    ensure(c.peak >= c.current, || {
+        format!("{name}: peak {} below current {}", c.peak, c.current)
+    })
+}
+
+/// Check every invariant of a dump.
+pub fn check(d: &StateDump) -> Result<(), Violation> {
+    if let Some(p) = d.problems.first() {
+        return Err(Violation(p.clone()));
+    }
+    let mut per_tag = [(0u64, 0u64, 0u64); Tag::COUNT];
+    let (mut pending, mut mapped_total) = (0u64, 0u64);
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    for s in &d.segments {
+        ranges.push((s.base, s.size));
+        let mut cursor = s.base;
+        for b in &s.blocks {
+            ensure(b.addr == cursor, || {
+                format!(
+                    "segment {:#x}: block at {:#x} should start at {:#x} (overlap or gap)",
+                    s.base, b.addr, cursor
+                )
+            })?;
+            ensure(b.size > 0, || format!("empty block at {:#x}", b.addr))?;
+            cursor = b.addr + b.size;
+            match b.state {
+                DumpState::Allocated => {
+                    let t = &mut per_tag[b.tag.index()];
+                    t.0 += b.size;
+                    t.1 += b.requested;
+                    t.2 += 1;
+                }
+                DumpState::Pending => pending += b.size,
+                DumpState::Free | DumpState::Unmapped => {}
+            }
+            let must_be_mapped = b.state != DumpState::Unmapped;
+            ensure(
+                !must_be_mapped || covered(&s.mapped, b.addr, b.size),
+                || {
+                    format!(
+                        "{:?} block {:#x}+{} is not in mapped memory",
+                        b.state, b.addr, b.size
+                    )
+                },
+            )?;
+        }
+        ensure(cursor == s.base + s.size, || {
+            format!(
+                "segment {:#x}: blocks end at {cursor:#x}, not at its end",
+                s.base
+            )
+        })?;
+        mapped_total += s.mapped.iter().map(|m| m.1).sum::<u64>();
+    }
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        ensure(w[0].0 + w[0].1 <= w[1].0, || {
+            format!("segments at {:#x} and {:#x} overlap", w[0].0, w[1].0)
+        })?;
+    }
+
+    let l = &d.ledger;
+    for t in Tag::ALL {
+        let s = &l.per_tag[t];
+        let (bytes, req, n) = per_tag[t.index()];
+        ensure(s.allocated_bytes.current == bytes, || {
+            format!(
+                "{t}: ledger says {} allocated, blocks say {bytes}",
+                s.allocated_bytes.current
+            )
+        })?;
+        ensure(s.requested_bytes.current == req, || {
+            format!(
+                "{t}: requested {} vs blocks {req}",
+                s.requested_bytes.current
+            )
+        })?;
+        ensure(s.allocations.current == n, || {
+            format!("{t}: {} allocations vs {n} blocks", s.allocations.current)
+        })?;
+        peak_ok(t.name(), s.allocated_bytes)?;
+        peak_ok(t.name(), s.requested_bytes)?;
+        peak_ok(t.name(), s.allocations)?;
+    }
+    let sum = |f: fn(&crate::ledger::TagStats) -> u64| {
+        Tag::ALL.iter().map(|&t| f(&l.per_tag[t])).sum::<u64>()
+    };
+    ensure(
+        sum(|s| s.allocated_bytes.current) == l.all.allocated_bytes.current,
+        || "Σ tags ≠ allocated".into(),
+    )?;
+    ensure(
+        sum(|s| s.requested_bytes.current) == l.all.requested_bytes.current,
+        || "Σ tags ≠ requested".into(),
+    )?;
+    ensure(
+        sum(|s| s.allocations.current) == l.all.allocations.current,
+        || "Σ tags ≠ allocation count".into(),
+    )?;
+    ensure(
+        sum(|s| s.total_allocations) == l.all.total_allocations,
+        || "Σ tags ≠ total allocations".into(),
+    )?;
+    let allocated = l.all.allocated_bytes.current;
+    let (active, reserved) = (l.active_bytes.current, l.reserved_bytes.current);
+    ensure(allocated <= active && active <= reserved, || {
+        format!("allocated {allocated} ≤ active {active} ≤ reserved {reserved} does not hold")
+    })?;
+    ensure(active == allocated + pending, || {
+        format!("active {active} ≠ allocated {allocated} + pending {pending}")
+    })?;
+    ensure(reserved == mapped_total, || {
+        format!("reserved {reserved} ≠ mapped {mapped_total}")
+    })?;
+    ensure(l.cached_bytes == reserved - allocated, || {
+        "cached ≠ reserved − allocated".into()
+    })?;
+    let plain = d.segments.iter().filter(|s| !s.expandable).count() as u64;
+    ensure(l.segments.current == plain, || {
+        format!(
+            "ledger counts {} segments, {plain} exist",
+            l.segments.current
+        )
+    })?;
+    ensure(d.committed == reserved, || {
+        format!("committed {} ≠ reserved {reserved}", d.committed)
+    })?;
+    for (name, c) in [
+        ("all.allocated", l.all.allocated_bytes),
+        ("all.requested", l.all.requested_bytes),
+        ("all.allocations", l.all.allocations),
+        ("active", l.active_bytes),
+        ("reserved", l.reserved_bytes),
+        ("segments", l.segments),
+    ] {
+        peak_ok(name, c)?;
+    }
+    if let Some(held) = d.driver_held {
+        ensure(held == reserved, || {
+            format!("driver holds {held} bytes for us, ledger reserves {reserved}")
+        })?;
+    }
+    Ok(())
+}

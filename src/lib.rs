@@ -1,0 +1,36 @@
+//! vram-ledger: a caching GPU device-memory allocator that knows what every byte is for.
+//!
+//! ```
+//! use vram_ledger::{Allocator, Config, Tag, StreamId, tag};
+//! use vram_ledger::driver::sim::SimDriver;
+//!
+//! let alloc = Allocator::new(SimDriver::new(), Config::default())?;
+//! let weights = {
+//!     let _scope = tag::scope(Tag::Weights);
+//!     alloc.allocate(300 << 20, StreamId::DEFAULT)?
+//! };
+//! let act = alloc.allocate_tagged(8 << 20, StreamId::DEFAULT, Tag::Activation)?;
+//! alloc.free(act.ptr)?;
+//!
+//! let s = alloc.snapshot();
+//! assert_eq!(s.per_tag[Tag::Weights].allocated_bytes.current, 300 << 20);
+//! assert_eq!(s.per_tag[Tag::Activation].allocated_bytes.peak, 8 << 20);
+//! assert!(s.cached_bytes > 0); // the activation's segment stays cached
+//! alloc.free(weights.ptr)?;
+//! alloc.empty_cache()?;
+//! assert_eq!(alloc.snapshot().reserved_bytes.current, 0);
+//! # Ok::<(), vram_ledger::Error>(())
+//! ```
+
+pub mod allocator;
+pub mod driver;
+pub mod error;
+pub mod invariants;
+pub mod ledger;
+pub mod tag;
+
+pub use allocator::{Allocation, Allocator, Config, Limit, SegmentMode};
+pub use driver::{DevicePtr, Driver, StreamId};
+pub use error::{Error, OomReport, Result};
+pub use ledger::{Counter, PerTag, Snapshot, TagStats};
+pub use tag::Tag;

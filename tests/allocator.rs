@@ -1,0 +1,447 @@
+//! Behaviour of the caching allocator on the simulated device: PyTorch's rules, errors,
+//! streams, limits, and the expandable mode.
+
+use vram_ledger::driver::sim::{SimConfig, SimDriver, GIB, MIB};
+use vram_ledger::driver::{DriverCall, StreamId};
+use vram_ledger::invariants;
+use vram_ledger::{Allocator, Config, Error, Limit, SegmentMode, Tag};
+
+const S0: StreamId = StreamId::DEFAULT;
+const S1: StreamId = StreamId(0x1000);
+
+fn plain() -> Allocator<SimDriver> {
+    Allocator::new(SimDriver::new(), Config::default()).unwrap()
+}
+
+fn expandable() -> Allocator<SimDriver> {
+    Allocator::new(
+        SimDriver::new(),
+        Config {
+            mode: SegmentMode::Expandable,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn check(a: &Allocator<SimDriver>) {
+    let mut d = a.dump();
+    d.driver_held = Some(a.driver().held_bytes());
+    invariants::check(&d).unwrap();
+}
+
+#[test]
+fn small_requests_share_a_2mib_segment() {
+    let a = plain();
+    let x = a.allocate(100, S0).unwrap();
+    let y = a.allocate(700, S0).unwrap();
+    assert_eq!((x.size, y.size), (512, 1024));
+    assert_eq!(
+        y.ptr,
+        x.ptr + 512,
+        "best fit carves the segment from its front"
+    );
+    let s = a.snapshot();
+    assert_eq!(s.reserved_bytes.current, 2 * MIB);
+    assert_eq!(s.segment_allocs, 1);
+    assert_eq!(s.all.requested_bytes.current, 800);
+    check(&a);
+}
+
+#[test]
+fn large_requests_get_20mib_or_own_segments() {
+    let a = plain();
+    a.allocate(3 * MIB, S0).unwrap();
+    assert_eq!(a.snapshot().reserved_bytes.current, 20 * MIB);
+    a.allocate(11 * MIB, S0).unwrap();
+    assert_eq!(
+        a.snapshot().reserved_bytes.current,
+        20 * MIB,
+        "11 MiB fits in the 17 MiB tail"
+    );
+    a.allocate(7 * MIB, S0).unwrap();
+    assert_eq!(
+        a.snapshot().reserved_bytes.current,
+        40 * MIB,
+        "the 6 MiB tail is too small: a new 20 MiB segment"
+    );
+    a.allocate(23 * MIB + 1, S0).unwrap();
+    assert_eq!(
+        a.snapshot().reserved_bytes.current,
+        64 * MIB,
+        "23 MiB + 1 B gets a 24 MiB segment"
+    );
+    check(&a);
+}
+
+#[test]
+fn large_pool_keeps_tails_up_to_1mib_attached() {
+    let a = plain();
+    // 20 MiB segment; 19.5 MiB leaves a 0.5 MiB tail: not split.
+    let x = a.allocate(19 * MIB + MIB / 2, S0).unwrap();
+    assert_eq!(x.size, 20 * MIB);
+    assert_eq!(a.snapshot().all.allocated_bytes.current, 20 * MIB);
+    a.free(x.ptr).unwrap();
+    // 18 MiB leaves 2 MiB: split.
+    let y = a.allocate(18 * MIB, S0).unwrap();
+    assert_eq!(y.size, 18 * MIB);
+    check(&a);
+}
+
+#[test]
+fn best_fit_picks_the_smallest_block_that_fits() {
+    let a = plain();
+    // Requests of 10 MiB or more get segments of their own size.
+    let segs: Vec<_> = [30u64, 40, 35]
+        .iter()
+        .map(|m| a.allocate(m * MIB, S0).unwrap())
+        .collect();
+    for s in &segs {
+        a.free(s.ptr).unwrap();
+    }
+    let x = a.allocate(32 * MIB, S0).unwrap();
+    assert_eq!(
+        x.ptr, segs[2].ptr,
+        "the 35 MiB block is the smallest that fits"
+    );
+    let y = a.allocate(30 * MIB, S0).unwrap();
+    assert_eq!(y.ptr, segs[0].ptr, "an exact fit");
+    check(&a);
+}
+
+#[test]
+fn free_merges_neighbours_and_empty_cache_returns_everything() {
+    let a = plain();
+    let xs: Vec<_> = (0..4)
+        .map(|_| a.allocate(256 * 1024, S0).unwrap())
+        .collect();
+    for x in [&xs[1], &xs[3], &xs[0], &xs[2]] {
+        a.free(x.ptr).unwrap();
+    }
+    check(&a);
+    // Merged back into one 2 MiB block: a 2 MiB-sized... 1 MiB request fits at the start.
+    let y = a.allocate(MIB, S0).unwrap();
+    assert_eq!(y.ptr, xs[0].ptr);
+    a.free(y.ptr).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.snapshot().reserved_bytes.current, 0);
+    assert_eq!(a.driver().held_bytes(), 0);
+    assert_eq!(a.driver().live_objects(), 0);
+    check(&a);
+}
+
+#[test]
+fn streams_do_not_share_cached_blocks() {
+    let a = plain();
+    let x = a.allocate(4096, S0).unwrap();
+    a.free(x.ptr).unwrap();
+    let y = a.allocate(4096, S1).unwrap();
+    assert_ne!(y.ptr, x.ptr);
+    assert_eq!(a.snapshot().segment_allocs, 2);
+    let z = a.allocate(4096, S0).unwrap();
+    assert_eq!(z.ptr, x.ptr, "reused at once on its own stream");
+    check(&a);
+}
+
+#[test]
+fn record_stream_defers_reuse_until_the_other_stream_completes() {
+    let a = plain();
+    let dev = a.driver().device().clone();
+    let x = a.allocate(4096, S0).unwrap();
+    a.record_stream(x.ptr, S1).unwrap();
+    dev.submit(S1); // work on S1 that reads x
+    a.free_on(x.ptr, S0).unwrap();
+    let s = a.snapshot();
+    assert_eq!(s.all.allocated_bytes.current, 0);
+    assert_eq!(
+        s.active_bytes.current,
+        512 * 8,
+        "still active while S1 may read it"
+    );
+    check(&a);
+    let y = a.allocate(4096, S0).unwrap();
+    assert_ne!(y.ptr, x.ptr, "not reused before S1's work completes");
+    dev.complete(S1);
+    let z = a.allocate(4096, S0).unwrap();
+    assert_eq!(z.ptr, x.ptr, "reused once the event completed");
+    assert_eq!(a.snapshot().active_bytes.current, 2 * 4096);
+    check(&a);
+}
+
+#[test]
+fn empty_cache_waits_for_pending_blocks() {
+    let a = plain();
+    let dev = a.driver().device().clone();
+    let x = a.allocate(4096, S0).unwrap();
+    a.record_stream(x.ptr, S1).unwrap();
+    dev.submit(S1);
+    a.free(x.ptr).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.snapshot().reserved_bytes.current, 0);
+    assert!(a.driver().calls(DriverCall::WaitEvent) >= 1);
+    check(&a);
+}
+
+#[test]
+fn unknown_and_double_frees_are_errors_that_change_nothing() {
+    let a = plain();
+    let x = a.allocate(4096, S0).unwrap();
+    let before = a.snapshot();
+    assert!(matches!(a.free(x.ptr + 512), Err(Error::UnknownPointer(_))));
+    assert_eq!(a.snapshot(), before);
+    a.free(x.ptr).unwrap();
+    let after = a.snapshot();
+    let err = a.free(x.ptr).unwrap_err();
+    assert!(err.to_string().contains("already freed"), "{err}");
+    assert_eq!(a.snapshot(), after);
+    assert!(matches!(
+        a.record_stream(x.ptr, S1),
+        Err(Error::UnknownPointer(_))
+    ));
+    check(&a);
+}
+
+#[test]
+fn zero_and_absurd_sizes() {
+    let a = plain();
+    let z = a.allocate(0, S0).unwrap();
+    assert_eq!((z.ptr, z.size), (0, 0));
+    a.free(0).unwrap();
+    assert_eq!(a.snapshot().all.total_allocations, 0);
+    assert!(matches!(
+        a.allocate(1 << 60, S0),
+        Err(Error::SizeTooLarge(_))
+    ));
+    assert!(matches!(
+        a.allocate(u64::MAX, S0),
+        Err(Error::SizeTooLarge(_))
+    ));
+    check(&a);
+}
+
+#[test]
+fn oom_releases_the_cache_retries_then_reports() {
+    let drv = SimDriver::with_config(SimConfig {
+        capacity: 4 * GIB,
+        ..Default::default()
+    });
+    let a = Allocator::new(drv, Config::default()).unwrap();
+    // Cache 1 GiB on another stream, then ask for 3 GiB: only a release makes room.
+    let c = a.allocate(GIB, S1).unwrap();
+    a.free(c.ptr).unwrap();
+    let w = a.allocate_tagged(3 * GIB, S0, Tag::Weights).unwrap();
+    let s = a.snapshot();
+    assert_eq!(s.alloc_retries, 1);
+    assert_eq!(s.reserved_bytes.current, 3 * GIB);
+    // Now a real OOM: the error carries the breakdown.
+    let err = a.allocate(GIB, S0).unwrap_err();
+    let Error::OutOfMemory(r) = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(r.requested, GIB);
+    assert_eq!(r.device_total, 4 * GIB);
+    assert_eq!(r.allocated, 3 * GIB);
+    assert_eq!(r.per_tag[Tag::Weights], 3 * GIB);
+    assert_eq!(r.process_usage, Some(3 * GIB + 512 * MIB));
+    assert_eq!(r.non_allocator, Some(512 * MIB));
+    let text = err.to_string();
+    assert!(
+        text.contains("Tried to allocate 1.00 GiB") && text.contains("weights 3.00 GiB"),
+        "{text}"
+    );
+    assert_eq!(a.snapshot().ooms, 1);
+    // And it goes on after a free.
+    a.free(w.ptr).unwrap();
+    a.allocate(GIB, S0).unwrap();
+    check(&a);
+}
+
+#[test]
+fn limit_in_bytes_and_fraction() {
+    let a = Allocator::new(
+        SimDriver::new(),
+        Config {
+            limit: Some(Limit::Bytes(64 * MIB)),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let x = a.allocate(40 * MIB, S0).unwrap();
+    let err = a.allocate(40 * MIB, S0).unwrap_err();
+    let Error::OutOfMemory(r) = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(r.limit, Some(64 * MIB));
+    assert!(r.cause.contains("limit"), "{}", r.cause);
+    a.free(x.ptr).unwrap();
+    a.set_limit(Some(Limit::Fraction(0.5))).unwrap();
+    assert_eq!(a.limit(), Some(40 * GIB));
+    assert!(matches!(
+        a.set_limit(Some(Limit::Fraction(1.5))),
+        Err(Error::InvalidLimit(_))
+    ));
+    assert!(matches!(
+        a.set_limit(Some(Limit::Fraction(f64::NAN))),
+        Err(Error::InvalidLimit(_))
+    ));
+    check(&a);
+}
+
+#[test]
+fn max_split_size_keeps_oversize_blocks_whole() {
+    let cfg = Config {
+        max_split_size: Some(64 * MIB),
+        ..Default::default()
+    };
+    let a = Allocator::new(SimDriver::new(), cfg).unwrap();
+    let big = a.allocate(100 * MIB, S0).unwrap();
+    a.free(big.ptr).unwrap();
+    // A small request does not take the oversize cached block.
+    let s = a.allocate(4 * MIB, S0).unwrap();
+    assert!(s.ptr < big.ptr || s.ptr >= big.ptr + big.size);
+    // An oversize request within 20 MiB of it does.
+    let b2 = a.allocate(90 * MIB, S0).unwrap();
+    assert_eq!(b2.ptr, big.ptr);
+    assert_eq!(b2.size, 100 * MIB, "never split");
+    check(&a);
+}
+
+#[test]
+fn expandable_maps_pages_on_demand_and_unmaps_on_empty_cache() {
+    let a = expandable();
+    let x = a.allocate(30 * MIB, S0).unwrap();
+    let y = a.allocate(30 * MIB, S0).unwrap();
+    assert_eq!(y.ptr, x.ptr + 30 * MIB, "one growing segment");
+    let s = a.snapshot();
+    assert_eq!(s.reserved_bytes.current, 60 * MIB);
+    assert_eq!(s.maps, 3, "three 20 MiB pages");
+    assert_eq!(a.driver().held_bytes(), 60 * MIB);
+    check(&a);
+    a.free(x.ptr).unwrap();
+    a.empty_cache().unwrap();
+    // Pages entirely inside the freed 30 MiB: [0, 20) only; [20, 40) is shared with y.
+    assert_eq!(a.snapshot().reserved_bytes.current, 40 * MIB);
+    check(&a);
+    a.free(y.ptr).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.snapshot().reserved_bytes.current, 0);
+    assert_eq!(a.driver().live_objects(), 0, "reservation released too");
+    check(&a);
+}
+
+#[test]
+fn expandable_refills_holes() {
+    let a = expandable();
+    let xs: Vec<_> = (0..4).map(|_| a.allocate(20 * MIB, S0).unwrap()).collect();
+    a.free(xs[1].ptr).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.snapshot().reserved_bytes.current, 60 * MIB);
+    let y = a.allocate(20 * MIB, S0).unwrap();
+    assert_eq!(y.ptr, xs[1].ptr, "the hole is mapped again");
+    check(&a);
+}
+
+#[test]
+fn expandable_failed_map_leaves_nothing_half_mapped() {
+    let a = expandable();
+    // 60 MiB needs three pages; the second map fails.
+    a.driver().fail_nth(DriverCall::Map, 2);
+    let err = a.allocate(60 * MIB, S0).unwrap_err();
+    assert!(matches!(err, Error::Driver(_)), "{err}");
+    check(&a);
+    assert_eq!(
+        a.snapshot().reserved_bytes.current,
+        20 * MIB,
+        "the first page stays, cached and accounted"
+    );
+    // set_access failing is undone too.
+    a.driver().fail_nth(DriverCall::SetAccess, 1);
+    assert!(a.allocate(60 * MIB, S0).is_err());
+    check(&a);
+    // With faults gone, it works and all can be returned.
+    let x = a.allocate(60 * MIB, S0).unwrap();
+    a.free(x.ptr).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.driver().held_bytes(), 0);
+    check(&a);
+}
+
+#[test]
+fn driver_faults_on_segment_alloc_and_free() {
+    let a = plain();
+    a.driver().fail_nth(DriverCall::AllocSegment, 1);
+    assert!(matches!(a.allocate(4096, S0), Err(Error::Driver(_))));
+    check(&a);
+    let x = a.allocate(4096, S0).unwrap();
+    a.free(x.ptr).unwrap();
+    a.driver().fail_nth(DriverCall::FreeSegment, 1);
+    assert!(a.empty_cache().is_err());
+    assert_eq!(
+        a.snapshot().reserved_bytes.current,
+        2 * MIB,
+        "kept and accounted"
+    );
+    check(&a);
+    a.empty_cache().unwrap();
+    assert_eq!(a.driver().held_bytes(), 0);
+}
+
+#[test]
+fn record_event_failure_leaves_the_allocation_live() {
+    let a = plain();
+    let x = a.allocate(4096, S0).unwrap();
+    a.record_stream(x.ptr, S1).unwrap();
+    a.driver().fail_nth(DriverCall::RecordEvent, 1);
+    assert!(a.free(x.ptr).is_err());
+    assert_eq!(a.snapshot().all.allocated_bytes.current, 4096);
+    check(&a);
+    a.free(x.ptr).unwrap();
+    check(&a);
+}
+
+#[test]
+fn many_threads_allocate_and_free_concurrently() {
+    let a = std::sync::Arc::new(plain());
+    let handles: Vec<_> = (0..8u64)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                let stream = StreamId(t % 3 * 0x100);
+                let mut live = Vec::new();
+                for i in 0..2000u64 {
+                    live.push(
+                        a.allocate_tagged(
+                            512 * (1 + (i * 7 + t) % 300),
+                            stream,
+                            Tag::ALL[(i % 4) as usize],
+                        )
+                        .unwrap(),
+                    );
+                    if i % 3 == 0 {
+                        let x = live.swap_remove((i as usize * 13) % live.len());
+                        a.free_on(x.ptr, x.stream).unwrap();
+                    }
+                }
+                live
+            })
+        })
+        .collect();
+    let mut all: Vec<_> = handles
+        .into_iter()
+        .flat_map(|h| h.join().unwrap())
+        .collect();
+    all.sort_by_key(|x| x.ptr);
+    for w in all.windows(2) {
+        assert!(
+            w[0].ptr + w[0].size <= w[1].ptr,
+            "overlap between live allocations"
+        );
+    }
+    check(&a);
+    for x in all {
+        a.free(x.ptr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.driver().held_bytes(), 0);
+    check(&a);
+}
