@@ -1,1 +1,137 @@
-fn main() {}
+//! Host-side cost of the allocator's hot path on the simulated driver: cached alloc+free
+//! pairs, mixed sizes, and multi-thread throughput on distinct streams.
+
+use std::hint::black_box;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use vram_ledger::driver::sim::{SimDriver, MIB};
+use vram_ledger::{Allocator, Config, SegmentMode, StreamId, Tag};
+
+fn allocator(mode: SegmentMode) -> Allocator<SimDriver> {
+    Allocator::new(
+        SimDriver::new(),
+        Config {
+            mode,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn cached_pair(c: &mut Criterion) {
+    let mut g = c.benchmark_group("cached_pair");
+    for mode in [SegmentMode::Plain, SegmentMode::Expandable] {
+        for (name, size) in [("512B", 512u64), ("1MiB", MIB), ("20MiB", 20 * MIB)] {
+            let a = allocator(mode);
+            let s = StreamId::DEFAULT;
+            // Warm the cache: the pair below never reaches the driver.
+            let w = a.allocate(size, s).unwrap();
+            a.free(w.ptr).unwrap();
+            g.throughput(Throughput::Elements(1));
+            g.bench_function(BenchmarkId::new(format!("{mode:?}"), name), |b| {
+                b.iter(|| {
+                    let x = a
+                        .allocate_tagged(black_box(size), s, Tag::Activation)
+                        .unwrap();
+                    a.free_on(x.ptr, s).unwrap();
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+/// 64 sizes from 512 B to 8 MiB, allocated together then freed in another order.
+fn mixed_sizes() -> Vec<u64> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    (0..64)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let exp = 9 + state % 15; // 2^9 .. 2^23
+            (1u64 << exp) + (state >> 40) % (1u64 << exp)
+        })
+        .collect()
+}
+
+fn mixed(c: &mut Criterion) {
+    let sizes = mixed_sizes();
+    let mut g = c.benchmark_group("mixed64");
+    g.throughput(Throughput::Elements(64));
+    for mode in [SegmentMode::Plain, SegmentMode::Expandable] {
+        let a = allocator(mode);
+        let s = StreamId::DEFAULT;
+        let mut ptrs = Vec::with_capacity(64);
+        // Warm up so every size is served from the cache.
+        for _ in 0..2 {
+            ptrs.extend(sizes.iter().map(|&n| a.allocate(n, s).unwrap().ptr));
+            for p in ptrs.drain(..) {
+                a.free_on(p, s).unwrap();
+            }
+        }
+        g.bench_function(format!("{mode:?}"), |b| {
+            b.iter(|| {
+                ptrs.extend(
+                    sizes
+                        .iter()
+                        .map(|&n| a.allocate(black_box(n), s).unwrap().ptr),
+                );
+                // Free odd positions first, then even: frees interleave with merges.
+                for i in (1..64).step_by(2).chain((0..64).step_by(2)) {
+                    a.free_on(ptrs[i], s).unwrap();
+                }
+                ptrs.clear();
+            })
+        });
+    }
+    g.finish();
+}
+
+fn threads(c: &mut Criterion) {
+    let mut g = c.benchmark_group("threads");
+    g.measurement_time(Duration::from_secs(4));
+    const PAIRS: u64 = 20_000;
+    for n in [1usize, 2, 4, 8] {
+        let a = Arc::new(allocator(SegmentMode::Plain));
+        g.throughput(Throughput::Elements(PAIRS * n as u64));
+        g.bench_function(BenchmarkId::from_parameter(n), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let barrier = Arc::new(Barrier::new(n + 1));
+                    let hs: Vec<_> = (0..n)
+                        .map(|t| {
+                            let (a, barrier) = (a.clone(), barrier.clone());
+                            std::thread::spawn(move || {
+                                let s = StreamId(0x7f00_0000 + 0x100 * t as u64);
+                                let w = a.allocate(4096, s).unwrap();
+                                a.free_on(w.ptr, s).unwrap();
+                                barrier.wait();
+                                for _ in 0..PAIRS {
+                                    let x = a
+                                        .allocate_tagged(black_box(4096), s, Tag::Activation)
+                                        .unwrap();
+                                    a.free_on(x.ptr, s).unwrap();
+                                }
+                            })
+                        })
+                        .collect();
+                    barrier.wait();
+                    let start = Instant::now();
+                    for h in hs {
+                        h.join().unwrap();
+                    }
+                    total += start.elapsed();
+                }
+                total
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, cached_pair, mixed, threads);
+criterion_main!(benches);

@@ -34,6 +34,9 @@ pub(crate) struct Block {
     pub requested: u64,
     pub prev: BlockId,
     pub next: BlockId,
+    /// Links of the free list of the block's bin (meaningful only while `Free`).
+    pub free_prev: BlockId,
+    pub free_next: BlockId,
     pub segment: u32,
     pub state: BlockState,
     pub tag: Tag,

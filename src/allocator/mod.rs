@@ -10,6 +10,7 @@
 //!   order, never while holding another, so it cannot deadlock with allocation.
 
 pub(crate) mod block;
+pub(crate) mod free_index;
 pub mod rules;
 pub(crate) mod shard;
 
@@ -124,7 +125,7 @@ impl<D: Driver> Allocator<D> {
         let core = Core {
             granularity: driver.granularity(),
             driver,
-            ledger: Ledger::default(),
+            ledger: Ledger::new(SHARDS),
             expandable: config.mode == SegmentMode::Expandable,
             max_split: config.max_split_size.unwrap_or(u64::MAX),
             device_total: total,
@@ -134,7 +135,7 @@ impl<D: Driver> Allocator<D> {
         let a = Allocator {
             core,
             shards: (0..SHARDS)
-                .map(|_| CachePadded::new(Mutex::new(Shard::default())))
+                .map(|id| CachePadded::new(Mutex::new(Shard::new(id))))
                 .collect(),
         };
         a.set_limit(config.limit)?;
@@ -189,6 +190,12 @@ impl<D: Driver> Allocator<D> {
     /// The limit in bytes, if any.
     pub fn limit(&self) -> Option<u64> {
         Some(self.core.limit.load(Relaxed)).filter(|&l| l != u64::MAX)
+    }
+
+    /// The shard that serves `stream`. Peaks are kept per shard and summed (see
+    /// [`crate::ledger`]), so this tells which streams' peaks add up exactly.
+    pub fn shard_of(stream: StreamId) -> usize {
+        shard_index(stream)
     }
 
     #[inline]
@@ -377,8 +384,12 @@ impl<D: Driver> Allocator<D> {
     /// A copy of the allocator's whole state, for the invariant checker.
     pub fn dump(&self) -> crate::invariants::StateDump {
         let mut dump = crate::invariants::StateDump::default();
-        for s in self.shards.iter() {
+        for (i, s) in self.shards.iter().enumerate() {
             let sh = s.lock();
+            if sh.id != i {
+                dump.problems
+                    .push(format!("shard {i} writes the counters of shard {}", sh.id));
+            }
             sh.self_check(&mut dump.problems);
             crate::invariants::dump_shard(&sh, &mut dump);
         }

@@ -16,6 +16,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use super::block::{Arena, Block, BlockId, BlockState, NIL};
+use super::free_index::FreeIndex;
 use super::rules::{self, PoolKind};
 use super::{Allocation, Core};
 use crate::driver::{DevicePtr, Driver, DriverError, EventId, PhysHandle, StreamId};
@@ -43,7 +44,12 @@ impl Hasher for PtrHasher {
     }
 }
 
-type FreeKey = (StreamId, u64, DevicePtr, BlockId);
+/// The free lists of one stream.
+#[derive(Debug)]
+struct StreamPools {
+    stream: StreamId,
+    pools: [FreeIndex; 2],
+}
 
 #[derive(Debug)]
 pub(crate) struct Page {
@@ -99,10 +105,13 @@ impl From<DriverError> for GrowError {
 
 #[derive(Default, Debug)]
 pub(crate) struct Shard {
+    /// This shard's index: its counters in the ledger.
+    pub(crate) id: usize,
     pub(crate) blocks: Arena,
     pub(crate) segments: Vec<Option<Segment>>,
     vacant_segments: Vec<u32>,
-    index: [BTreeSet<FreeKey>; 2],
+    /// Free lists per stream; almost always one entry, so found by a linear search.
+    index: Vec<StreamPools>,
     live: HashMap<DevicePtr, BlockId, BuildHasherDefault<PtrHasher>>,
     pub(crate) pending: Vec<(EventId, BlockId)>,
     /// The expandable segment of each (stream, pool) in this shard.
@@ -110,20 +119,41 @@ pub(crate) struct Shard {
 }
 
 impl Shard {
-    fn key(&self, id: BlockId) -> FreeKey {
-        let b = &self.blocks[id];
-        (b.stream, b.size, b.addr, id)
+    pub(crate) fn new(id: usize) -> Shard {
+        Shard {
+            id,
+            ..Shard::default()
+        }
+    }
+
+    #[inline]
+    fn pools_of(&self, stream: StreamId) -> Option<&StreamPools> {
+        self.index.iter().find(|p| p.stream == stream)
     }
 
     fn index_insert(&mut self, id: BlockId) {
-        let key = self.key(id);
-        self.index[self.blocks[id].pool as usize].insert(key);
+        let (stream, pool) = (self.blocks[id].stream, self.blocks[id].pool);
+        let i = match self.index.iter().position(|p| p.stream == stream) {
+            Some(i) => i,
+            None => {
+                self.index.push(StreamPools {
+                    stream,
+                    pools: Default::default(),
+                });
+                self.index.len() - 1
+            }
+        };
+        self.index[i].pools[pool as usize].insert(&mut self.blocks, id);
     }
 
     fn index_remove(&mut self, id: BlockId) {
-        let key = self.key(id);
-        let removed = self.index[self.blocks[id].pool as usize].remove(&key);
-        debug_assert!(removed, "free block missing from the index");
+        let (stream, pool) = (self.blocks[id].stream, self.blocks[id].pool);
+        let p = self
+            .index
+            .iter_mut()
+            .find(|p| p.stream == stream)
+            .expect("free block's stream has free lists");
+        p.pools[pool as usize].remove(&mut self.blocks, id);
     }
 
     /// The best cached block for a request, if one may serve it.
@@ -135,12 +165,10 @@ impl Shard {
         rounded: u64,
         max_split: u64,
     ) -> Option<BlockId> {
-        let &(s, size, _, id) = self.index[pool as usize]
-            .range((stream, rounded, 0, 0)..)
-            .next()?;
-        // Keys are ordered by size, and both max-split rules only get stricter as blocks grow,
-        // so if the smallest fitting block may not serve, none may.
-        (s == stream && rules::may_serve(max_split, size, rounded)).then_some(id)
+        let id = self.pools_of(stream)?.pools[pool as usize].best_fit(&self.blocks, rounded)?;
+        // Both max-split rules only get stricter as blocks grow, so if the best fit may not
+        // serve, no larger block may.
+        rules::may_serve(max_split, self.blocks[id].size, rounded).then_some(id)
     }
 
     /// Serve a request from the cache, if it can be.
@@ -180,17 +208,16 @@ impl Shard {
         if rules::should_split(pool, expandable, core.max_split, size, rounded) {
             let b = &self.blocks[id];
             let tail = Block {
-                addr: b.addr + rounded,
-                size: size - rounded,
-                requested: 0,
                 prev: id,
                 next: b.next,
-                segment: b.segment,
-                state: BlockState::Free,
-                tag: Tag::Untracked,
-                stream: b.stream,
-                pool,
-                used_streams: Vec::new(),
+                ..Self::block(
+                    b.addr + rounded,
+                    size - rounded,
+                    b.segment,
+                    BlockState::Free,
+                    b.stream,
+                    pool,
+                )
             };
             let next = tail.next;
             let tid = self.blocks.insert(tail);
@@ -214,7 +241,9 @@ impl Shard {
             tag,
         };
         self.live.insert(alloc.ptr, id);
-        core.ledger.on_alloc(tag, alloc.size, requested);
+        core.ledger
+            .shard(self.id)
+            .on_alloc(tag, alloc.size, requested);
         alloc
     }
 
@@ -265,7 +294,9 @@ impl Shard {
         if self.blocks[id].used_streams.is_empty() {
             self.live.remove(&ptr);
             let b = &self.blocks[id];
-            core.ledger.on_free(b.tag, b.size, b.requested, false);
+            core.ledger
+                .shard(self.id)
+                .on_free(b.tag, b.size, b.requested, false);
             self.insert_free(id);
             return Ok(());
         }
@@ -288,7 +319,9 @@ impl Shard {
         self.live.remove(&ptr);
         let b = &mut self.blocks[id];
         b.state = BlockState::Pending(events.len() as u32);
-        core.ledger.on_free(b.tag, b.size, b.requested, true);
+        core.ledger
+            .shard(self.id)
+            .on_free(b.tag, b.size, b.requested, true);
         self.pending.extend(events.into_iter().map(|e| (e, id)));
         Ok(())
     }
@@ -330,7 +363,7 @@ impl Shard {
             if n > 1 {
                 self.blocks[id].state = BlockState::Pending(n - 1);
             } else {
-                core.ledger.on_released(self.blocks[id].size);
+                core.ledger.shard(self.id).on_released(self.blocks[id].size);
                 self.insert_free(id);
             }
         }
@@ -364,6 +397,8 @@ impl Shard {
             requested: 0,
             prev: NIL,
             next: NIL,
+            free_prev: NIL,
+            free_next: NIL,
             segment,
             state,
             tag: Tag::Untracked,
@@ -847,8 +882,10 @@ impl Shard {
                 match b.state {
                     BlockState::Free => {
                         free_seen += 1;
-                        let key = (b.stream, b.size, b.addr, id);
-                        if !self.index[b.pool as usize].contains(&key) {
+                        let listed = self
+                            .pools_of(b.stream)
+                            .is_some_and(|p| p.pools[b.pool as usize].contains(&self.blocks, id));
+                        if !listed {
                             problems.push(format!(
                                 "free block at {:#x} is not in the free index",
                                 b.addr
@@ -894,7 +931,21 @@ impl Shard {
                 id = b.next;
             }
         }
-        let indexed: usize = self.index.iter().map(BTreeSet::len).sum();
+        let mut indexed = 0;
+        for p in &self.index {
+            for (k, idx) in p.pools.iter().enumerate() {
+                indexed += idx.len();
+                for id in idx.listed(&self.blocks) {
+                    let b = &self.blocks[id];
+                    if b.state != BlockState::Free || b.stream != p.stream || b.pool as usize != k {
+                        problems.push(format!(
+                            "the free index lists a block at {:#x} that is not free there",
+                            b.addr
+                        ));
+                    }
+                }
+            }
+        }
         if indexed != free_seen {
             problems.push(format!(
                 "free index has {indexed} entries for {free_seen} free blocks"
