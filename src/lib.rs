@@ -27,6 +27,7 @@ pub mod driver;
 pub mod error;
 pub mod invariants;
 pub mod ledger;
+pub mod report;
 pub mod tag;
 
 pub use allocator::{Allocation, Allocator, Config, Limit, SegmentMode};

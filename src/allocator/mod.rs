@@ -13,13 +13,14 @@ pub(crate) mod block;
 pub(crate) mod free_index;
 pub mod rules;
 pub(crate) mod shard;
+mod spin;
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crossbeam::utils::CachePadded;
-use parking_lot::Mutex;
 
 use self::shard::{GrowError, Shard};
+use self::spin::SpinLock;
 use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{gib, Error, OomReport, Result};
 use crate::ledger::{Ledger, PerTag, Snapshot};
@@ -107,7 +108,7 @@ const SHARDS: usize = 16;
 /// A caching allocator for one device.
 pub struct Allocator<D: Driver> {
     core: Core<D>,
-    shards: Box<[CachePadded<Mutex<Shard>>]>,
+    shards: Box<[CachePadded<SpinLock<Shard>>]>,
 }
 
 #[inline]
@@ -135,7 +136,7 @@ impl<D: Driver> Allocator<D> {
         let a = Allocator {
             core,
             shards: (0..SHARDS)
-                .map(|id| CachePadded::new(Mutex::new(Shard::new(id))))
+                .map(|id| CachePadded::new(SpinLock::new(Shard::new(id))))
                 .collect(),
         };
         a.set_limit(config.limit)?;
@@ -199,7 +200,7 @@ impl<D: Driver> Allocator<D> {
     }
 
     #[inline]
-    fn shard(&self, stream: StreamId) -> &Mutex<Shard> {
+    fn shard(&self, stream: StreamId) -> &SpinLock<Shard> {
         &self.shards[shard_index(stream)]
     }
 

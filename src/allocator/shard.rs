@@ -131,21 +131,26 @@ impl Shard {
         self.index.iter().find(|p| p.stream == stream)
     }
 
+    #[inline]
     fn index_insert(&mut self, id: BlockId) {
         let (stream, pool) = (self.blocks[id].stream, self.blocks[id].pool);
         let i = match self.index.iter().position(|p| p.stream == stream) {
             Some(i) => i,
-            None => {
-                self.index.push(StreamPools {
-                    stream,
-                    pools: Default::default(),
-                });
-                self.index.len() - 1
-            }
+            None => self.add_stream(stream),
         };
         self.index[i].pools[pool as usize].insert(&mut self.blocks, id);
     }
 
+    #[cold]
+    fn add_stream(&mut self, stream: StreamId) -> usize {
+        self.index.push(StreamPools {
+            stream,
+            pools: Default::default(),
+        });
+        self.index.len() - 1
+    }
+
+    #[inline]
     fn index_remove(&mut self, id: BlockId) {
         let (stream, pool) = (self.blocks[id].stream, self.blocks[id].pool);
         let p = self

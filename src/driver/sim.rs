@@ -443,7 +443,7 @@ impl Driver for SimDriver {
         const CALL: DriverCall = DriverCall::ReserveVa;
         self.count(CALL)?;
         let g = self.device.config.granularity;
-        if bytes == 0 || bytes % g != 0 {
+        if bytes == 0 || !bytes.is_multiple_of(g) {
             return Err(Self::invalid(
                 CALL,
                 format!("{bytes} is not a positive multiple of {g}"),
@@ -481,7 +481,7 @@ impl Driver for SimDriver {
         const CALL: DriverCall = DriverCall::CreatePhysical;
         self.count(CALL)?;
         let g = self.device.config.granularity;
-        if bytes == 0 || bytes % g != 0 {
+        if bytes == 0 || !bytes.is_multiple_of(g) {
             return Err(Self::invalid(
                 CALL,
                 format!("{bytes} is not a positive multiple of {g}"),
@@ -529,7 +529,7 @@ impl Driver for SimDriver {
         let g = self.device.config.granularity;
         let mut st = self.device.state.lock();
         let p = st.processes.get_mut(&self.pid).expect("process exists");
-        if va % g != 0 {
+        if !va.is_multiple_of(g) {
             return Err(Self::invalid(CALL, "unaligned address"));
         }
         match p.phys.get(&handle.0) {

@@ -1,0 +1,51 @@
+//! Human-readable renderings of ledger figures.
+
+use crate::ledger::Snapshot;
+use crate::tag::Tag;
+
+/// Bytes as GiB with two decimals, the unit engines' logs use.
+pub fn gib2(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// A table of the ledger: per tag current and peak, then allocator-wide figures.
+pub fn ledger_table(s: &Snapshot) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "{:<12} {:>14} {:>14} {:>12} {:>12}\n",
+        "tag", "allocated", "peak", "live", "total"
+    ));
+    for t in Tag::ALL {
+        let x = &s.per_tag[t];
+        out.push_str(&format!(
+            "{:<12} {:>14} {:>14} {:>12} {:>12}\n",
+            t.name(),
+            gib2(x.allocated_bytes.current),
+            gib2(x.allocated_bytes.peak),
+            x.allocations.current,
+            x.total_allocations
+        ));
+    }
+    out.push_str(&format!(
+        "{:<12} {:>14} {:>14} {:>12} {:>12}\n",
+        "all",
+        gib2(s.all.allocated_bytes.current),
+        gib2(s.all.allocated_bytes.peak),
+        s.all.allocations.current,
+        s.all.total_allocations
+    ));
+    out.push_str(&format!(
+        "reserved {} (peak {}), cached {}, segments {}; driver calls: {} segment allocs, {} frees, {} maps, {} unmaps; {} retries, {} OOMs\n",
+        gib2(s.reserved_bytes.current),
+        gib2(s.reserved_bytes.peak),
+        gib2(s.cached_bytes),
+        s.segments.current,
+        s.segment_allocs,
+        s.segment_frees,
+        s.maps,
+        s.unmaps,
+        s.alloc_retries,
+        s.ooms
+    ));
+    out
+}
