@@ -83,12 +83,10 @@ pub(crate) fn dump_shard(sh: &Shard, out: &mut StateDump) {
         }
         let (expandable, mapped) = match &s.kind {
             SegmentKind::Plain => (false, vec![(s.base, s.size)]),
-            SegmentKind::Expandable { page, pages, .. } => {
-                let mut v: Vec<(u64, u64)> =
-                    pages.keys().map(|&i| (s.base + i * page, *page)).collect();
-                v.sort_unstable();
-                (true, v)
-            }
+            SegmentKind::Expandable { mappings, .. } => (
+                true,
+                mappings.iter().map(|(&va, m)| (va, m.bytes)).collect(),
+            ),
         };
         out.segments.push(SegmentDump {
             base: s.base,

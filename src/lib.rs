@@ -27,6 +27,7 @@ pub mod driver;
 pub mod error;
 pub mod invariants;
 pub mod ledger;
+pub mod replay;
 pub mod report;
 pub mod tag;
 

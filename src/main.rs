@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use vram_ledger::allocator::rules;
 use vram_ledger::driver::sim::{SimConfig, SimDriver, GIB, MIB};
+use vram_ledger::replay::{self, Mode};
 use vram_ledger::{report, Allocator, Config, SegmentMode, StreamId, Tag};
 
 #[derive(Parser)]
@@ -20,6 +21,31 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Replay a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot, pickle, gzipped or
+    /// not) through vram-ledger on a simulated device, and compare with what PyTorch reserved.
+    Replay {
+        /// The snapshot file.
+        #[arg(required_unless_present = "list_modes")]
+        file: Option<std::path::PathBuf>,
+        /// Allocation policy; "all" replays every mode.
+        #[arg(long, default_value = "native")]
+        mode: String,
+        /// Simulated device memory in bytes (K/M/G suffixes allowed); default an H200's.
+        #[arg(long)]
+        capacity: Option<String>,
+        /// Which device's trace to replay (default: the one with the most events).
+        #[arg(long)]
+        device: Option<usize>,
+        /// Print one JSON object per mode instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Draw a timeline picture (SVG) of the first mode replayed.
+        #[arg(long, value_name = "OUT")]
+        svg: Option<std::path::PathBuf>,
+        /// List the modes and exit.
+        #[arg(long)]
+        list_modes: bool,
+    },
     /// Show how requests of these sizes (bytes; K/M/G suffixes allowed) are rounded, pooled and
     /// backed by segments.
     Rules {
@@ -151,11 +177,171 @@ fn demo(expandable: bool, json: bool) -> Result<(), String> {
     Ok(())
 }
 
+fn replay_cmd(
+    file: &std::path::Path,
+    mode: &str,
+    capacity: Option<&str>,
+    device: Option<usize>,
+    json: bool,
+    svg: Option<&std::path::Path>,
+) -> Result<(), String> {
+    let modes: Vec<Mode> = if mode == "all" {
+        Mode::ALL.to_vec()
+    } else {
+        vec![Mode::parse(mode).ok_or_else(|| {
+            let names: Vec<_> = Mode::ALL.iter().map(|m| m.name()).collect();
+            format!(
+                "unknown mode {mode:?}: expected one of {} or all",
+                names.join(", ")
+            )
+        })?]
+    };
+    let capacity = match capacity {
+        Some(c) => parse_size(c)?,
+        None => vram_ledger::replay::engine::H200_CAPACITY,
+    };
+    let trace = replay::read_file(file, device).map_err(|e| e.to_string())?;
+    let name = file.file_name().map_or_else(
+        || file.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    if !json {
+        println!(
+            "{name}: {} events on device {}{}",
+            trace.events.len(),
+            trace.device,
+            if trace.unknown_tags.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (unknown tags, replayed as untracked: {:?})",
+                    trace.unknown_tags
+                )
+            }
+        );
+    }
+    let mut first = None;
+    for m in modes {
+        let opts = replay::ReplayOptions {
+            mode: m,
+            capacity,
+            ..Default::default()
+        };
+        let bar = (!json
+            && std::io::IsTerminal::is_terminal(&std::io::stderr())
+            && trace.events.len() > 200_000)
+            .then(|| indicatif::ProgressBar::new(trace.events.len() as u64));
+        let r = replay::replay(&trace, &opts, |i| {
+            if let Some(b) = &bar {
+                b.set_position(i as u64);
+            }
+        })
+        .map_err(|e| e.to_string())?;
+        if let Some(b) = bar {
+            b.finish_and_clear();
+        }
+        if json {
+            println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
+        } else {
+            print!("{}", replay_table(&r));
+        }
+        first.get_or_insert(r);
+    }
+    if let (Some(out), Some(r)) = (svg, first) {
+        let title = format!(
+            "{name}: {} mode, fragmentation {:.4} (PyTorch {:.4})",
+            r.mode.name(),
+            r.fragmentation_ratio,
+            r.torch_fragmentation_ratio
+        );
+        std::fs::write(out, replay::svg::timeline(&r, &title))
+            .map_err(|e| format!("cannot write {}: {e}", out.display()))?;
+    }
+    Ok(())
+}
+
+fn replay_table(r: &replay::ReplayResult) -> String {
+    let g = report::gib2;
+    let mut s = format!(
+        "\nmode {}: {:.2} M events/s\n",
+        r.mode.name(),
+        r.events_per_second / 1e6
+    );
+    s += &format!("  {:<28} {:>14} {:>14}\n", "", "vram-ledger", "PyTorch");
+    s += &format!(
+        "  {:<28} {:>14} {:>14}\n",
+        "peak live",
+        g(r.peak_live),
+        g(r.peak_live)
+    );
+    s += &format!(
+        "  {:<28} {:>14} {:>14}\n",
+        "peak reserved",
+        g(r.peak_reserved),
+        g(r.torch_peak_reserved)
+    );
+    s += &format!(
+        "  {:<28} {:>14.4} {:>14.4}\n",
+        "fragmentation (res/live)", r.fragmentation_ratio, r.torch_fragmentation_ratio
+    );
+    let (d, t) = (&r.driver_calls, &r.torch_driver_calls);
+    s += &format!(
+        "  {:<28} {:>14} {:>14}\n",
+        "segment allocs + maps",
+        d.segment_allocs + d.maps,
+        t.segment_allocs + t.maps
+    );
+    s += &format!(
+        "  {:<28} {:>14} {:>14}\n",
+        "segment frees + unmaps",
+        d.segment_frees + d.unmaps,
+        t.segment_frees + t.unmaps
+    );
+    s += &format!("  {:<28} {:>14}\n", "out of memory", r.ooms);
+    for t in Tag::ALL {
+        let p = r.per_tag[t];
+        if p.peak_live > 0 {
+            s += &format!(
+                "  {:<28} {:>14} {:>14}\n",
+                format!("peak live {}", t.name()),
+                g(p.peak_allocated),
+                g(p.peak_live)
+            );
+        }
+    }
+    s
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Rules { sizes } => rules_cmd(&sizes),
         Command::Demo { expandable, json } => demo(expandable, json),
+        Command::Replay {
+            file,
+            mode,
+            capacity,
+            device,
+            json,
+            svg,
+            list_modes,
+        } => {
+            if list_modes {
+                for m in Mode::ALL {
+                    println!("{:<12} {}", m.name(), m.describe());
+                }
+                Ok(())
+            } else {
+                replay_cmd(
+                    file.as_deref().expect("clap requires it"),
+                    &mode,
+                    capacity.as_deref(),
+                    device,
+                    json,
+                    svg.as_deref(),
+                )
+            }
+        }
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -336,3 +336,12 @@ fn model_streams_cover_shared_and_distinct_shards() {
     assert_ne!(shard(2), shard(0));
     assert_ne!(shard(1), shard(2));
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), max_shrink_iters: 4096, ..ProptestConfig::default() })]
+
+    #[test]
+    fn model_compact_segments(ops in proptest::collection::vec(op_strategy(), 1..80)) {
+        run(SegmentMode::Compact, ops)?;
+    }
+}

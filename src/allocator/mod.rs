@@ -36,6 +36,11 @@ pub enum SegmentMode {
     /// One virtual reservation per stream and pool; pages mapped on demand and unmapped by
     /// `empty_cache`, like PyTorch's `expandable_segments:True`.
     Expandable,
+    /// Like `Expandable`, but each growth maps one piece of physical memory sized to the
+    /// request (2 MiB granules), and before growing the allocator unmaps free memory of the
+    /// same shard: physical memory moves to where it is needed, so reserved bytes follow live
+    /// bytes. Costs a stream synchronisation and an unmap whenever it moves memory.
+    Compact,
 }
 
 /// A cap on the bytes the allocator may hold from the driver.
@@ -74,6 +79,7 @@ pub(crate) struct Core<D> {
     pub(crate) driver: D,
     pub(crate) ledger: Ledger,
     pub(crate) expandable: bool,
+    pub(crate) compact: bool,
     pub(crate) max_split: u64,
     pub(crate) granularity: u64,
     pub(crate) device_total: u64,
@@ -127,7 +133,8 @@ impl<D: Driver> Allocator<D> {
             granularity: driver.granularity(),
             driver,
             ledger: Ledger::new(SHARDS),
-            expandable: config.mode == SegmentMode::Expandable,
+            expandable: config.mode != SegmentMode::Plain,
+            compact: config.mode == SegmentMode::Compact,
             max_split: config.max_split_size.unwrap_or(u64::MAX),
             device_total: total,
             limit: AtomicU64::new(u64::MAX),
@@ -157,10 +164,10 @@ impl<D: Driver> Allocator<D> {
     }
 
     pub fn mode(&self) -> SegmentMode {
-        if self.core.expandable {
-            SegmentMode::Expandable
-        } else {
-            SegmentMode::Plain
+        match (self.core.expandable, self.core.compact) {
+            (false, _) => SegmentMode::Plain,
+            (true, false) => SegmentMode::Expandable,
+            (true, true) => SegmentMode::Compact,
         }
     }
 

@@ -12,7 +12,7 @@
 //! - Memory is freed or unmapped only after the streams that used it are synchronised
 //!   (events waited for; the owning stream synchronised before an unmap).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use super::block::{Arena, Block, BlockId, BlockState, NIL};
@@ -51,8 +51,10 @@ struct StreamPools {
     pools: [FreeIndex; 2],
 }
 
+/// One `cuMemMap` of one physical handle.
 #[derive(Debug)]
-pub(crate) struct Page {
+pub(crate) struct Mapping {
+    pub bytes: u64,
     pub handle: PhysHandle,
     /// The handle was released but the unmap failed: the mapping still holds the memory.
     pub released: bool,
@@ -62,10 +64,14 @@ pub(crate) struct Page {
 pub(crate) enum SegmentKind {
     /// One `cuMemAlloc` of the whole segment.
     Plain,
-    /// A virtual reservation with pages mapped on demand.
+    /// A virtual reservation with physical memory mapped on demand. Every mapping starts at
+    /// `base + k * unit` and is a multiple of `unit` long.
     Expandable {
-        page: u64,
-        pages: HashMap<u64, Page>,
+        unit: u64,
+        /// One mapping per `unit` (PyTorch's expandable segments), or one per growth, sized to
+        /// the request (the compact mode).
+        per_unit: bool,
+        mappings: BTreeMap<DevicePtr, Mapping>,
         /// Unmapped blocks by address, for growth.
         unmapped: BTreeSet<(DevicePtr, BlockId)>,
     },
@@ -480,10 +486,14 @@ impl Shard {
         {
             return Ok(seg);
         }
-        let page = rules::expandable_page(pool, core.granularity);
-        // Address space for 9/8 of the device, as PyTorch reserves: enough to map every page
+        let (unit, per_unit) = if core.compact {
+            (core.granularity, false)
+        } else {
+            (rules::expandable_page(pool, core.granularity), true)
+        };
+        // Address space for 9/8 of the device, as PyTorch reserves: enough to map every byte
         // of the device even with holes left by earlier unmaps.
-        let size = (core.device_total + core.device_total / 8).div_ceil(page) * page;
+        let size = (core.device_total + core.device_total / 8).div_ceil(unit) * unit;
         let base = core.driver.reserve_va(size).map_err(GrowError::Driver)?;
         let seg = self.new_segment(Segment {
             base,
@@ -492,8 +502,9 @@ impl Shard {
             pool,
             first: NIL,
             kind: SegmentKind::Expandable {
-                page,
-                pages: HashMap::new(),
+                unit,
+                per_unit,
+                mappings: BTreeMap::new(),
                 unmapped: BTreeSet::new(),
             },
         });
@@ -522,11 +533,21 @@ impl Shard {
     ) -> std::result::Result<BlockId, GrowError> {
         let pool = rules::pool_for(rounded);
         let seg = self.expandable_segment(core, stream, pool)?;
-        let (page, candidates): (u64, Vec<(DevicePtr, BlockId)>) =
+        if core.compact {
+            // Move memory rather than add it: give back free mappings of this shard first, so
+            // that reserved bytes follow live bytes. A failure here only means less is moved.
+            if let Err(e) = self.release_for_growth(core, rounded) {
+                tracing::debug!(error = %e, "could not release free mappings before growing");
+            }
+        }
+        let (unit, per_unit, candidates): (u64, bool, Vec<(DevicePtr, BlockId)>) =
             match &self.segments[seg as usize].as_ref().expect("exists").kind {
-                SegmentKind::Expandable { page, unmapped, .. } => {
-                    (*page, unmapped.iter().copied().collect())
-                }
+                SegmentKind::Expandable {
+                    unit,
+                    per_unit,
+                    unmapped,
+                    ..
+                } => (*unit, *per_unit, unmapped.iter().copied().collect()),
                 SegmentKind::Plain => unreachable!("expandable segment"),
             };
         // The lowest unmapped range that, with the free blocks on either side, holds the
@@ -544,7 +565,7 @@ impl Shard {
             let before = free_size(self, b.prev);
             let after = free_size(self, b.next);
             if before + b.size + after >= rounded {
-                let need = rounded.saturating_sub(before).div_ceil(page) * page;
+                let need = rounded.saturating_sub(before).div_ceil(unit) * unit;
                 choice = Some((u, need.min(b.size)));
                 break;
             }
@@ -556,7 +577,8 @@ impl Shard {
         };
         core.commit(bytes).map_err(GrowError::Memory)?;
         let start = self.blocks[u].addr;
-        let (mapped, err) = self.map_pages(core, seg, start, bytes / page, page);
+        let chunk = if per_unit { unit } else { bytes };
+        let (mapped, err) = self.map_chunks(core, seg, start, bytes, chunk);
         core.uncommit(bytes - mapped);
         if mapped == 0 {
             return Err(err.expect("nothing mapped means an error").into());
@@ -574,45 +596,41 @@ impl Shard {
         Ok(id)
     }
 
-    /// Map `n` pages from `start`; returns the bytes mapped (a prefix: a page is either fully
-    /// mapped and accessible and recorded, or not mapped at all) and the error that stopped it.
-    fn map_pages<D: Driver>(
+    /// Map `bytes` from `start` in mappings of `chunk` bytes; returns the bytes mapped (a
+    /// prefix: a chunk is either fully mapped, accessible and recorded, or not mapped at all)
+    /// and the error that stopped it.
+    fn map_chunks<D: Driver>(
         &mut self,
         core: &Core<D>,
         seg: u32,
         start: DevicePtr,
-        n: u64,
-        page: u64,
+        bytes: u64,
+        chunk: u64,
     ) -> (u64, Option<DriverError>) {
         let mut done = 0;
-        let mut err = None;
-        for i in 0..n {
-            let va = start + i * page;
-            match map_one(&core.driver, va, page) {
+        while done < bytes {
+            let va = start + done;
+            match map_one(&core.driver, va, chunk) {
                 Ok(handle) => {
                     core.ledger
                         .driver
                         .maps
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let s = self.segments[seg as usize].as_mut().expect("exists");
-                    if let SegmentKind::Expandable { pages, .. } = &mut s.kind {
-                        pages.insert(
-                            (va - s.base) / page,
-                            Page {
-                                handle,
-                                released: false,
-                            },
-                        );
+                    if let SegmentKind::Expandable { mappings, .. } = &mut s.kind {
+                        let m = Mapping {
+                            bytes: chunk,
+                            handle,
+                            released: false,
+                        };
+                        mappings.insert(va, m);
                     }
-                    done += page;
+                    done += chunk;
                 }
-                Err(e) => {
-                    err = Some(e);
-                    break;
-                }
+                Err(e) => return (done, Some(e)),
             }
         }
-        (done, err)
+        (done, None)
     }
 
     /// Split `bytes` off the front of unmapped block `u` as a new block (returned), marking
@@ -700,85 +718,139 @@ impl Shard {
     }
 
     fn shrink_expandable<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {
-        let (page, stream, base) = {
-            let s = self.segments[seg as usize].as_ref().expect("exists");
-            let SegmentKind::Expandable { page, .. } = s.kind else {
-                unreachable!()
-            };
-            (page, s.stream, s.base)
-        };
-        // Pages are aligned to the segment base, which is only granularity-aligned.
-        let first_page = |addr: u64| base + (addr - base).div_ceil(page) * page;
-        let page_end = |end: u64| base + (end - base) / page * page;
-        let mut free_blocks = Vec::new();
-        let mut id = self.segments[seg as usize].as_ref().expect("exists").first;
-        while id != NIL {
-            let b = &self.blocks[id];
-            if b.state == BlockState::Free && page_end(b.end()) > first_page(b.addr) {
-                free_blocks.push(id);
-            }
-            id = b.next;
-        }
-        if !free_blocks.is_empty() {
-            // The device may still be reading memory freed on this stream.
-            core.driver.sync_stream(stream)?;
-        }
-        let mut result: Result<()> = Ok(());
-        for id in free_blocks {
-            let (addr, end) = (self.blocks[id].addr, self.blocks[id].end());
-            let (lo, hi) = (first_page(addr), page_end(end));
-            let mut cursor = lo;
-            while cursor < hi {
-                if let Err(e) = self.unmap_page(core, seg, cursor, page) {
-                    result = Err(e.into());
-                    break;
-                }
-                cursor += page;
-            }
-            if cursor > lo {
-                self.carve_unmapped(id, lo, cursor, seg);
-                core.ledger.on_unreserve(cursor - lo, false);
-                core.uncommit(cursor - lo);
-            }
-            if result.is_err() {
-                break;
-            }
-        }
-        result?;
+        self.release_free_mappings(core, seg, u64::MAX)?;
         self.release_reservation_if_empty(core, seg)
     }
 
-    fn unmap_page<D: Driver>(
+    /// Compact mode: before growing by about `want` bytes, unmap that much free memory from
+    /// this shard's expandable segments.
+    fn release_for_growth<D: Driver>(&mut self, core: &Core<D>, want: u64) -> Result<()> {
+        let segs: Vec<u32> = self.expandable.iter().map(|&(_, _, seg)| seg).collect();
+        let mut left = want;
+        for seg in segs {
+            if left == 0 {
+                break;
+            }
+            left = left.saturating_sub(self.release_free_mappings(core, seg, left)?);
+        }
+        Ok(())
+    }
+
+    /// Unmap mappings that lie wholly inside free blocks of `seg`, until at least `budget`
+    /// bytes are unmapped (or all of them). The segment's stream is synchronised first: the
+    /// device may still be reading memory freed on it. Returns the bytes unmapped; on an error,
+    /// what was unmapped before it is accounted and the rest stays mapped.
+    fn release_free_mappings<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        seg: u32,
+        budget: u64,
+    ) -> Result<u64> {
+        // Runs of contiguous mappings inside each free block.
+        let mut runs: Vec<(BlockId, Vec<DevicePtr>)> = Vec::new();
+        {
+            let s = self.segments[seg as usize].as_ref().expect("exists");
+            let SegmentKind::Expandable { mappings, .. } = &s.kind else {
+                unreachable!()
+            };
+            let mut id = s.first;
+            while id != NIL {
+                let b = &self.blocks[id];
+                if b.state == BlockState::Free {
+                    let inside: Vec<DevicePtr> = mappings
+                        .range(b.addr..b.end())
+                        .filter(|(&va, m)| va + m.bytes <= b.end())
+                        .map(|(&va, _)| va)
+                        .collect();
+                    if !inside.is_empty() {
+                        runs.push((id, inside));
+                    }
+                }
+                id = b.next;
+            }
+        }
+        if runs.is_empty() {
+            return Ok(0);
+        }
+        let stream = self.segments[seg as usize].as_ref().expect("exists").stream;
+        core.driver.sync_stream(stream)?;
+        let mut released = 0;
+        for (block, vas) in runs {
+            // `cur` is the free block that still holds the mappings not yet unmapped.
+            let mut cur = Some(block);
+            let mut i = 0;
+            while i < vas.len() && released < budget {
+                let lo = vas[i];
+                let mut hi = lo;
+                let mut failed = None;
+                while i < vas.len() && vas[i] == hi && released + (hi - lo) < budget {
+                    match self.unmap_mapping(core, seg, hi) {
+                        Ok(bytes) => hi += bytes,
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                    i += 1;
+                }
+                if hi > lo {
+                    let id = cur.expect("mappings left means a block holds them");
+                    cur = self.carve_unmapped(id, lo, hi, seg);
+                    core.ledger.on_unreserve(hi - lo, false);
+                    core.uncommit(hi - lo);
+                    released += hi - lo;
+                }
+                if let Some(e) = failed {
+                    return Err(e.into());
+                }
+            }
+            if released >= budget {
+                break;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Unmap and release the mapping at `va`; returns its size.
+    fn unmap_mapping<D: Driver>(
         &mut self,
         core: &Core<D>,
         seg: u32,
         va: DevicePtr,
-        page: u64,
-    ) -> std::result::Result<(), DriverError> {
+    ) -> std::result::Result<u64, DriverError> {
         let s = self.segments[seg as usize].as_mut().expect("exists");
-        let idx = (va - s.base) / page;
-        let SegmentKind::Expandable { pages, .. } = &mut s.kind else {
+        let SegmentKind::Expandable { mappings, .. } = &mut s.kind else {
             unreachable!()
         };
-        let p = pages.get_mut(&idx).expect("a free block's page is mapped");
+        let m = mappings
+            .get_mut(&va)
+            .expect("a free block's mapping exists");
         // Release first: if that fails nothing changed; a released handle stays alive until
-        // its mapping goes, so a failed unmap afterwards still leaves a consistent page.
-        if !p.released {
-            core.driver.release_physical(p.handle)?;
-            p.released = true;
+        // its mapping goes, so a failed unmap afterwards still leaves a consistent mapping.
+        if !m.released {
+            core.driver.release_physical(m.handle)?;
+            m.released = true;
         }
-        core.driver.unmap(va, page)?;
-        pages.remove(&idx);
+        core.driver.unmap(va, m.bytes)?;
+        let bytes = m.bytes;
+        mappings.remove(&va);
         core.ledger
             .driver
             .unmaps
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
+        Ok(bytes)
     }
 
     /// Turn `[lo, hi)` of free block `id` (out of or in the index) into an unmapped block,
-    /// keeping any free head and tail, and merging with unmapped neighbours.
-    fn carve_unmapped(&mut self, id: BlockId, lo: DevicePtr, hi: DevicePtr, seg: u32) {
+    /// keeping any free head and tail, and merging with unmapped neighbours; returns the free
+    /// tail, if any.
+    fn carve_unmapped(
+        &mut self,
+        id: BlockId,
+        lo: DevicePtr,
+        hi: DevicePtr,
+        seg: u32,
+    ) -> Option<BlockId> {
         self.index_remove(id);
         let (addr, end, stream, pool) = {
             let b = &self.blocks[id];
@@ -794,10 +866,11 @@ impl Shard {
             self.blocks[id].size = hi - lo;
             self.blocks[id].state = BlockState::Unmapped;
         }
-        if hi < end {
+        let tail = (hi < end).then(|| {
             let tail = self.insert_after(mid, hi, end - hi, seg, BlockState::Free, stream, pool);
             self.index_insert(tail);
-        }
+            tail
+        });
         // Merge with unmapped neighbours.
         let mut m = mid;
         let prev = self.blocks[m].prev;
@@ -815,6 +888,7 @@ impl Shard {
         }
         let key = (self.blocks[m].addr, m);
         self.unmapped_set(seg).insert(key);
+        tail
     }
 
     #[allow(clippy::too_many_arguments)]

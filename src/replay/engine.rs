@@ -1,0 +1,274 @@
+//! The replay engine: feeds a trace's allocations and frees through an [`Allocator`] on a
+//! [`SimDriver`] and measures what it reserves against what is live.
+//!
+//! Invariant: "live" is measured on the trace itself (sum of the sizes of blocks allocated and
+//! not yet freed, as PyTorch recorded them), so every mode is compared against the same
+//! denominator; PyTorch's own reserved bytes come from the trace's segment events.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::trace::{Action, Trace};
+use crate::driver::sim::{SimConfig, SimDriver};
+use crate::driver::StreamId;
+use crate::ledger::PerTag;
+use crate::tag::Tag;
+use crate::{Allocator, Config, Error, SegmentMode};
+
+/// An allocation policy to replay under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// PyTorch's default: plain segments.
+    Native,
+    /// PyTorch's `expandable_segments:True`: pages mapped on demand.
+    Expandable,
+    /// vram-ledger's compact mode: request-sized mappings, free memory moved before growing.
+    Compact,
+}
+
+impl Mode {
+    pub const ALL: [Mode; 3] = [Mode::Native, Mode::Expandable, Mode::Compact];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Native => "native",
+            Mode::Expandable => "expandable",
+            Mode::Compact => "compact",
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Mode::Native => "plain cuMemAlloc segments (2 MiB, 20 MiB, 2 MiB multiples), PyTorch's default rules",
+            Mode::Expandable => "one virtual reservation per stream and pool, 2 MiB / 20 MiB pages mapped on demand",
+            Mode::Compact => "virtual memory mapped in request-sized pieces; free pieces are moved before growing",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Mode> {
+        Mode::ALL.into_iter().find(|m| m.name() == s)
+    }
+
+    fn config(self) -> Config {
+        match self {
+            Mode::Native => Config::default(),
+            Mode::Expandable => Config {
+                mode: SegmentMode::Expandable,
+                ..Default::default()
+            },
+            Mode::Compact => Config {
+                mode: SegmentMode::Compact,
+                ..Default::default()
+            },
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ReplayOptions {
+    pub mode: Mode,
+    /// Simulated device memory (default: an H200's 139.8 GiB).
+    pub capacity: u64,
+    /// Timeline points to keep (for the picture); 0 for none.
+    pub timeline_points: usize,
+}
+
+/// An H200's memory as `cuMemGetInfo` reports it.
+pub const H200_CAPACITY: u64 = 143_771_287_552;
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        ReplayOptions {
+            mode: Mode::Native,
+            capacity: H200_CAPACITY,
+            timeline_points: 1000,
+        }
+    }
+}
+
+/// One sample of the timeline.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Point {
+    pub event: usize,
+    pub live: PerTag<u64>,
+    pub reserved: u64,
+    pub torch_reserved: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DriverCalls {
+    pub segment_allocs: u64,
+    pub segment_frees: u64,
+    pub maps: u64,
+    pub unmaps: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ReplayResult {
+    pub mode: Mode,
+    pub events: usize,
+    pub allocations: u64,
+    pub frees: u64,
+    /// Frees of addresses the trace never allocated (it started mid-run).
+    pub unmatched_frees: u64,
+    pub peak_live: u64,
+    pub peak_reserved: u64,
+    pub fragmentation_ratio: f64,
+    pub torch_peak_reserved: u64,
+    pub torch_fragmentation_ratio: f64,
+    pub driver_calls: DriverCalls,
+    /// PyTorch's segment allocations (or maps, for an expandable trace) in the trace.
+    pub torch_driver_calls: DriverCalls,
+    pub ooms: u64,
+    pub per_tag: PerTag<TagPeak>,
+    pub unknown_tags: std::collections::BTreeMap<String, u64>,
+    pub seconds: f64,
+    pub events_per_second: f64,
+    #[serde(skip)]
+    pub timeline: Vec<Point>,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct TagPeak {
+    /// Peak live bytes of this tag in the trace.
+    pub peak_live: u64,
+    /// Peak allocated bytes of this tag in our allocator (rounded sizes).
+    pub peak_allocated: u64,
+}
+
+/// Replay `trace`, calling `progress` with the number of events done now and then.
+pub fn replay(
+    trace: &Trace,
+    opts: &ReplayOptions,
+    mut progress: impl FnMut(usize),
+) -> Result<ReplayResult, Error> {
+    let drv = SimDriver::with_config(SimConfig {
+        capacity: opts.capacity,
+        context_overhead: 0,
+        ..Default::default()
+    });
+    let alloc = Allocator::new(drv, opts.mode.config())?;
+    let start = Instant::now();
+    // Trace address -> (our pointer, trace size, tag).
+    let mut live: HashMap<u64, (u64, u64, Tag)> = HashMap::with_capacity(4096);
+    let (mut live_now, mut live_peak) = (PerTag::<u64>::default(), 0u64);
+    let mut tag_peak = PerTag::<u64>::default();
+    let mut live_total = 0u64;
+    let (mut torch_reserved, mut torch_peak) = (0u64, 0u64);
+    let mut torch = DriverCalls::default();
+    let (mut allocations, mut frees, mut unmatched, mut ooms) = (0u64, 0u64, 0u64, 0u64);
+    let every = if opts.timeline_points == 0 {
+        usize::MAX
+    } else {
+        trace.events.len().div_ceil(opts.timeline_points).max(1)
+    };
+    let mut timeline = Vec::with_capacity(opts.timeline_points + 1);
+    for (i, e) in trace.events.iter().enumerate() {
+        match e.action {
+            Action::Alloc => match alloc.allocate_tagged(e.size, StreamId(e.stream), e.tag) {
+                Ok(a) => {
+                    allocations += 1;
+                    if let Some((old, ..)) = live.insert(e.addr, (a.ptr, e.size, e.tag)) {
+                        // The trace reused an address we think is live: keep ours consistent.
+                        alloc.free(old)?;
+                    }
+                    live_now[e.tag] += e.size;
+                    live_total += e.size;
+                    live_peak = live_peak.max(live_total);
+                    tag_peak[e.tag] = tag_peak[e.tag].max(live_now[e.tag]);
+                }
+                Err(Error::OutOfMemory(_)) => ooms += 1,
+                Err(err) => return Err(err),
+            },
+            Action::FreeRequested => match live.remove(&e.addr) {
+                Some((ptr, size, tag)) => {
+                    alloc.free_on(ptr, StreamId(e.stream))?;
+                    frees += 1;
+                    live_now[tag] -= size;
+                    live_total -= size;
+                }
+                None => unmatched += 1,
+            },
+            Action::SegmentAlloc | Action::SegmentMap => {
+                torch_reserved += e.size;
+                torch_peak = torch_peak.max(torch_reserved);
+                if e.action == Action::SegmentAlloc {
+                    torch.segment_allocs += 1;
+                } else {
+                    torch.maps += 1;
+                }
+            }
+            Action::SegmentFree | Action::SegmentUnmap => {
+                torch_reserved = torch_reserved.saturating_sub(e.size);
+                if e.action == Action::SegmentFree {
+                    torch.segment_frees += 1;
+                } else {
+                    torch.unmaps += 1;
+                }
+            }
+            Action::FreeCompleted | Action::Oom => {}
+        }
+        if i % every == 0 {
+            timeline.push(Point {
+                event: i,
+                live: live_now,
+                reserved: alloc.ledger().reserved(),
+                torch_reserved,
+            });
+        }
+        if i % 65536 == 0 {
+            progress(i);
+        }
+    }
+    timeline.push(Point {
+        event: trace.events.len(),
+        live: live_now,
+        reserved: alloc.ledger().reserved(),
+        torch_reserved,
+    });
+    let seconds = start.elapsed().as_secs_f64();
+    let snap = alloc.snapshot();
+    let ratio = |r: u64| {
+        if live_peak == 0 {
+            0.0
+        } else {
+            r as f64 / live_peak as f64
+        }
+    };
+    // Leave nothing behind: free what the trace left live, and give the cache back.
+    for (ptr, ..) in live.into_values() {
+        alloc.free(ptr)?;
+    }
+    alloc.empty_cache()?;
+    Ok(ReplayResult {
+        mode: opts.mode,
+        events: trace.events.len(),
+        allocations,
+        frees,
+        unmatched_frees: unmatched,
+        peak_live: live_peak,
+        peak_reserved: snap.reserved_bytes.peak,
+        fragmentation_ratio: ratio(snap.reserved_bytes.peak),
+        torch_peak_reserved: torch_peak,
+        torch_fragmentation_ratio: ratio(torch_peak),
+        driver_calls: DriverCalls {
+            segment_allocs: snap.segment_allocs,
+            segment_frees: snap.segment_frees,
+            maps: snap.maps,
+            unmaps: snap.unmaps,
+        },
+        torch_driver_calls: torch,
+        ooms,
+        per_tag: PerTag(std::array::from_fn(|i| TagPeak {
+            peak_live: tag_peak.0[i],
+            peak_allocated: snap.per_tag.0[i].allocated_bytes.peak,
+        })),
+        unknown_tags: trace.unknown_tags.clone(),
+        seconds,
+        events_per_second: trace.events.len() as f64 / seconds.max(1e-9),
+        timeline,
+    })
+}

@@ -1,0 +1,9 @@
+//! Replay of PyTorch memory snapshots through the allocator on a simulated device: does a
+//! workload fit, and how fragmented does it get, compared with what PyTorch recorded.
+
+pub mod engine;
+pub mod svg;
+pub mod trace;
+
+pub use engine::{replay, Mode, ReplayOptions, ReplayResult};
+pub use trace::{read_file, Trace, TraceError};
