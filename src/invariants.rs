@@ -6,7 +6,8 @@
 //! - segments never overlap one another;
 //! - every allocated or pending block lies in mapped memory;
 //! - Σ tags = allocated (bytes, requested bytes, counts), and those equal what the blocks say;
-//! - allocated ≤ active ≤ reserved, active = allocated + pending, reserved = mapped bytes,
+//! - allocated ≤ active ≤ reserved, active = allocated + pending, reserved = mapped bytes +
+//!   spare (held, unmapped) bytes,
 //!   cached = reserved − allocated, the segment count matches, every peak ≥ its current;
 //! - reserved = what the driver says the allocator holds, when the driver can tell;
 //! - the shards' own structures are consistent (`problems` collected while dumping).
@@ -53,6 +54,8 @@ pub struct StateDump {
     pub ledger: Snapshot,
     /// Bytes committed against the limit.
     pub committed: u64,
+    /// Physical memory held but not mapped (remap mode's spare memory).
+    pub spare: u64,
     /// What the driver says the allocator holds, when the caller knows it (the simulated
     /// driver does).
     pub driver_held: Option<u64>,
@@ -61,6 +64,7 @@ pub struct StateDump {
 }
 
 pub(crate) fn dump_shard(sh: &Shard, out: &mut StateDump) {
+    out.spare += sh.spare_bytes();
     for s in sh.segments.iter().flatten() {
         let mut blocks = Vec::new();
         let mut id = s.first;
@@ -236,8 +240,11 @@ pub fn check(d: &StateDump) -> Result<(), Violation> {
     ensure(active == allocated + pending, || {
         format!("active {active} ≠ allocated {allocated} + pending {pending}")
     })?;
-    ensure(reserved == mapped_total, || {
-        format!("reserved {reserved} ≠ mapped {mapped_total}")
+    ensure(reserved == mapped_total + d.spare, || {
+        format!(
+            "reserved {reserved} ≠ mapped {mapped_total} + spare {}",
+            d.spare
+        )
     })?;
     ensure(l.cached_bytes == reserved - allocated, || {
         "cached ≠ reserved − allocated".into()

@@ -206,6 +206,10 @@ pub(crate) struct DriverCounters {
     pub(crate) segment_frees: AtomicU64,
     pub(crate) maps: AtomicU64,
     pub(crate) unmaps: AtomicU64,
+    /// Remap mode: physical chunks created and released (expandable modes create and release
+    /// one handle per map and unmap).
+    pub(crate) creates: AtomicU64,
+    pub(crate) releases: AtomicU64,
 }
 
 /// The live ledger of one allocator.
@@ -321,6 +325,8 @@ impl Ledger {
             segment_frees: self.driver.segment_frees.load(Relaxed),
             maps: self.driver.maps.load(Relaxed),
             unmaps: self.driver.unmaps.load(Relaxed),
+            creates: self.driver.creates.load(Relaxed),
+            releases: self.driver.releases.load(Relaxed),
             alloc_retries: self.retries.load(Relaxed),
             ooms: self.ooms.load(Relaxed),
         }
@@ -403,6 +409,9 @@ pub struct Snapshot {
     pub segment_frees: u64,
     pub maps: u64,
     pub unmaps: u64,
+    /// Physical chunks created / released (remap mode).
+    pub creates: u64,
+    pub releases: u64,
     pub alloc_retries: u64,
     pub ooms: u64,
 }

@@ -19,33 +19,39 @@ struct Cli {
     command: Command,
 }
 
+#[derive(clap::Args)]
+struct ReplayArgs {
+    /// The snapshot file.
+    #[arg(required_unless_present = "list_modes")]
+    file: Option<std::path::PathBuf>,
+    /// Allocation policy; "all" replays every mode.
+    #[arg(long, default_value = "native")]
+    mode: String,
+    /// Simulated device memory in bytes (K/M/G suffixes allowed); default an H200's.
+    #[arg(long)]
+    capacity: Option<String>,
+    /// Remap mode: the largest piece one map call covers (default 96M).
+    #[arg(long, value_name = "BYTES")]
+    remap_piece: Option<String>,
+    /// Which device's trace to replay (default: the one with the most events).
+    #[arg(long)]
+    device: Option<usize>,
+    /// Print one JSON object per mode instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Draw a timeline picture (SVG) of the first mode replayed.
+    #[arg(long, value_name = "OUT")]
+    svg: Option<std::path::PathBuf>,
+    /// List the modes and exit.
+    #[arg(long)]
+    list_modes: bool,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Replay a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot, pickle, gzipped or
     /// not) through vram-ledger on a simulated device, and compare with what PyTorch reserved.
-    Replay {
-        /// The snapshot file.
-        #[arg(required_unless_present = "list_modes")]
-        file: Option<std::path::PathBuf>,
-        /// Allocation policy; "all" replays every mode.
-        #[arg(long, default_value = "native")]
-        mode: String,
-        /// Simulated device memory in bytes (K/M/G suffixes allowed); default an H200's.
-        #[arg(long)]
-        capacity: Option<String>,
-        /// Which device's trace to replay (default: the one with the most events).
-        #[arg(long)]
-        device: Option<usize>,
-        /// Print one JSON object per mode instead of a table.
-        #[arg(long)]
-        json: bool,
-        /// Draw a timeline picture (SVG) of the first mode replayed.
-        #[arg(long, value_name = "OUT")]
-        svg: Option<std::path::PathBuf>,
-        /// List the modes and exit.
-        #[arg(long)]
-        list_modes: bool,
-    },
+    Replay(ReplayArgs),
     /// Show how requests of these sizes (bytes; K/M/G suffixes allowed) are rounded, pooled and
     /// backed by segments.
     Rules {
@@ -177,14 +183,18 @@ fn demo(expandable: bool, json: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn replay_cmd(
-    file: &std::path::Path,
-    mode: &str,
-    capacity: Option<&str>,
-    device: Option<usize>,
-    json: bool,
-    svg: Option<&std::path::Path>,
-) -> Result<(), String> {
+fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
+    if args.list_modes {
+        for m in Mode::ALL {
+            println!("{:<12} {}", m.name(), m.describe());
+        }
+        return Ok(());
+    }
+    let (mode, json) = (args.mode.as_str(), args.json);
+    let file = args
+        .file
+        .as_deref()
+        .expect("clap requires a file unless --list-modes");
     let modes: Vec<Mode> = if mode == "all" {
         Mode::ALL.to_vec()
     } else {
@@ -196,11 +206,12 @@ fn replay_cmd(
             )
         })?]
     };
-    let capacity = match capacity {
+    let capacity = match &args.capacity {
         Some(c) => parse_size(c)?,
         None => vram_ledger::replay::engine::H200_CAPACITY,
     };
-    let trace = replay::read_file(file, device).map_err(|e| e.to_string())?;
+    let remap_piece = args.remap_piece.as_deref().map(parse_size).transpose()?;
+    let trace = replay::read_file(file, args.device).map_err(|e| e.to_string())?;
     let name = file.file_name().map_or_else(
         || file.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
@@ -225,6 +236,7 @@ fn replay_cmd(
         let opts = replay::ReplayOptions {
             mode: m,
             capacity,
+            remap_piece,
             ..Default::default()
         };
         let bar = (!json
@@ -247,7 +259,7 @@ fn replay_cmd(
         }
         first.get_or_insert(r);
     }
-    if let (Some(out), Some(r)) = (svg, first) {
+    if let (Some(out), Some(r)) = (&args.svg, first) {
         let title = format!(
             "{name}: {} mode, fragmentation {:.4} (PyTorch {:.4})",
             r.mode.name(),
@@ -285,18 +297,20 @@ fn replay_table(r: &replay::ReplayResult) -> String {
         "fragmentation (res/live)", r.fragmentation_ratio, r.torch_fragmentation_ratio
     );
     let (d, t) = (&r.driver_calls, &r.torch_driver_calls);
-    s += &format!(
-        "  {:<28} {:>14} {:>14}\n",
-        "segment allocs + maps",
-        d.segment_allocs + d.maps,
-        t.segment_allocs + t.maps
+    let row =
+        |name: &str, ours: u64, theirs: u64| format!("  {name:<28} {ours:>14} {theirs:>14}\n");
+    s += &row(
+        "memory allocations",
+        d.memory_allocations(),
+        t.memory_allocations(),
     );
-    s += &format!(
-        "  {:<28} {:>14} {:>14}\n",
-        "segment frees + unmaps",
-        d.segment_frees + d.unmaps,
-        t.segment_frees + t.unmaps
+    s += &row("maps", d.maps, t.maps);
+    s += &row(
+        "memory frees",
+        d.segment_frees + d.releases,
+        t.segment_frees + t.releases,
     );
+    s += &row("unmaps", d.unmaps, t.unmaps);
     s += &format!("  {:<28} {:>14}\n", "out of memory", r.ooms);
     for t in Tag::ALL {
         let p = r.per_tag[t];
@@ -317,31 +331,7 @@ fn main() -> ExitCode {
     let r = match cli.command {
         Command::Rules { sizes } => rules_cmd(&sizes),
         Command::Demo { expandable, json } => demo(expandable, json),
-        Command::Replay {
-            file,
-            mode,
-            capacity,
-            device,
-            json,
-            svg,
-            list_modes,
-        } => {
-            if list_modes {
-                for m in Mode::ALL {
-                    println!("{:<12} {}", m.name(), m.describe());
-                }
-                Ok(())
-            } else {
-                replay_cmd(
-                    file.as_deref().expect("clap requires it"),
-                    &mode,
-                    capacity.as_deref(),
-                    device,
-                    json,
-                    svg.as_deref(),
-                )
-            }
-        }
+        Command::Replay(args) => replay_cmd(&args),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

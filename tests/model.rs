@@ -344,4 +344,9 @@ proptest! {
     fn model_compact_segments(ops in proptest::collection::vec(op_strategy(), 1..80)) {
         run(SegmentMode::Compact, ops)?;
     }
+
+    #[test]
+    fn model_remap_segments(ops in proptest::collection::vec(op_strategy(), 1..80)) {
+        run(SegmentMode::Remap, ops)?;
+    }
 }

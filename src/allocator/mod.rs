@@ -41,6 +41,11 @@ pub enum SegmentMode {
     /// same shard: physical memory moves to where it is needed, so reserved bytes follow live
     /// bytes. Costs a stream synchronisation and an unmap whenever it moves memory.
     Compact,
+    /// Like `Expandable` with 2 MiB pages, but physical memory is created in request-sized
+    /// chunks and mapped page by page: before growing, the allocator unmaps wholly free pages
+    /// anywhere in the shard and maps those same physical pages where the request needs them.
+    /// Few physical allocations, many map calls, the least fragmentation.
+    Remap,
 }
 
 /// A cap on the bytes the allocator may hold from the driver.
@@ -59,7 +64,14 @@ pub struct Config {
     pub limit: Option<Limit>,
     /// Cached blocks at least this large are never split (PyTorch's `max_split_size_mb`).
     pub max_split_size: Option<u64>,
+    /// Remap mode: the largest piece of large-pool memory one map call covers (rounded up to
+    /// the granularity; default 96 MiB). Smaller pieces can be moved more finely (less
+    /// fragmentation) but cost more map calls; the README has the measured trade-off.
+    pub remap_piece: Option<u64>,
 }
+
+/// Default [`Config::remap_piece`].
+pub const DEFAULT_REMAP_PIECE: u64 = 96 << 20;
 
 /// One live allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +92,9 @@ pub(crate) struct Core<D> {
     pub(crate) ledger: Ledger,
     pub(crate) expandable: bool,
     pub(crate) compact: bool,
+    pub(crate) remap: bool,
+    /// Remap mode: the largest piece of the large pool mapped by one `cuMemMap`.
+    pub(crate) remap_piece: u64,
     pub(crate) max_split: u64,
     pub(crate) granularity: u64,
     pub(crate) device_total: u64,
@@ -129,12 +144,20 @@ impl<D: Driver> Allocator<D> {
     /// fractional limit and the expandable reservations).
     pub fn new(driver: D, config: Config) -> Result<Self> {
         let total = driver.mem_info()?.total;
+        let granularity = driver.granularity();
         let core = Core {
-            granularity: driver.granularity(),
+            granularity,
             driver,
             ledger: Ledger::new(SHARDS),
             expandable: config.mode != SegmentMode::Plain,
             compact: config.mode == SegmentMode::Compact,
+            remap: config.mode == SegmentMode::Remap,
+            remap_piece: config
+                .remap_piece
+                .unwrap_or(DEFAULT_REMAP_PIECE)
+                .max(1)
+                .div_ceil(granularity)
+                * granularity,
             max_split: config.max_split_size.unwrap_or(u64::MAX),
             device_total: total,
             limit: AtomicU64::new(u64::MAX),
@@ -164,10 +187,11 @@ impl<D: Driver> Allocator<D> {
     }
 
     pub fn mode(&self) -> SegmentMode {
-        match (self.core.expandable, self.core.compact) {
-            (false, _) => SegmentMode::Plain,
-            (true, false) => SegmentMode::Expandable,
-            (true, true) => SegmentMode::Compact,
+        match (self.core.expandable, self.core.compact, self.core.remap) {
+            (false, ..) => SegmentMode::Plain,
+            (true, true, _) => SegmentMode::Compact,
+            (true, _, true) => SegmentMode::Remap,
+            _ => SegmentMode::Expandable,
         }
     }
 

@@ -51,13 +51,25 @@ struct StreamPools {
     pools: [FreeIndex; 2],
 }
 
-/// One `cuMemMap` of one physical handle.
+/// One `cuMemMap`.
 #[derive(Debug)]
 pub(crate) struct Mapping {
     pub bytes: u64,
     pub handle: PhysHandle,
     /// The handle was released but the unmap failed: the mapping still holds the memory.
     pub released: bool,
+    /// In remap mode, the chunk and offset of the physical memory mapped; the mapping does
+    /// not own the handle, and unmapping it only makes that memory spare.
+    pub piece: Option<(u32, u64)>,
+}
+
+/// Remap mode: one physical allocation, mapped page by page wherever pages are needed.
+#[derive(Debug)]
+pub(crate) struct Chunk {
+    pub handle: PhysHandle,
+    pub bytes: u64,
+    /// Bytes of it currently mapped; the rest is in the shard's spare list.
+    pub mapped: u64,
 }
 
 #[derive(Debug)]
@@ -122,6 +134,10 @@ pub(crate) struct Shard {
     pub(crate) pending: Vec<(EventId, BlockId)>,
     /// The expandable segment of each (stream, pool) in this shard.
     expandable: Vec<(StreamId, PoolKind, u32)>,
+    /// Remap mode: physical chunks, and the ranges of them held but not mapped, as
+    /// (chunk, offset, length).
+    pub(crate) chunks: Vec<Option<Chunk>>,
+    pub(crate) spare: Vec<(u32, u64, u64)>,
 }
 
 impl Shard {
@@ -488,6 +504,8 @@ impl Shard {
         }
         let (unit, per_unit) = if core.compact {
             (core.granularity, false)
+        } else if core.remap {
+            (core.granularity, true)
         } else {
             (rules::expandable_page(pool, core.granularity), true)
         };
@@ -533,10 +551,20 @@ impl Shard {
     ) -> std::result::Result<BlockId, GrowError> {
         let pool = rules::pool_for(rounded);
         let seg = self.expandable_segment(core, stream, pool)?;
-        if core.compact {
-            // Move memory rather than add it: give back free mappings of this shard first, so
-            // that reserved bytes follow live bytes. A failure here only means less is moved.
-            if let Err(e) = self.release_for_growth(core, rounded) {
+        // Move memory rather than add it: free mappings of this shard are unmapped first, so
+        // that reserved bytes follow live bytes (compact: their memory goes back to the
+        // driver; remap: their pages become spare, to be mapped here). A failure here only
+        // means that less is moved.
+        let want = if core.remap {
+            let g = core.granularity;
+            (rounded.div_ceil(g) * g).saturating_sub(self.spare_bytes())
+        } else if core.compact {
+            rounded
+        } else {
+            0
+        };
+        if want > 0 {
+            if let Err(e) = self.release_for_growth(core, want) {
                 tracing::debug!(error = %e, "could not release free mappings before growing");
             }
         }
@@ -565,7 +593,14 @@ impl Shard {
             let before = free_size(self, b.prev);
             let after = free_size(self, b.next);
             if before + b.size + after >= rounded {
-                let need = rounded.saturating_sub(before).div_ceil(unit) * unit;
+                // Remap mode grows the large pool by at least a large segment's worth, as
+                // PyTorch's segments do: small requests then do not each cost a map.
+                let floor = if core.remap && pool == PoolKind::Large {
+                    rules::LARGE_BUFFER
+                } else {
+                    0
+                };
+                let need = rounded.saturating_sub(before).max(floor).div_ceil(unit) * unit;
                 choice = Some((u, need.min(b.size)));
                 break;
             }
@@ -575,15 +610,26 @@ impl Shard {
                 "the expandable segment's address space is exhausted".into(),
             ));
         };
-        core.commit(bytes).map_err(GrowError::Memory)?;
         let start = self.blocks[u].addr;
-        let chunk = if per_unit { unit } else { bytes };
-        let (mapped, err) = self.map_chunks(core, seg, start, bytes, chunk);
-        core.uncommit(bytes - mapped);
+        let (mapped, err) = if core.remap {
+            let piece = match pool {
+                PoolKind::Small => core.granularity,
+                PoolKind::Large => core.remap_piece,
+            };
+            self.map_spare(core, seg, start, bytes, piece)?
+        } else {
+            core.commit(bytes).map_err(GrowError::Memory)?;
+            let chunk = if per_unit { unit } else { bytes };
+            let (mapped, err) = self.map_chunks(core, seg, start, bytes, chunk);
+            core.uncommit(bytes - mapped);
+            if mapped > 0 {
+                core.ledger.on_reserve(mapped, false);
+            }
+            (mapped, err)
+        };
         if mapped == 0 {
             return Err(err.expect("nothing mapped means an error").into());
         }
-        core.ledger.on_reserve(mapped, false);
         // The mapped front of the unmapped block becomes a free block, merged with its
         // neighbours; by the choice above the merged block holds the request.
         let id = self.split_front(u, mapped, seg);
@@ -612,9 +658,12 @@ impl Shard {
             let va = start + done;
             match map_one(&core.driver, va, chunk) {
                 Ok(handle) => {
-                    core.ledger
-                        .driver
+                    let counters = &core.ledger.driver;
+                    counters
                         .maps
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    counters
+                        .creates
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let s = self.segments[seg as usize].as_mut().expect("exists");
                     if let SegmentKind::Expandable { mappings, .. } = &mut s.kind {
@@ -622,6 +671,7 @@ impl Shard {
                             bytes: chunk,
                             handle,
                             released: false,
+                            piece: None,
                         };
                         mappings.insert(va, m);
                     }
@@ -631,6 +681,110 @@ impl Shard {
             }
         }
         (done, None)
+    }
+
+    /// Remap mode: physical memory held but not mapped.
+    pub(crate) fn spare_bytes(&self) -> u64 {
+        self.spare.iter().map(|r| r.2).sum()
+    }
+
+    /// Remap mode: map `bytes` from `start` out of spare memory, in pieces of at most `piece`
+    /// bytes (each one `cuMemMap`, so that each can later be unmapped and moved on its own),
+    /// creating one new chunk for what spare memory cannot cover. Returns the bytes mapped (a
+    /// prefix) and the error that stopped it; what was not mapped stays spare.
+    fn map_spare<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        seg: u32,
+        start: DevicePtr,
+        bytes: u64,
+        piece: u64,
+    ) -> std::result::Result<(u64, Option<DriverError>), GrowError> {
+        let short = bytes.saturating_sub(self.spare_bytes());
+        if short > 0 {
+            core.commit(short).map_err(GrowError::Memory)?;
+            let handle = match core.driver.create_physical(short) {
+                Ok(h) => h,
+                Err(e) => {
+                    core.uncommit(short);
+                    return Err(e.into());
+                }
+            };
+            core.ledger
+                .driver
+                .creates
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            core.ledger.on_reserve(short, false);
+            let cid = match self.chunks.iter().position(Option::is_none) {
+                Some(i) => i,
+                None => {
+                    self.chunks.push(None);
+                    self.chunks.len() - 1
+                }
+            } as u32;
+            self.chunks[cid as usize] = Some(Chunk {
+                handle,
+                bytes: short,
+                mapped: 0,
+            });
+            self.spare.push((cid, 0, short));
+        }
+        let mut done = 0;
+        while done < bytes {
+            let (cid, offset, len) = *self.spare.last().expect("enough spare memory");
+            let take = len.min(piece).min(bytes - done);
+            let handle = self.chunks[cid as usize]
+                .as_ref()
+                .expect("spare memory's chunk")
+                .handle;
+            let va = start + done;
+            if let Err(e) = map_piece(&core.driver, va, take, handle, offset) {
+                return Ok((done, Some(e)));
+            }
+            if take == len {
+                self.spare.pop();
+            } else {
+                *self.spare.last_mut().expect("present") = (cid, offset + take, len - take);
+            }
+            self.chunks[cid as usize].as_mut().expect("exists").mapped += take;
+            core.ledger
+                .driver
+                .maps
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let s = self.segments[seg as usize].as_mut().expect("exists");
+            if let SegmentKind::Expandable { mappings, .. } = &mut s.kind {
+                let m = Mapping {
+                    bytes: take,
+                    handle,
+                    released: false,
+                    piece: Some((cid, offset)),
+                };
+                mappings.insert(va, m);
+            }
+            done += take;
+        }
+        Ok((done, None))
+    }
+
+    /// Remap mode: give back chunks none of whose pages are mapped.
+    fn release_spare_chunks<D: Driver>(&mut self, core: &Core<D>) -> Result<()> {
+        for cid in 0..self.chunks.len() {
+            let Some(c) = &self.chunks[cid] else { continue };
+            if c.mapped > 0 {
+                continue;
+            }
+            core.driver.release_physical(c.handle)?;
+            let bytes = c.bytes;
+            self.chunks[cid] = None;
+            self.spare.retain(|&(id, ..)| id as usize != cid);
+            core.ledger
+                .driver
+                .releases
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            core.ledger.on_unreserve(bytes, false);
+            core.uncommit(bytes);
+        }
+        Ok(())
     }
 
     /// Split `bytes` off the front of unmapped block `u` as a new block (returned), marking
@@ -692,6 +846,9 @@ impl Shard {
             if let Err(e) = r {
                 first_err.get_or_insert(e);
             }
+        }
+        if let Err(e) = self.release_spare_chunks(core) {
+            first_err.get_or_insert(e);
         }
         first_err.map_or(Ok(()), Err)
     }
@@ -783,9 +940,13 @@ impl Shard {
                 let lo = vas[i];
                 let mut hi = lo;
                 let mut failed = None;
+                let mut freed = 0;
                 while i < vas.len() && vas[i] == hi && released + (hi - lo) < budget {
                     match self.unmap_mapping(core, seg, hi) {
-                        Ok(bytes) => hi += bytes,
+                        Ok((bytes, gone)) => {
+                            hi += bytes;
+                            freed += gone;
+                        }
                         Err(e) => {
                             failed = Some(e);
                             break;
@@ -796,8 +957,8 @@ impl Shard {
                 if hi > lo {
                     let id = cur.expect("mappings left means a block holds them");
                     cur = self.carve_unmapped(id, lo, hi, seg);
-                    core.ledger.on_unreserve(hi - lo, false);
-                    core.uncommit(hi - lo);
+                    core.ledger.on_unreserve(freed, false);
+                    core.uncommit(freed);
                     released += hi - lo;
                 }
                 if let Some(e) = failed {
@@ -811,13 +972,14 @@ impl Shard {
         Ok(released)
     }
 
-    /// Unmap and release the mapping at `va`; returns its size.
+    /// Unmap the mapping at `va` and release its physical memory (or, in remap mode, keep the
+    /// page as spare); returns its size and the bytes given back to the driver.
     fn unmap_mapping<D: Driver>(
         &mut self,
         core: &Core<D>,
         seg: u32,
         va: DevicePtr,
-    ) -> std::result::Result<u64, DriverError> {
+    ) -> std::result::Result<(u64, u64), DriverError> {
         let s = self.segments[seg as usize].as_mut().expect("exists");
         let SegmentKind::Expandable { mappings, .. } = &mut s.kind else {
             unreachable!()
@@ -825,6 +987,21 @@ impl Shard {
         let m = mappings
             .get_mut(&va)
             .expect("a free block's mapping exists");
+        if let Some((cid, offset)) = m.piece {
+            let bytes = m.bytes;
+            core.driver.unmap(va, bytes)?;
+            mappings.remove(&va);
+            self.chunks[cid as usize]
+                .as_mut()
+                .expect("mapped piece's chunk")
+                .mapped -= bytes;
+            self.spare.push((cid, offset, bytes));
+            core.ledger
+                .driver
+                .unmaps
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Ok((bytes, 0));
+        }
         // Release first: if that fails nothing changed; a released handle stays alive until
         // its mapping goes, so a failed unmap afterwards still leaves a consistent mapping.
         if !m.released {
@@ -834,11 +1011,14 @@ impl Shard {
         core.driver.unmap(va, m.bytes)?;
         let bytes = m.bytes;
         mappings.remove(&va);
-        core.ledger
-            .driver
+        let counters = &core.ledger.driver;
+        counters
             .unmaps
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(bytes)
+        counters
+            .releases
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok((bytes, bytes))
     }
 
     /// Turn `[lo, hi)` of free block `id` (out of or in the index) into an unmapped block,
@@ -1010,6 +1190,33 @@ impl Shard {
                 id = b.next;
             }
         }
+        for (cid, c) in self.chunks.iter().enumerate() {
+            let Some(c) = c else { continue };
+            let spare: u64 = self
+                .spare
+                .iter()
+                .filter(|r| r.0 as usize == cid)
+                .map(|r| r.2)
+                .sum();
+            let mapped: u64 = self
+                .segments
+                .iter()
+                .flatten()
+                .filter_map(|s| match &s.kind {
+                    SegmentKind::Expandable { mappings, .. } => Some(mappings),
+                    SegmentKind::Plain => None,
+                })
+                .flat_map(|m| m.values())
+                .filter(|m| m.piece.is_some_and(|(id, _)| id as usize == cid))
+                .map(|m| m.bytes)
+                .sum();
+            if mapped != c.mapped || mapped + spare != c.bytes {
+                problems.push(format!(
+                    "chunk {cid} of {} bytes: {} counted mapped, {mapped} mapped, {spare} spare",
+                    c.bytes, c.mapped
+                ));
+            }
+        }
         let mut indexed = 0;
         for p in &self.index {
             for (k, idx) in p.pools.iter().enumerate() {
@@ -1045,28 +1252,47 @@ impl Shard {
     }
 }
 
-/// Create, map and enable one page; on failure undo what this page did.
+/// Create physical memory of `bytes` and map it at `va`; on failure undo what this did.
 fn map_one<D: Driver>(
     driver: &D,
     va: DevicePtr,
-    page: u64,
+    bytes: u64,
 ) -> std::result::Result<PhysHandle, DriverError> {
-    let h = driver.create_physical(page)?;
-    if let Err(e) = driver.map(va, page, h) {
+    let h = driver.create_physical(bytes)?;
+    if let Err(e) = driver.map(va, bytes, h, 0) {
         if let Err(e2) = driver.release_physical(h) {
             tracing::error!(error = %e2, "could not release a physical handle after a failed map");
         }
         return Err(e);
     }
-    if let Err(e) = driver.set_access(va, page) {
+    if let Err(e) = driver.set_access(va, bytes) {
         // Release then unmap: the memory goes when the mapping does.
         let undo = driver
             .release_physical(h)
-            .and_then(|()| driver.unmap(va, page));
+            .and_then(|()| driver.unmap(va, bytes));
         if let Err(e2) = undo {
             tracing::error!(error = %e2, "could not undo a mapping whose access could not be set");
         }
         return Err(e);
     }
     Ok(h)
+}
+
+/// Map `bytes` of an existing handle from `offset` at `va` and enable it; on failure undo the
+/// mapping (the handle stays, with the page spare).
+fn map_piece<D: Driver>(
+    driver: &D,
+    va: DevicePtr,
+    bytes: u64,
+    handle: PhysHandle,
+    offset: u64,
+) -> std::result::Result<(), DriverError> {
+    driver.map(va, bytes, handle, offset)?;
+    if let Err(e) = driver.set_access(va, bytes) {
+        if let Err(e2) = driver.unmap(va, bytes) {
+            tracing::error!(error = %e2, "could not undo a mapping whose access could not be set");
+        }
+        return Err(e);
+    }
+    Ok(())
 }

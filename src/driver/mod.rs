@@ -182,8 +182,9 @@ pub trait Driver: Send + Sync + 'static {
     fn create_physical(&self, bytes: u64) -> DriverResult<PhysHandle>;
     /// Release physical memory (`cuMemRelease`); the memory is freed once it is unmapped.
     fn release_physical(&self, handle: PhysHandle) -> DriverResult<()>;
-    /// Map a whole physical handle at `va` (`cuMemMap`).
-    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle) -> DriverResult<()>;
+    /// Map `bytes` of a physical handle, from `offset` into it, at `va` (`cuMemMap`). Both
+    /// are multiples of the granularity; one handle may be mapped in several pieces.
+    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle, offset: u64) -> DriverResult<()>;
     /// Make a mapped range readable and writable by this device (`cuMemSetAccess`).
     fn set_access(&self, va: DevicePtr, bytes: u64) -> DriverResult<()>;
     /// Unmap a range mapped by one [`Driver::map`] call (`cuMemUnmap`).

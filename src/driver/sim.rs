@@ -6,8 +6,9 @@
 //!   succeeds that would push it above capacity.
 //! - Physical memory is charged from `create_physical` until `release_physical` *and* the last
 //!   unmap (as in CUDA, a released handle stays alive while mapped).
-//! - A mapping covers exactly one whole handle at a granularity-aligned address inside a live
-//!   reservation, never overlapping another mapping; `unmap` takes exactly a mapped range.
+//! - A mapping covers a granularity-aligned piece of one live handle at a granularity-aligned
+//!   address inside a live reservation, never overlapping another mapping; `unmap` takes
+//!   exactly a mapped range.
 //! - Every call is counted by kind before any fault or validation is applied, so tests can
 //!   assert how many driver calls a policy makes and target the Nth call with a fault.
 //!
@@ -523,21 +524,22 @@ impl Driver for SimDriver {
         }
     }
 
-    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle) -> DriverResult<()> {
+    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle, offset: u64) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::Map;
         self.count(CALL)?;
         let g = self.device.config.granularity;
         let mut st = self.device.state.lock();
         let p = st.processes.get_mut(&self.pid).expect("process exists");
-        if !va.is_multiple_of(g) {
-            return Err(Self::invalid(CALL, "unaligned address"));
+        let aligned = |x: u64| x.is_multiple_of(g);
+        if !aligned(va) || !aligned(offset) || bytes == 0 || !aligned(bytes) {
+            return Err(Self::invalid(CALL, "unaligned address, offset or size"));
         }
         match p.phys.get(&handle.0) {
-            Some(ph) if !ph.released && ph.bytes == bytes => {}
+            Some(ph) if !ph.released && offset + bytes <= ph.bytes => {}
             _ => {
                 return Err(Self::invalid(
                     CALL,
-                    "handle unknown, released, or of another size",
+                    "handle unknown, released, or too small",
                 ))
             }
         }

@@ -27,16 +27,20 @@ pub enum Mode {
     Expandable,
     /// vram-ledger's compact mode: request-sized mappings, free memory moved before growing.
     Compact,
+    /// vram-ledger's remap mode: request-sized physical chunks mapped page by page; free pages
+    /// are remapped where a request needs them before anything new is created.
+    Remap,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 3] = [Mode::Native, Mode::Expandable, Mode::Compact];
+    pub const ALL: [Mode; 4] = [Mode::Native, Mode::Expandable, Mode::Compact, Mode::Remap];
 
     pub fn name(self) -> &'static str {
         match self {
             Mode::Native => "native",
             Mode::Expandable => "expandable",
             Mode::Compact => "compact",
+            Mode::Remap => "remap",
         }
     }
 
@@ -45,6 +49,7 @@ impl Mode {
             Mode::Native => "plain cuMemAlloc segments (2 MiB, 20 MiB, 2 MiB multiples), PyTorch's default rules",
             Mode::Expandable => "one virtual reservation per stream and pool, 2 MiB / 20 MiB pages mapped on demand",
             Mode::Compact => "virtual memory mapped in request-sized pieces; free pieces are moved before growing",
+            Mode::Remap => "physical memory in request-sized chunks mapped page by page; free pages are remapped before growing",
         }
     }
 
@@ -63,6 +68,10 @@ impl Mode {
                 mode: SegmentMode::Compact,
                 ..Default::default()
             },
+            Mode::Remap => Config {
+                mode: SegmentMode::Remap,
+                ..Default::default()
+            },
         }
     }
 }
@@ -74,6 +83,8 @@ pub struct ReplayOptions {
     pub capacity: u64,
     /// Timeline points to keep (for the picture); 0 for none.
     pub timeline_points: usize,
+    /// Remap mode's largest mapped piece (default [`crate::allocator::DEFAULT_REMAP_PIECE`]).
+    pub remap_piece: Option<u64>,
 }
 
 /// An H200's memory as `cuMemGetInfo` reports it.
@@ -85,6 +96,7 @@ impl Default for ReplayOptions {
             mode: Mode::Native,
             capacity: H200_CAPACITY,
             timeline_points: 1000,
+            remap_piece: None,
         }
     }
 }
@@ -100,10 +112,23 @@ pub struct Point {
 
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct DriverCalls {
+    /// Plain segments (`cuMemAlloc`) and their frees.
     pub segment_allocs: u64,
     pub segment_frees: u64,
+    /// Virtual-memory maps and unmaps (`cuMemMap`, `cuMemUnmap`).
     pub maps: u64,
     pub unmaps: u64,
+    /// Physical allocations by `cuMemCreate` and their releases. In the expandable and compact
+    /// modes every map creates its own; in remap mode one chunk serves many maps.
+    pub creates: u64,
+    pub releases: u64,
+}
+
+impl DriverCalls {
+    /// Calls that obtain device memory from the driver (segments and physical allocations).
+    pub fn memory_allocations(&self) -> u64 {
+        self.segment_allocs + self.creates
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -127,6 +152,9 @@ pub struct ReplayResult {
     pub unknown_tags: std::collections::BTreeMap<String, u64>,
     pub seconds: f64,
     pub events_per_second: f64,
+    /// Bytes the simulated driver still held for the allocator after everything was freed and
+    /// the cache emptied (0 unless something leaked).
+    pub held_after: u64,
     #[serde(skip)]
     pub timeline: Vec<Point>,
 }
@@ -150,7 +178,11 @@ pub fn replay(
         context_overhead: 0,
         ..Default::default()
     });
-    let alloc = Allocator::new(drv, opts.mode.config())?;
+    let config = Config {
+        remap_piece: opts.remap_piece,
+        ..opts.mode.config()
+    };
+    let alloc = Allocator::new(drv, config)?;
     let start = Instant::now();
     // Trace address -> (our pointer, trace size, tag).
     let mut live: HashMap<u64, (u64, u64, Tag)> = HashMap::with_capacity(4096);
@@ -166,6 +198,7 @@ pub fn replay(
         trace.events.len().div_ceil(opts.timeline_points).max(1)
     };
     let mut timeline = Vec::with_capacity(opts.timeline_points + 1);
+    let mut window = (0usize, 0u64, PerTag::<u64>::default());
     for (i, e) in trace.events.iter().enumerate() {
         match e.action {
             Action::Alloc => match alloc.allocate_tagged(e.size, StreamId(e.stream), e.tag) {
@@ -198,7 +231,9 @@ pub fn replay(
                 if e.action == Action::SegmentAlloc {
                     torch.segment_allocs += 1;
                 } else {
+                    // PyTorch's expandable segments create one handle per mapped page.
                     torch.maps += 1;
+                    torch.creates += 1;
                 }
             }
             Action::SegmentFree | Action::SegmentUnmap => {
@@ -207,17 +242,25 @@ pub fn replay(
                     torch.segment_frees += 1;
                 } else {
                     torch.unmaps += 1;
+                    torch.releases += 1;
                 }
             }
             Action::FreeCompleted | Action::Oom => {}
         }
-        if i % every == 0 {
+        // Each timeline point is the moment of most live memory in its window, so that
+        // short spikes (and the peak) show in the picture.
+        if live_total >= window.1 {
+            window = (i, live_total, live_now);
+        }
+        if (i + 1) % every == 0 {
+            let (event, _, live) = window;
             timeline.push(Point {
-                event: i,
-                live: live_now,
+                event,
+                live,
                 reserved: alloc.ledger().reserved(),
                 torch_reserved,
             });
+            window = (i + 1, 0, live_now);
         }
         if i % 65536 == 0 {
             progress(i);
@@ -243,6 +286,7 @@ pub fn replay(
         alloc.free(ptr)?;
     }
     alloc.empty_cache()?;
+    let held_after = alloc.driver().held_bytes();
     Ok(ReplayResult {
         mode: opts.mode,
         events: trace.events.len(),
@@ -259,6 +303,8 @@ pub fn replay(
             segment_frees: snap.segment_frees,
             maps: snap.maps,
             unmaps: snap.unmaps,
+            creates: snap.creates,
+            releases: snap.releases,
         },
         torch_driver_calls: torch,
         ooms,
@@ -268,6 +314,7 @@ pub fn replay(
         })),
         unknown_tags: trace.unknown_tags.clone(),
         seconds,
+        held_after,
         events_per_second: trace.events.len() as f64 / seconds.max(1e-9),
         timeline,
     })
