@@ -23,9 +23,11 @@
 //! ```
 
 pub mod allocator;
+pub mod cuda;
 pub mod driver;
 pub mod error;
 pub mod invariants;
+pub mod kernels;
 pub mod ledger;
 pub mod replay;
 pub mod report;

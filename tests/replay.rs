@@ -203,7 +203,10 @@ fn replay_rejects_files_that_are_not_snapshots() {
 
 #[test]
 fn replay_cli_json_svg_and_errors() {
-    let exe = env!("CARGO_BIN_EXE_vram-ledger");
+    // Where the binary was built, unless a bundle moved it elsewhere.
+    let exe = std::env::var("VRAM_LEDGER_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_vram-ledger").to_string());
+    let exe = exe.as_str();
     let svg = std::env::temp_dir().join(format!("vram-ledger-{}.svg", std::process::id()));
     let out = Command::new(exe)
         .args([
@@ -246,10 +249,14 @@ fn replay_cli_json_svg_and_errors() {
     for m in Mode::ALL {
         assert!(text.contains(m.name()));
     }
+    let text_file = std::env::temp_dir().join(format!("vram-ledger-{}.txt", std::process::id()));
+    std::fs::write(&text_file, "not a snapshot").unwrap();
     let bad = Command::new(exe)
-        .args(["replay", "Cargo.toml"])
+        .arg("replay")
+        .arg(&text_file)
         .output()
         .unwrap();
+    let _ = std::fs::remove_file(&text_file);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not a pickle"));
     let bad = Command::new(exe)

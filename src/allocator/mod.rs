@@ -265,7 +265,9 @@ impl<D: Driver> Allocator<D> {
         let rounded = rules::round_size(size);
         let cause = {
             let mut sh = self.shard(stream).lock();
-            if !sh.pending.is_empty() {
+            // Completed events are polled here, except while the stream captures a graph
+            // (querying an event would invalidate the capture).
+            if !sh.pending.is_empty() && !self.core.driver.is_capturing(stream) {
                 sh.process_pending(&self.core, false)?;
             }
             if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {

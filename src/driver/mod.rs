@@ -12,6 +12,8 @@
 //! generic allocation handles, event pointers) so that the allocator can store them in its
 //! tables without lifetimes or heap allocation.
 
+pub mod cuda;
+pub mod nvml;
 pub mod sim;
 
 use std::fmt;
@@ -206,4 +208,9 @@ pub trait Driver: Send + Sync + 'static {
     fn destroy_event(&self, event: EventId) -> DriverResult<()>;
     /// Block until all work queued on `stream` completes.
     fn sync_stream(&self, stream: StreamId) -> DriverResult<()>;
+
+    /// Whether `stream` is capturing a CUDA graph: events must not be queried then.
+    fn is_capturing(&self, _stream: StreamId) -> bool {
+        false
+    }
 }

@@ -1,0 +1,156 @@
+//! Host-side latency of allocation on a real GPU, all in one process: vram-ledger's cached
+//! pair, raw cuMemAlloc/cuMemFree, and cuMemAllocAsync/cuMemFreeAsync from a pool whose
+//! release threshold is raised (memory stays cached in the pool); plus vram-ledger's
+//! throughput with 1, 2, 4, 8 threads on distinct streams. Prints one JSON object per line.
+
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+use vram_ledger::cuda::stream_id;
+use vram_ledger::driver::cuda::CudaDriver;
+use vram_ledger::{Allocator, Config, StreamId, Tag};
+
+fn ns_per(iters: u64, f: impl FnMut()) -> f64 {
+    let mut f = f;
+    let t = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    t.elapsed().as_nanos() as f64 / iters as f64
+}
+
+fn mixed_sizes() -> Vec<u64> {
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    (0..64)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let exp = 9 + state % 15;
+            (1u64 << exp) + (state >> 40) % (1u64 << exp)
+        })
+        .collect()
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if vram_ledger::cuda::device_count() == 0 {
+        println!("gpu_bench: no CUDA device here; nothing to measure");
+        return Ok(());
+    }
+    let ctx = CudaContext::new(0)?;
+    let stream = ctx.new_stream()?;
+    let cu_stream = stream.cu_stream();
+    let a = Arc::new(Allocator::new(CudaDriver::new(0)?, Config::default())?);
+    let s = stream_id(&stream);
+    let sizes = [("512B", 512u64), ("1MiB", 1 << 20), ("20MiB", 20 << 20)];
+    for (name, n) in sizes {
+        let w = a.allocate(n, s)?;
+        a.free_on(w.ptr, s)?;
+        let ns = ns_per(2_000_000, || {
+            let x = a
+                .allocate_tagged(std::hint::black_box(n), s, Tag::Activation)
+                .unwrap();
+            a.free_on(x.ptr, s).unwrap();
+        });
+        println!(
+            "{{\"what\":\"vram-ledger cached pair\",\"size\":\"{name}\",\"ns_per_pair\":{ns:.1}}}"
+        );
+    }
+    let sizes64 = mixed_sizes();
+    let mut ptrs = Vec::with_capacity(64);
+    let round = |ptrs: &mut Vec<u64>| {
+        ptrs.extend(sizes64.iter().map(|&n| a.allocate(n, s).unwrap().ptr));
+        for i in (1..64).step_by(2).chain((0..64).step_by(2)) {
+            a.free_on(ptrs[i], s).unwrap();
+        }
+        ptrs.clear();
+    };
+    round(&mut ptrs);
+    let ns = ns_per(50_000, || round(&mut ptrs)) / 64.0;
+    println!("{{\"what\":\"vram-ledger mixed 64\",\"ns_per_pair\":{ns:.1}}}");
+
+    // Raw driver allocation.
+    for (name, n) in sizes {
+        let iters = if n >= 20 << 20 { 500 } else { 2000 };
+        let ns = ns_per(iters, || unsafe {
+            let mut p = 0;
+            sys::cuMemAlloc_v2(&mut p, n as usize).result().unwrap();
+            sys::cuMemFree_v2(p).result().unwrap();
+        });
+        println!(
+            "{{\"what\":\"cuMemAlloc+cuMemFree\",\"size\":\"{name}\",\"ns_per_pair\":{ns:.1}}}"
+        );
+    }
+
+    // Stream-ordered pool with the release threshold raised.
+    let pool = unsafe {
+        let mut props: sys::CUmemPoolProps = std::mem::zeroed();
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = 0;
+        let mut pool = std::ptr::null_mut();
+        sys::cuMemPoolCreate(&mut pool, &props).result()?;
+        let mut threshold = u64::MAX;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut _,
+        )
+        .result()?;
+        pool
+    };
+    for (name, n) in sizes {
+        let pair = || unsafe {
+            let mut p = 0;
+            sys::cuMemAllocFromPoolAsync(&mut p, n as usize, pool, cu_stream)
+                .result()
+                .unwrap();
+            sys::cuMemFreeAsync(p, cu_stream).result().unwrap();
+        };
+        ns_per(1000, pair);
+        let ns = ns_per(200_000, pair);
+        stream.synchronize()?;
+        println!("{{\"what\":\"cuMemAllocAsync+cuMemFreeAsync (pool)\",\"size\":\"{name}\",\"ns_per_pair\":{ns:.1}}}");
+    }
+
+    // Throughput with threads on distinct streams.
+    let mut base = 0.0;
+    for threads in [1usize, 2, 4, 8] {
+        const PAIRS: u64 = 2_000_000;
+        let streams: Vec<StreamId> = (0..threads)
+            .map(|_| stream_id(&ctx.new_stream().unwrap()))
+            .collect();
+        let barrier = Arc::new(Barrier::new(threads + 1));
+        let hs: Vec<_> = streams
+            .into_iter()
+            .map(|st| {
+                let (a, barrier) = (a.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    let w = a.allocate(4096, st).unwrap();
+                    a.free_on(w.ptr, st).unwrap();
+                    barrier.wait();
+                    for _ in 0..PAIRS {
+                        let x = a
+                            .allocate_tagged(std::hint::black_box(4096), st, Tag::Activation)
+                            .unwrap();
+                        a.free_on(x.ptr, st).unwrap();
+                    }
+                })
+            })
+            .collect();
+        barrier.wait();
+        let t = Instant::now();
+        for h in hs {
+            h.join().unwrap();
+        }
+        let mpairs = (PAIRS * threads as u64) as f64 / t.elapsed().as_secs_f64() / 1e6;
+        if threads == 1 {
+            base = mpairs;
+        }
+        println!("{{\"what\":\"vram-ledger threads\",\"threads\":{threads},\"mpairs_per_s\":{mpairs:.2},\"speedup\":{:.2}}}", mpairs / base);
+    }
+    a.empty_cache()?;
+    Ok(())
+}

@@ -1,0 +1,74 @@
+//! Shared set-up of the GPU tests: they run on a real device when one is there, and otherwise
+//! say that they were skipped and pass.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use vram_ledger::driver::cuda::{self, CudaDriver};
+use vram_ledger::kernels::PatternKernels;
+use vram_ledger::{Allocator, Config, SegmentMode};
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub kernels: PatternKernels,
+}
+
+/// The GPU, or `None` after printing why the test is skipped.
+pub fn gpu(test: &str) -> Option<Gpu> {
+    if !cuda::available() {
+        let why = cuda::device_count()
+            .err()
+            .map_or("no CUDA device".to_string(), |e| e.to_string());
+        println!("{test}: skipped: {why}");
+        return None;
+    }
+    let ctx = CudaContext::new(0).expect("a CUDA context on device 0");
+    let stream = ctx.default_stream();
+    let kernels = PatternKernels::load(&ctx).expect("kernels compile with NVRTC");
+    Some(Gpu {
+        ctx,
+        stream,
+        kernels,
+    })
+}
+
+pub fn allocator(mode: SegmentMode) -> Arc<Allocator<CudaDriver>> {
+    Arc::new(
+        Allocator::new(
+            CudaDriver::new(0).expect("device 0"),
+            Config {
+                mode,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    )
+}
+
+impl Gpu {
+    pub fn counter(&self) -> CudaSlice<u64> {
+        self.stream.alloc_zeros::<u64>(1).unwrap()
+    }
+
+    pub fn read(&self, c: &CudaSlice<u64>) -> u64 {
+        self.stream.clone_dtoh(c).unwrap()[0]
+    }
+}
+
+/// A small deterministic generator, so that a failing sequence can be replayed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}

@@ -1,0 +1,45 @@
+//! On a real GPU: allocate until the device is full, get a clean out-of-memory error with the
+//! breakdown, then free and go on.
+
+mod common;
+
+use common::{allocator, gpu};
+use vram_ledger::cuda::stream_id;
+use vram_ledger::{Error, SegmentMode, Tag};
+
+#[test]
+fn gpu_allocate_until_oom_then_recover() {
+    let Some(g) = gpu("gpu_oom") else { return };
+    for mode in [SegmentMode::Plain, SegmentMode::Remap] {
+        let a = allocator(mode);
+        let s = stream_id(&g.stream);
+        let mut held = Vec::new();
+        let err = loop {
+            match a.allocate_tagged(4 << 30, s, Tag::KvCache) {
+                Ok(x) => held.push(x),
+                Err(e) => break e,
+            }
+        };
+        let Error::OutOfMemory(r) = &err else {
+            panic!("{mode:?}: expected OOM, got {err}")
+        };
+        println!("{mode:?}: OOM after {} x 4 GiB: {err}", held.len());
+        assert!(held.len() >= 20, "an H200 holds at least 80 GiB");
+        assert_eq!(r.requested, 4 << 30);
+        assert_eq!(r.allocated, held.len() as u64 * (4 << 30));
+        assert_eq!(r.per_tag[Tag::KvCache], r.allocated);
+        assert!(
+            r.device_total > r.allocated && r.device_free < 4 << 30,
+            "{r:?}"
+        );
+        assert_eq!(a.snapshot().ooms, 1);
+        // Free one and the same request succeeds.
+        a.free_on(held.pop().unwrap().ptr, s).unwrap();
+        held.push(a.allocate_tagged(4 << 30, s, Tag::KvCache).unwrap());
+        for x in held {
+            a.free_on(x.ptr, s).unwrap();
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(a.snapshot().reserved_bytes.current, 0);
+    }
+}
