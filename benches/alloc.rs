@@ -92,8 +92,8 @@ fn mixed(c: &mut Criterion) {
 
 fn threads(c: &mut Criterion) {
     let mut g = c.benchmark_group("threads");
-    g.measurement_time(Duration::from_secs(4));
-    const PAIRS: u64 = 20_000;
+    g.measurement_time(Duration::from_secs(6)).sample_size(10);
+    const PAIRS: u64 = 200_000;
     for n in [1usize, 2, 4, 8] {
         let a = Arc::new(allocator(SegmentMode::Plain));
         g.throughput(Throughput::Elements(PAIRS * n as u64));

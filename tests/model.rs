@@ -43,13 +43,19 @@ const FAULTABLE: [DriverCall; 14] = [
     DriverCall::MemInfo,
 ];
 
-/// Streams 0..3 land in distinct shards; stream 3 shares stream 0's shard, so that several
-/// streams' free lists in one shard are exercised too.
 fn stream(i: u8) -> StreamId {
-    match i {
-        3 => StreamId(0xd0),
-        i => StreamId(u64::from(i) * 0x1000),
+    StreamId(u64::from(i) * 0x1000)
+}
+
+/// Shards are dealt to streams round-robin on first use. Claim them so that stream 3 shares
+/// stream 0's shard (several streams' free lists in one shard) and streams 1 and 2 have their
+/// own.
+fn place_streams(a: &Allocator<SimDriver>) {
+    a.shard_of(stream(0));
+    for i in 0..15 {
+        a.shard_of(StreamId(0xdead_0000 + i));
     }
+    a.shard_of(stream(3));
 }
 
 fn size_strategy() -> impl Strategy<Value = u64> {
@@ -90,11 +96,8 @@ struct Shadow {
 }
 
 impl Shadow {
-    fn key(a: &Allocation) -> (usize, usize) {
-        (Allocator::<SimDriver>::shard_of(a.stream), a.tag.index())
-    }
-    fn add(&mut self, a: Allocation) {
-        let k = Self::key(&a);
+    fn add(&mut self, a: Allocation, shard: usize) {
+        let k = (shard, a.tag.index());
         let now = self.now.entry(k).or_default();
         *now += a.size;
         let p = self.peak.entry(k).or_default();
@@ -104,9 +107,9 @@ impl Shadow {
         self.global_peak[t] = self.global_peak[t].max(self.global_now[t]);
         self.live.push(a);
     }
-    fn remove(&mut self, i: usize) -> Allocation {
+    fn remove(&mut self, i: usize, shard: usize) -> Allocation {
         let a = self.live.swap_remove(i);
-        *self.now.get_mut(&Self::key(&a)).unwrap() -= a.size;
+        *self.now.get_mut(&(shard, a.tag.index())).unwrap() -= a.size;
         self.global_now[a.tag.index()] -= a.size;
         a
     }
@@ -199,6 +202,7 @@ fn run(mode: SegmentMode, ops: Vec<Op>) -> Result<(), TestCaseError> {
     )
     .unwrap();
     let dev = a.driver().device().clone();
+    place_streams(&a);
     let mut shadow = Shadow::default();
     for op in ops {
         match op {
@@ -212,7 +216,7 @@ fn run(mode: SegmentMode, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     Ok(x) => {
                         prop_assert!(x.size >= x.requested && x.requested == size);
                         prop_assert_eq!(x.size % 512, 0);
-                        shadow.add(x);
+                        shadow.add(x, a.shard_of(x.stream));
                     }
                     Err(Error::OutOfMemory(r)) => prop_assert_eq!(r.requested, size),
                     Err(Error::Driver(_)) => {}
@@ -238,7 +242,7 @@ fn run(mode: SegmentMode, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 };
                 match r {
                     Ok(()) => {
-                        shadow.remove(i);
+                        shadow.remove(i, a.shard_of(x.stream));
                         // A second free of the same pointer is an error that changes nothing.
                         if x.ptr != 0 {
                             let before = a.snapshot();
@@ -293,7 +297,7 @@ fn run(mode: SegmentMode, ops: Vec<Op>) -> Result<(), TestCaseError> {
             .map_err(|e| TestCaseError::fail(format!("final free: {e}")))?;
         shadow.live.push(x);
         let last = shadow.live.len() - 1;
-        shadow.remove(last);
+        shadow.remove(last, a.shard_of(x.stream));
     }
     dev.complete_all();
     a.empty_cache()
@@ -330,7 +334,9 @@ proptest! {
 
 #[test]
 fn model_streams_cover_shared_and_distinct_shards() {
-    let shard = |i| Allocator::<SimDriver>::shard_of(stream(i));
+    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    place_streams(&a);
+    let shard = |i| a.shard_of(stream(i));
     assert_eq!(shard(3), shard(0));
     assert_ne!(shard(1), shard(0));
     assert_ne!(shard(2), shard(0));

@@ -14,6 +14,7 @@ pub(crate) mod free_index;
 pub mod rules;
 pub(crate) mod shard;
 mod spin;
+mod streams;
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -21,6 +22,7 @@ use crossbeam::utils::CachePadded;
 
 use self::shard::{GrowError, Shard};
 use self::spin::SpinLock;
+use self::streams::{StreamTable, SHARDS};
 use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{gib, Error, OomReport, Result};
 use crate::ledger::{Ledger, PerTag, Snapshot};
@@ -65,13 +67,13 @@ pub struct Config {
     /// Cached blocks at least this large are never split (PyTorch's `max_split_size_mb`).
     pub max_split_size: Option<u64>,
     /// Remap mode: the largest piece of large-pool memory one map call covers (rounded up to
-    /// the granularity; default 96 MiB). Smaller pieces can be moved more finely (less
+    /// the granularity; default 88 MiB). Smaller pieces can be moved more finely (less
     /// fragmentation) but cost more map calls; the README has the measured trade-off.
     pub remap_piece: Option<u64>,
 }
 
 /// Default [`Config::remap_piece`].
-pub const DEFAULT_REMAP_PIECE: u64 = 96 << 20;
+pub const DEFAULT_REMAP_PIECE: u64 = 88 << 20;
 
 /// One live allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,19 +126,11 @@ impl<D: Driver> Core<D> {
     }
 }
 
-const SHARDS: usize = 16;
-
 /// A caching allocator for one device.
 pub struct Allocator<D: Driver> {
     core: Core<D>,
+    streams: StreamTable,
     shards: Box<[CachePadded<SpinLock<Shard>>]>,
-}
-
-#[inline]
-fn shard_index(stream: StreamId) -> usize {
-    // Stream handles are pointers: drop the alignment bits, then mix.
-    let h = (stream.0 >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (h >> 60) as usize % SHARDS
 }
 
 impl<D: Driver> Allocator<D> {
@@ -165,6 +159,7 @@ impl<D: Driver> Allocator<D> {
         };
         let a = Allocator {
             core,
+            streams: StreamTable::default(),
             shards: (0..SHARDS)
                 .map(|id| CachePadded::new(SpinLock::new(Shard::new(id))))
                 .collect(),
@@ -224,15 +219,15 @@ impl<D: Driver> Allocator<D> {
         Some(self.core.limit.load(Relaxed)).filter(|&l| l != u64::MAX)
     }
 
-    /// The shard that serves `stream`. Peaks are kept per shard and summed (see
-    /// [`crate::ledger`]), so this tells which streams' peaks add up exactly.
-    pub fn shard_of(stream: StreamId) -> usize {
-        shard_index(stream)
+    /// The shard that serves `stream` (assigned on first use). Peaks are kept per shard and
+    /// summed (see [`crate::ledger`]), so this tells which streams' peaks add up exactly.
+    pub fn shard_of(&self, stream: StreamId) -> usize {
+        self.streams.shard(stream)
     }
 
     #[inline]
     fn shard(&self, stream: StreamId) -> &SpinLock<Shard> {
-        &self.shards[shard_index(stream)]
+        &self.shards[self.streams.shard(stream)]
     }
 
     /// Allocate `size` bytes for use on `stream`, tagged with this thread's current tag.
@@ -376,13 +371,11 @@ impl<D: Driver> Allocator<D> {
         if ptr == 0 {
             return Ok(());
         }
-        {
-            let mut sh = self.shard(stream).lock();
-            if sh.owns(ptr) {
-                return sh.free(&self.core, ptr);
-            }
+        // An unknown pointer changes nothing in the shard, so trying it there first is safe.
+        match self.shard(stream).lock().free(&self.core, ptr) {
+            Err(Error::UnknownPointer(_)) => self.free(ptr),
+            done => done,
         }
-        self.free(ptr)
     }
 
     /// Record that `stream` uses the allocation at `ptr`: when it is freed, its memory is not
@@ -430,22 +423,5 @@ impl<D: Driver> Allocator<D> {
         dump.ledger = self.snapshot();
         dump.committed = self.core.committed.load(Relaxed);
         dump
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn shard_index_spreads_streams() {
-        let used: std::collections::HashSet<usize> = (1..=64u64)
-            .map(|i| shard_index(StreamId(0x5555_0000 + i * 0x40)))
-            .collect();
-        assert!(
-            used.len() >= 8,
-            "64 streams landed in only {} shards",
-            used.len()
-        );
     }
 }

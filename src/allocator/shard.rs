@@ -58,18 +58,16 @@ pub(crate) struct Mapping {
     pub handle: PhysHandle,
     /// The handle was released but the unmap failed: the mapping still holds the memory.
     pub released: bool,
-    /// In remap mode, the chunk and offset of the physical memory mapped; the mapping does
-    /// not own the handle, and unmapping it only makes that memory spare.
-    pub piece: Option<(u32, u64)>,
+    /// Remap mode: unmapping keeps the handle as a spare piece (to be mapped again where it
+    /// is needed) instead of releasing it.
+    pub pooled: bool,
 }
 
-/// Remap mode: one physical allocation, mapped page by page wherever pages are needed.
-#[derive(Debug)]
-pub(crate) struct Chunk {
+/// Remap mode: a physical handle held but not mapped.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Spare {
     pub handle: PhysHandle,
     pub bytes: u64,
-    /// Bytes of it currently mapped; the rest is in the shard's spare list.
-    pub mapped: u64,
 }
 
 #[derive(Debug)]
@@ -134,10 +132,8 @@ pub(crate) struct Shard {
     pub(crate) pending: Vec<(EventId, BlockId)>,
     /// The expandable segment of each (stream, pool) in this shard.
     expandable: Vec<(StreamId, PoolKind, u32)>,
-    /// Remap mode: physical chunks, and the ranges of them held but not mapped, as
-    /// (chunk, offset, length).
-    pub(crate) chunks: Vec<Option<Chunk>>,
-    pub(crate) spare: Vec<(u32, u64, u64)>,
+    /// Remap mode: physical handles held but not mapped.
+    pub(crate) spare: Vec<Spare>,
 }
 
 impl Shard {
@@ -317,7 +313,9 @@ impl Shard {
     /// Return an allocation to the cache (or to the pending list when other streams used it).
     /// Unknown pointers are an error and change nothing.
     pub(crate) fn free<D: Driver>(&mut self, core: &Core<D>, ptr: DevicePtr) -> Result<()> {
-        let &id = self.live.get(&ptr).ok_or(Error::UnknownPointer(ptr))?;
+        let Some(&id) = self.live.get(&ptr) else {
+            return Err(Error::UnknownPointer(ptr));
+        };
         if self.blocks[id].used_streams.is_empty() {
             self.live.remove(&ptr);
             let b = &self.blocks[id];
@@ -355,7 +353,10 @@ impl Shard {
 
     /// Note that `stream` uses the allocation at `ptr`.
     pub(crate) fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
-        let &id = self.live.get(&ptr).ok_or(Error::UnknownPointer(ptr))?;
+        let &id = self
+            .live
+            .get(&ptr)
+            .ok_or_else(|| Error::UnknownPointer(ptr))?;
         let b = &mut self.blocks[id];
         if stream != b.stream && !b.used_streams.contains(&stream) {
             b.used_streams.push(stream);
@@ -616,7 +617,8 @@ impl Shard {
                 PoolKind::Small => core.granularity,
                 PoolKind::Large => core.remap_piece,
             };
-            self.map_spare(core, seg, start, bytes, piece)?
+            let room = self.blocks[u].size;
+            self.map_spare(core, seg, start, bytes, room, piece)
         } else {
             core.commit(bytes).map_err(GrowError::Memory)?;
             let chunk = if per_unit { unit } else { bytes };
@@ -625,19 +627,24 @@ impl Shard {
             if mapped > 0 {
                 core.ledger.on_reserve(mapped, false);
             }
-            (mapped, err)
+            (mapped, err.map(GrowError::from))
         };
         if mapped == 0 {
-            return Err(err.expect("nothing mapped means an error").into());
+            return Err(err.expect("nothing mapped means an error"));
         }
         // The mapped front of the unmapped block becomes a free block, merged with its
         // neighbours; by the choice above the merged block holds the request.
         let id = self.split_front(u, mapped, seg);
         let id = self.insert_free(id);
         if let Some(e) = err {
-            return Err(e.into());
+            // What was mapped stays, cached and accounted.
+            return Err(e);
         }
-        debug_assert!(self.blocks[id].size >= rounded);
+        if self.blocks[id].size < rounded {
+            return Err(GrowError::Memory(
+                "the mapped memory is not contiguous with enough free memory".into(),
+            ));
+        }
         self.index_remove(id);
         Ok(id)
     }
@@ -671,7 +678,7 @@ impl Shard {
                             bytes: chunk,
                             handle,
                             released: false,
-                            piece: None,
+                            pooled: false,
                         };
                         mappings.insert(va, m);
                     }
@@ -685,68 +692,70 @@ impl Shard {
 
     /// Remap mode: physical memory held but not mapped.
     pub(crate) fn spare_bytes(&self) -> u64 {
-        self.spare.iter().map(|r| r.2).sum()
+        self.spare.iter().map(|p| p.bytes).sum()
     }
 
-    /// Remap mode: map `bytes` from `start` out of spare memory, in pieces of at most `piece`
-    /// bytes (each one `cuMemMap`, so that each can later be unmapped and moved on its own),
-    /// creating one new chunk for what spare memory cannot cover. Returns the bytes mapped (a
-    /// prefix) and the error that stopped it; what was not mapped stays spare.
+    /// Remap mode: map at least `bytes` (at most `room`) from `start`, one whole handle per map
+    /// call: spare handles first (the smallest that covers what is left, else the largest that
+    /// fits), then new handles of at most `piece` bytes. Returns the bytes mapped (a prefix)
+    /// and the error that stopped it; a handle that could not be mapped stays spare.
     fn map_spare<D: Driver>(
         &mut self,
         core: &Core<D>,
         seg: u32,
         start: DevicePtr,
         bytes: u64,
+        room: u64,
         piece: u64,
-    ) -> std::result::Result<(u64, Option<DriverError>), GrowError> {
-        let short = bytes.saturating_sub(self.spare_bytes());
-        if short > 0 {
-            core.commit(short).map_err(GrowError::Memory)?;
-            let handle = match core.driver.create_physical(short) {
-                Ok(h) => h,
-                Err(e) => {
-                    core.uncommit(short);
-                    return Err(e.into());
-                }
-            };
-            core.ledger
-                .driver
-                .creates
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            core.ledger.on_reserve(short, false);
-            let cid = match self.chunks.iter().position(Option::is_none) {
-                Some(i) => i,
-                None => {
-                    self.chunks.push(None);
-                    self.chunks.len() - 1
-                }
-            } as u32;
-            self.chunks[cid as usize] = Some(Chunk {
-                handle,
-                bytes: short,
-                mapped: 0,
-            });
-            self.spare.push((cid, 0, short));
-        }
+    ) -> (u64, Option<GrowError>) {
+        let g = core.granularity;
         let mut done = 0;
         while done < bytes {
-            let (cid, offset, len) = *self.spare.last().expect("enough spare memory");
-            let take = len.min(piece).min(bytes - done);
-            let handle = self.chunks[cid as usize]
-                .as_ref()
-                .expect("spare memory's chunk")
-                .handle;
+            let (left, fits) = (bytes - done, room - done);
+            let covering = self
+                .spare
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.bytes >= left && p.bytes <= fits)
+                .min_by_key(|(_, p)| p.bytes);
+            let largest = || {
+                self.spare
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.bytes <= fits)
+                    .max_by_key(|(_, p)| p.bytes)
+            };
+            let p = match covering.or_else(largest).map(|(i, _)| i) {
+                Some(i) => self.spare.swap_remove(i),
+                None => {
+                    let size = piece.min(left.div_ceil(g) * g);
+                    if let Err(m) = core.commit(size) {
+                        return (done, Some(GrowError::Memory(m)));
+                    }
+                    match core.driver.create_physical(size) {
+                        Ok(handle) => {
+                            core.ledger
+                                .driver
+                                .creates
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            core.ledger.on_reserve(size, false);
+                            Spare {
+                                handle,
+                                bytes: size,
+                            }
+                        }
+                        Err(e) => {
+                            core.uncommit(size);
+                            return (done, Some(e.into()));
+                        }
+                    }
+                }
+            };
             let va = start + done;
-            if let Err(e) = map_piece(&core.driver, va, take, handle, offset) {
-                return Ok((done, Some(e)));
+            if let Err(e) = map_piece(&core.driver, va, p.bytes, p.handle) {
+                self.spare.push(p);
+                return (done, Some(e.into()));
             }
-            if take == len {
-                self.spare.pop();
-            } else {
-                *self.spare.last_mut().expect("present") = (cid, offset + take, len - take);
-            }
-            self.chunks[cid as usize].as_mut().expect("exists").mapped += take;
             core.ledger
                 .driver
                 .maps
@@ -754,35 +763,31 @@ impl Shard {
             let s = self.segments[seg as usize].as_mut().expect("exists");
             if let SegmentKind::Expandable { mappings, .. } = &mut s.kind {
                 let m = Mapping {
-                    bytes: take,
-                    handle,
+                    bytes: p.bytes,
+                    handle: p.handle,
                     released: false,
-                    piece: Some((cid, offset)),
+                    pooled: true,
                 };
                 mappings.insert(va, m);
             }
-            done += take;
+            done += p.bytes;
         }
-        Ok((done, None))
+        (done, None)
     }
 
-    /// Remap mode: give back chunks none of whose pages are mapped.
-    fn release_spare_chunks<D: Driver>(&mut self, core: &Core<D>) -> Result<()> {
-        for cid in 0..self.chunks.len() {
-            let Some(c) = &self.chunks[cid] else { continue };
-            if c.mapped > 0 {
-                continue;
+    /// Remap mode: give the spare handles back to the driver.
+    fn release_spare<D: Driver>(&mut self, core: &Core<D>) -> Result<()> {
+        while let Some(p) = self.spare.pop() {
+            if let Err(e) = core.driver.release_physical(p.handle) {
+                self.spare.push(p);
+                return Err(e.into());
             }
-            core.driver.release_physical(c.handle)?;
-            let bytes = c.bytes;
-            self.chunks[cid] = None;
-            self.spare.retain(|&(id, ..)| id as usize != cid);
             core.ledger
                 .driver
                 .releases
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            core.ledger.on_unreserve(bytes, false);
-            core.uncommit(bytes);
+            core.ledger.on_unreserve(p.bytes, false);
+            core.uncommit(p.bytes);
         }
         Ok(())
     }
@@ -847,7 +852,7 @@ impl Shard {
                 first_err.get_or_insert(e);
             }
         }
-        if let Err(e) = self.release_spare_chunks(core) {
+        if let Err(e) = self.release_spare(core) {
             first_err.get_or_insert(e);
         }
         first_err.map_or(Ok(()), Err)
@@ -987,15 +992,11 @@ impl Shard {
         let m = mappings
             .get_mut(&va)
             .expect("a free block's mapping exists");
-        if let Some((cid, offset)) = m.piece {
-            let bytes = m.bytes;
+        if m.pooled {
+            let (bytes, handle) = (m.bytes, m.handle);
             core.driver.unmap(va, bytes)?;
             mappings.remove(&va);
-            self.chunks[cid as usize]
-                .as_mut()
-                .expect("mapped piece's chunk")
-                .mapped -= bytes;
-            self.spare.push((cid, offset, bytes));
+            self.spare.push(Spare { handle, bytes });
             core.ledger
                 .driver
                 .unmaps
@@ -1190,33 +1191,6 @@ impl Shard {
                 id = b.next;
             }
         }
-        for (cid, c) in self.chunks.iter().enumerate() {
-            let Some(c) = c else { continue };
-            let spare: u64 = self
-                .spare
-                .iter()
-                .filter(|r| r.0 as usize == cid)
-                .map(|r| r.2)
-                .sum();
-            let mapped: u64 = self
-                .segments
-                .iter()
-                .flatten()
-                .filter_map(|s| match &s.kind {
-                    SegmentKind::Expandable { mappings, .. } => Some(mappings),
-                    SegmentKind::Plain => None,
-                })
-                .flat_map(|m| m.values())
-                .filter(|m| m.piece.is_some_and(|(id, _)| id as usize == cid))
-                .map(|m| m.bytes)
-                .sum();
-            if mapped != c.mapped || mapped + spare != c.bytes {
-                problems.push(format!(
-                    "chunk {cid} of {} bytes: {} counted mapped, {mapped} mapped, {spare} spare",
-                    c.bytes, c.mapped
-                ));
-            }
-        }
         let mut indexed = 0;
         for p in &self.index {
             for (k, idx) in p.pools.iter().enumerate() {
@@ -1259,7 +1233,7 @@ fn map_one<D: Driver>(
     bytes: u64,
 ) -> std::result::Result<PhysHandle, DriverError> {
     let h = driver.create_physical(bytes)?;
-    if let Err(e) = driver.map(va, bytes, h, 0) {
+    if let Err(e) = driver.map(va, bytes, h) {
         if let Err(e2) = driver.release_physical(h) {
             tracing::error!(error = %e2, "could not release a physical handle after a failed map");
         }
@@ -1278,16 +1252,15 @@ fn map_one<D: Driver>(
     Ok(h)
 }
 
-/// Map `bytes` of an existing handle from `offset` at `va` and enable it; on failure undo the
-/// mapping (the handle stays, with the page spare).
+/// Map an existing handle of `bytes` at `va` and enable it; on failure undo the mapping (the
+/// handle stays, spare).
 fn map_piece<D: Driver>(
     driver: &D,
     va: DevicePtr,
     bytes: u64,
     handle: PhysHandle,
-    offset: u64,
 ) -> std::result::Result<(), DriverError> {
-    driver.map(va, bytes, handle, offset)?;
+    driver.map(va, bytes, handle)?;
     if let Err(e) = driver.set_access(va, bytes) {
         if let Err(e2) = driver.unmap(va, bytes) {
             tracing::error!(error = %e2, "could not undo a mapping whose access could not be set");

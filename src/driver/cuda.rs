@@ -275,12 +275,12 @@ impl Driver for CudaDriver {
         self.relaxed(CALL, || check(CALL, unsafe { sys::cuMemRelease(handle.0) }))
     }
 
-    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle, offset: u64) -> DriverResult<()> {
+    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::Map;
         // SAFETY: an unmapped, granularity-aligned range inside a reservation.
         self.relaxed(CALL, || {
             check(CALL, unsafe {
-                sys::cuMemMap(va, bytes as usize, offset as usize, handle.0, 0)
+                sys::cuMemMap(va, bytes as usize, 0, handle.0, 0)
             })
         })
     }

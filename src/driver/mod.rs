@@ -184,9 +184,9 @@ pub trait Driver: Send + Sync + 'static {
     fn create_physical(&self, bytes: u64) -> DriverResult<PhysHandle>;
     /// Release physical memory (`cuMemRelease`); the memory is freed once it is unmapped.
     fn release_physical(&self, handle: PhysHandle) -> DriverResult<()>;
-    /// Map `bytes` of a physical handle, from `offset` into it, at `va` (`cuMemMap`). Both
-    /// are multiples of the granularity; one handle may be mapped in several pieces.
-    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle, offset: u64) -> DriverResult<()>;
+    /// Map a whole physical handle of `bytes` at `va` (`cuMemMap`; CUDA maps whole handles
+    /// only: a non-zero offset is not supported).
+    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle) -> DriverResult<()>;
     /// Make a mapped range readable and writable by this device (`cuMemSetAccess`).
     fn set_access(&self, va: DevicePtr, bytes: u64) -> DriverResult<()>;
     /// Unmap a range mapped by one [`Driver::map`] call (`cuMemUnmap`).

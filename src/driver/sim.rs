@@ -6,7 +6,7 @@
 //!   succeeds that would push it above capacity.
 //! - Physical memory is charged from `create_physical` until `release_physical` *and* the last
 //!   unmap (as in CUDA, a released handle stays alive while mapped).
-//! - A mapping covers a granularity-aligned piece of one live handle at a granularity-aligned
+//! - A mapping covers exactly one whole live handle (as CUDA requires) at a granularity-aligned
 //!   address inside a live reservation, never overlapping another mapping; `unmap` takes
 //!   exactly a mapped range.
 //! - Every call is counted by kind before any fault or validation is applied, so tests can
@@ -524,22 +524,21 @@ impl Driver for SimDriver {
         }
     }
 
-    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle, offset: u64) -> DriverResult<()> {
+    fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::Map;
         self.count(CALL)?;
         let g = self.device.config.granularity;
         let mut st = self.device.state.lock();
         let p = st.processes.get_mut(&self.pid).expect("process exists");
-        let aligned = |x: u64| x.is_multiple_of(g);
-        if !aligned(va) || !aligned(offset) || bytes == 0 || !aligned(bytes) {
-            return Err(Self::invalid(CALL, "unaligned address, offset or size"));
+        if !va.is_multiple_of(g) {
+            return Err(Self::invalid(CALL, "unaligned address"));
         }
         match p.phys.get(&handle.0) {
-            Some(ph) if !ph.released && offset + bytes <= ph.bytes => {}
+            Some(ph) if !ph.released && ph.bytes == bytes => {}
             _ => {
                 return Err(Self::invalid(
                     CALL,
-                    "handle unknown, released, or too small",
+                    "handle unknown, released, or not exactly this size",
                 ))
             }
         }
