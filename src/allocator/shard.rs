@@ -356,7 +356,7 @@ impl Shard {
         let &id = self
             .live
             .get(&ptr)
-            .ok_or_else(|| Error::UnknownPointer(ptr))?;
+            .ok_or(Error::UnknownPointer(ptr))?;
         let b = &mut self.blocks[id];
         if stream != b.stream && !b.used_streams.contains(&stream) {
             b.used_streams.push(stream);
