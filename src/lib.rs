@@ -29,6 +29,7 @@ pub mod error;
 pub mod invariants;
 pub mod kernels;
 pub mod ledger;
+pub mod profile;
 pub mod replay;
 pub mod report;
 pub mod tag;

@@ -353,10 +353,7 @@ impl Shard {
 
     /// Note that `stream` uses the allocation at `ptr`.
     pub(crate) fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
-        let &id = self
-            .live
-            .get(&ptr)
-            .ok_or(Error::UnknownPointer(ptr))?;
+        let &id = self.live.get(&ptr).ok_or(Error::UnknownPointer(ptr))?;
         let b = &mut self.blocks[id];
         if stream != b.stream && !b.used_streams.contains(&stream) {
             b.used_streams.push(stream);

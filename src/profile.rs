@@ -1,0 +1,456 @@
+//! Profiling: an exact KV-cache budget from the ledger, with other processes never charged.
+//!
+//! The budget is `requested − non-KV − margin`, where `requested = ceil(total × utilization)`
+//! and the non-KV memory is what this process needs besides the KV cache:
+//! - the allocator's peak during the dummy pass (weights, activation and untracked peaks, and
+//!   the cache slack the allocator reserved around them), from the ledger; and
+//! - memory outside the allocator (CUDA context, libraries, NCCL, `cudaMalloc` behind our
+//!   back) = this process's usage as the driver reports it (NVML, per PID) − reserved bytes.
+//!
+//! Other processes' memory is `device used − this process's usage`: reported, never charged.
+//! When the driver cannot see this process, the non-allocator memory falls back to vLLM's
+//! method (device-wide used bytes minus reserved, as a delta from a baseline), the result says
+//! so, profiling fails if device free memory rose meanwhile (another process freed memory),
+//! and warns if it fell by more than this process can account for.
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+use crate::driver::{Driver, MemInfo};
+use crate::error::gib;
+use crate::ledger::Snapshot;
+use crate::{Allocator, Tag};
+
+/// Where a snapshot's "this process's usage" came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UsageSource {
+    /// The driver's per-process accounting (NVML).
+    Process,
+    /// Not available: device-wide figures stand in for it (vLLM's method).
+    DeviceWide,
+}
+
+/// The ledger, the device and this process at one moment.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemorySnapshot {
+    pub ledger: Snapshot,
+    pub device: MemInfo,
+    /// This process's usage (NVML), when the driver can tell.
+    pub process_usage: Option<u64>,
+    pub source: UsageSource,
+    /// Seconds since the Unix epoch.
+    pub time: f64,
+}
+
+impl MemorySnapshot {
+    pub fn take<D: Driver>(alloc: &Allocator<D>) -> Result<Self, ProfileError> {
+        let device = alloc.driver().mem_info()?;
+        let process_usage = alloc.driver().process_usage()?;
+        let ledger = alloc.snapshot();
+        Ok(MemorySnapshot {
+            ledger,
+            device,
+            process_usage,
+            source: if process_usage.is_some() {
+                UsageSource::Process
+            } else {
+                UsageSource::DeviceWide
+            },
+            time: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+        })
+    }
+
+    /// Device-wide used bytes.
+    pub fn device_used(&self) -> u64 {
+        self.device.total - self.device.free
+    }
+
+    /// Memory of this process outside the allocator, when the driver can see the process.
+    pub fn non_allocator(&self) -> Option<u64> {
+        self.process_usage
+            .map(|u| u.saturating_sub(self.ledger.reserved_bytes.current))
+    }
+
+    /// vLLM's "non-torch" memory: device used − reserved (other processes included).
+    pub fn device_wide_non_allocator(&self) -> i64 {
+        self.device_used() as i64 - self.ledger.reserved_bytes.current as i64
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error(
+        "Free memory on device ({} / {}) on startup is less than desired GPU memory utilization ({utilization}, {}). \
+         Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+        gib(*free), gib(*total), gib(*requested)
+    )]
+    InsufficientFreeMemory {
+        free: u64,
+        total: u64,
+        utilization: f64,
+        requested: u64,
+    },
+    #[error("GPU memory utilization must be in (0, 1], not {0}")]
+    BadUtilization(f64),
+    #[error("safety margin {0} is not a byte count or a fraction in [0, 1)")]
+    BadMargin(String),
+    #[error(
+        "device free memory rose by {} during profiling: another process freed memory, so the \
+         device-wide measurement is wrong. Profile again, or make per-process usage (NVML) visible.",
+        gib(*rose)
+    )]
+    OtherProcessFreed { rose: u64 },
+    #[error("no memory left for the KV cache: {}", .0.report_lines().join(" "))]
+    NoRoomForKvCache(Box<ProfileResult>),
+    #[error(transparent)]
+    Driver(#[from] crate::driver::DriverError),
+    #[error(transparent)]
+    Alloc(#[from] crate::Error),
+}
+
+/// A margin kept free on top of everything measured.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Margin {
+    Bytes(u64),
+    /// A fraction of the requested memory.
+    Fraction(f64),
+}
+
+#[derive(Clone, Debug)]
+pub struct ProfileOptions {
+    pub utilization: f64,
+    pub margin: Margin,
+    /// Skip the dummy pass and use this many bytes for the KV cache; still reported.
+    pub kv_override: Option<u64>,
+    /// KV bytes per token (all layers), for the token and concurrency figures.
+    pub kv_bytes_per_token: Option<u64>,
+    /// The longest request in tokens, for the concurrency figure.
+    pub max_model_len: Option<u64>,
+}
+
+impl Default for ProfileOptions {
+    fn default() -> Self {
+        ProfileOptions {
+            utilization: 0.9,
+            margin: Margin::Bytes(0),
+            kv_override: None,
+            kv_bytes_per_token: None,
+            max_model_len: None,
+        }
+    }
+}
+
+/// `ceil(total × utilization)`, or an error worded like vLLM's when the device has less free.
+pub fn request_memory<D: Driver>(
+    alloc: &Allocator<D>,
+    utilization: f64,
+) -> Result<u64, ProfileError> {
+    if !(utilization > 0.0 && utilization <= 1.0) {
+        return Err(ProfileError::BadUtilization(utilization));
+    }
+    let info = alloc.driver().mem_info()?;
+    let requested = (info.total as f64 * utilization).ceil() as u64;
+    if info.free < requested {
+        return Err(ProfileError::InsufficientFreeMemory {
+            free: info.free,
+            total: info.total,
+            utilization,
+            requested,
+        });
+    }
+    Ok(requested)
+}
+
+/// What profiling found, and the budget.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProfileResult {
+    pub source: UsageSource,
+    pub utilization: f64,
+    pub requested: u64,
+    /// Weights-tagged bytes allocated at the end.
+    pub weights: u64,
+    /// Peaks of activation- and untracked-tagged bytes during the pass.
+    pub activation_peak: u64,
+    pub untracked_peak: u64,
+    /// KV-tagged bytes already allocated (not part of the non-KV memory).
+    pub kv_allocated: u64,
+    /// Reserved but unallocated at the allocator's peak (cache slack, fragmentation).
+    pub cached: u64,
+    /// Memory outside the allocator at the end, and the part of it present at the baseline
+    /// (the CUDA context and whatever else came before).
+    pub non_allocator: u64,
+    pub non_allocator_baseline: u64,
+    /// Other processes' memory on the device (reported, never charged; 0 when unknown).
+    pub other_processes: u64,
+    pub non_kv: u64,
+    pub margin: u64,
+    /// requested − non-KV − margin, aligned down to 2 MiB.
+    pub kv_budget: u64,
+    /// What vLLM's device-wide method computes from the same snapshots (may be negative).
+    pub device_wide_kv_budget: i64,
+    pub kv_tokens: Option<u64>,
+    pub max_concurrency: Option<f64>,
+    /// Whether the budget came from `kv_override` rather than a pass.
+    pub overridden: bool,
+    pub seconds: f64,
+    pub warnings: Vec<String>,
+}
+
+impl ProfileResult {
+    /// The report, one line per category in GiB with two decimals.
+    pub fn report_lines(&self) -> Vec<String> {
+        let g = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+        let mut v = vec![format!(
+            "Memory profiling takes {:.2} seconds ({}). Total non KV cache memory: {}; weights memory: {}; \
+             activation peak: {}; untracked peak: {}; cached by the allocator: {}; outside the allocator: {} \
+             ({} of it before profiling).",
+            self.seconds,
+            match self.source {
+                UsageSource::Process => "this process's usage from the driver",
+                UsageSource::DeviceWide => "device-wide fallback: other processes' changes are charged to us",
+            },
+            g(self.non_kv),
+            g(self.weights),
+            g(self.activation_peak),
+            g(self.untracked_peak),
+            g(self.cached),
+            g(self.non_allocator),
+            g(self.non_allocator_baseline),
+        )];
+        v.push(format!(
+            "Requested memory: {} (utilization {}); other processes: {} (not charged); safety margin: {}.",
+            g(self.requested),
+            self.utilization,
+            g(self.other_processes),
+            g(self.margin)
+        ));
+        v.push(format!(
+            "Available KV cache memory: {}{}",
+            g(self.kv_budget),
+            if self.overridden {
+                " (set explicitly)"
+            } else {
+                ""
+            }
+        ));
+        if let Some(t) = self.kv_tokens {
+            v.push(format!("KV cache size: {t} tokens"));
+        }
+        if let Some(c) = self.max_concurrency {
+            v.push(format!("Maximum concurrency: {c:.2}x"));
+        }
+        v.extend(self.warnings.iter().cloned());
+        v
+    }
+
+    /// Log the report: the summary at info, the breakdown at debug, warnings at warn.
+    pub fn log(&self) {
+        let lines = self.report_lines();
+        tracing::info!("{}", lines[2]);
+        tracing::debug!("{}", lines[0]);
+        tracing::debug!("{}", lines[1]);
+        for w in &self.warnings {
+            tracing::warn!("{w}");
+        }
+    }
+}
+
+/// Profiling for one allocator: a baseline taken at start-up (before weights are loaded).
+pub struct Profiler<'a, D: Driver> {
+    alloc: &'a Allocator<D>,
+    baseline: MemorySnapshot,
+}
+
+/// An open profiling scope (see [`Profiler::begin`]).
+pub struct ProfileScope<'p, 'a, D: Driver> {
+    profiler: &'p Profiler<'a, D>,
+    options: ProfileOptions,
+    requested: u64,
+    entry: MemorySnapshot,
+    start: Instant,
+}
+
+impl<'a, D: Driver> Profiler<'a, D> {
+    /// Take the baseline. Call it at start-up, before loading weights.
+    pub fn new(alloc: &'a Allocator<D>) -> Result<Self, ProfileError> {
+        Ok(Profiler {
+            alloc,
+            baseline: MemorySnapshot::take(alloc)?,
+        })
+    }
+
+    pub fn baseline(&self) -> &MemorySnapshot {
+        &self.baseline
+    }
+
+    /// Open a profiling scope: check the request against free memory, give the cache back,
+    /// reset peaks. Run the dummy pass, then [`ProfileScope::end`].
+    pub fn begin(&self, options: ProfileOptions) -> Result<ProfileScope<'_, 'a, D>, ProfileError> {
+        if let Margin::Fraction(f) = options.margin {
+            if !(0.0..1.0).contains(&f) {
+                return Err(ProfileError::BadMargin(f.to_string()));
+            }
+        }
+        let requested = request_memory(self.alloc, options.utilization)?;
+        self.alloc.empty_cache()?;
+        self.alloc.ledger().reset_peaks();
+        let entry = MemorySnapshot::take(self.alloc)?;
+        Ok(ProfileScope {
+            profiler: self,
+            options,
+            requested,
+            entry,
+            start: Instant::now(),
+        })
+    }
+
+    /// Profile `pass` (the engine's dummy forward pass) and compute the KV budget. With
+    /// `kv_override`, the pass is not run and the budget is the override.
+    pub fn profile(
+        &self,
+        options: ProfileOptions,
+        pass: impl FnOnce(),
+    ) -> Result<ProfileResult, ProfileError> {
+        let scope = self.begin(options)?;
+        if scope.options.kv_override.is_none() {
+            pass();
+        }
+        scope.end()
+    }
+}
+
+/// vLLM's budget, from device-wide figures: `requested − (weights + peak increase of allocated
+/// bytes during the pass + increase of (device used − reserved) since the baseline)`. Other
+/// processes' changes since the baseline land in it; kept to show the difference.
+pub fn device_wide_budget(
+    baseline: &MemorySnapshot,
+    entry: &MemorySnapshot,
+    exit: &MemorySnapshot,
+    requested: u64,
+) -> i64 {
+    let weights = exit.ledger.per_tag[Tag::Weights].allocated_bytes.current as i64;
+    let peak_increase = exit.ledger.all.allocated_bytes.peak as i64
+        - entry.ledger.all.allocated_bytes.current as i64;
+    let non_torch_increase =
+        exit.device_wide_non_allocator() - baseline.device_wide_non_allocator();
+    requested as i64 - (weights + peak_increase + non_torch_increase)
+}
+
+impl<D: Driver> ProfileScope<'_, '_, D> {
+    /// Close the scope: measure, and compute the budget.
+    pub fn end(self) -> Result<ProfileResult, ProfileError> {
+        let alloc = self.profiler.alloc;
+        let base = &self.profiler.baseline;
+        let exit = MemorySnapshot::take(alloc)?;
+        let granule = alloc.driver().granularity();
+        let l = &exit.ledger;
+        let weights = l.per_tag[Tag::Weights].allocated_bytes.current;
+        let activation_peak = l.per_tag[Tag::Activation].allocated_bytes.peak;
+        let untracked_peak = l.per_tag[Tag::Untracked].allocated_bytes.peak;
+        let kv_allocated = l.per_tag[Tag::KvCache].allocated_bytes.current;
+        let tags_peak =
+            l.per_tag[Tag::Weights].allocated_bytes.peak + activation_peak + untracked_peak;
+        // What the allocator holds for everything but the KV cache at its peak: never less than
+        // the tags' peaks, and including the slack it reserved around them.
+        let allocator_peak = l
+            .reserved_bytes
+            .peak
+            .saturating_sub(kv_allocated)
+            .max(tags_peak);
+        let cached = allocator_peak - tags_peak;
+        let mut warnings = Vec::new();
+        let (non_allocator, non_allocator_baseline, other_processes) = match (
+            exit.non_allocator(),
+            base.non_allocator(),
+        ) {
+            (Some(now), Some(before)) => (
+                now,
+                before,
+                Some(
+                    exit.device_used()
+                        .saturating_sub(exit.process_usage.unwrap_or(0)),
+                ),
+            ),
+            _ => {
+                // Fallback: the change in (device used − reserved) since the baseline.
+                let delta = exit.device_wide_non_allocator() - base.device_wide_non_allocator();
+                if delta < -(granule as i64) {
+                    return Err(ProfileError::OtherProcessFreed {
+                        rose: delta.unsigned_abs(),
+                    });
+                }
+                let grown =
+                    exit.device_wide_non_allocator() - self.entry.device_wide_non_allocator();
+                if grown > granule as i64 {
+                    warnings.push(format!(
+                        "Device free memory fell by {} more than the allocator's growth during profiling; if another                          process allocated meanwhile, it is charged to this engine and the KV budget may be short by up to that much.",
+                        gib(grown as u64)
+                    ));
+                }
+                warnings.push(
+                    "This process's usage is not visible to the driver (NVML): memory outside the allocator is measured                      device-wide since the baseline, and what predates the baseline (the CUDA context) is not counted."
+                        .to_string(),
+                );
+                (delta.max(0) as u64, 0, None)
+            }
+        };
+        let non_kv = allocator_peak + non_allocator;
+        let margin = match self.options.margin {
+            Margin::Bytes(b) => b,
+            Margin::Fraction(f) => (self.requested as f64 * f).ceil() as u64,
+        };
+        let (kv_budget, overridden) = match self.options.kv_override {
+            Some(k) => (k, true),
+            // Aligned down to 2 MiB, so that the budget allocated as one block fits exactly in
+            // what was requested (a large allocation's segment is rounded up to 2 MiB).
+            None => {
+                let left = self.requested.saturating_sub(non_kv).saturating_sub(margin);
+                (
+                    left / crate::allocator::rules::ROUND_LARGE
+                        * crate::allocator::rules::ROUND_LARGE,
+                    false,
+                )
+            }
+        };
+        let kv_tokens = self
+            .options
+            .kv_bytes_per_token
+            .filter(|&b| b > 0)
+            .map(|b| kv_budget / b);
+        let max_concurrency = kv_tokens
+            .zip(self.options.max_model_len.filter(|&m| m > 0))
+            .map(|(t, m)| t as f64 / m as f64);
+        let result = ProfileResult {
+            source: exit.source,
+            utilization: self.options.utilization,
+            requested: self.requested,
+            weights,
+            activation_peak,
+            untracked_peak,
+            kv_allocated,
+            cached,
+            non_allocator,
+            non_allocator_baseline,
+            other_processes: other_processes.unwrap_or(0),
+            non_kv,
+            margin,
+            kv_budget,
+            kv_tokens,
+            max_concurrency,
+            overridden,
+            device_wide_kv_budget: device_wide_budget(base, &self.entry, &exit, self.requested),
+            seconds: self.start.elapsed().as_secs_f64(),
+            warnings,
+        };
+        result.log();
+        if !overridden && self.requested <= non_kv + margin {
+            return Err(ProfileError::NoRoomForKvCache(Box::new(result)));
+        }
+        Ok(result)
+    }
+}
