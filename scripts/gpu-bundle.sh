@@ -37,27 +37,35 @@ for src in examples/*.rs; do
 done
 cp target/release/libvram_ledger.so "$out/"
 cp -r scripts kernels "$out/"
+mkdir -p "$out/tests/python" && cp tests/python/*.py "$out/tests/python/"
 mkdir -p "$out/tests/data" && cp tests/data/* "$out/tests/data/"
 [ -d python ] && cp -r python "$out/"
 strip "$out"/bin/* "$out"/tests/* "$out"/libvram_ledger.so 2>/dev/null || true
 
 cat > "$out/run-all.sh" <<'RUN'
 #!/usr/bin/env bash
-# Run every test and benchmark of the bundle; logs go to $1 (default ./logs).
+# Run every test and benchmark of the bundle; logs go to $1 (default ./logs). Set
+# SKIP_CPU_TESTS=1 to run only what needs the GPU.
 here="$(cd "$(dirname "$0")" && pwd)"
-logs="${1:-logs}"
-mkdir -p "$logs"
-export VRAM_LEDGER_LIB="$here/libvram_ledger.so" VRAM_LEDGER_BIN="$here/bin/vram-ledger"
+logs="$(mkdir -p "${1:-logs}" && cd "${1:-logs}" && pwd)"
+export VRAM_LEDGER_LIB="$here/libvram_ledger.so" VRAM_LEDGER_BIN="$here/bin/vram-ledger" PYTHONPATH="$here/python"
 cd "$here"
 status=0
 for t in tests/*; do
     [ -f "$t" ] || continue
     name=$(basename "$t")
+    case "$name" in gpu_*) ;; *) [ -n "${SKIP_CPU_TESTS:-}" ] && continue ;; esac
     "$t" --test-threads=1 --show-output >"$logs/test-$name.log" 2>&1 || { status=1; echo "FAILED: $name"; }
     grep -E "^test result" "$logs/test-$name.log" | sed "s/^/$name: /"
 done
+if command -v compute-sanitizer >/dev/null; then
+    timeout 300 compute-sanitizer --tool memcheck --leak-check full tests/gpu_alloc --test-threads=1 >"$logs/memcheck.log" 2>&1
+    echo "memcheck: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$logs/memcheck.log" | tr '\n' ' ')"
+fi
 bin/gpu_bench >"$logs/gpu-bench.jsonl" 2>&1 || status=1
 python3 scripts/torch_alloc_bench.py >>"$logs/gpu-bench.jsonl" 2>"$logs/torch-bench.err" || status=1
+scripts/h200_profile.sh "$logs/profile" >"$logs/profile.txt" 2>&1 || status=1
+python3 tests/python/h200_torch.py >"$logs/torch.jsonl" 2>"$logs/torch.err" || status=1
 bin/alloc-bench --bench --warm-up-time 1 --measurement-time 3 >"$logs/cpu-bench.log" 2>&1 || status=1
 exit $status
 RUN

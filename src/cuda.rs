@@ -98,6 +98,15 @@ impl<T> DeviceBuffer<T> {
         self.ptr
     }
 
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     pub fn tag(&self) -> Tag {
         self.tag
     }

@@ -40,6 +40,7 @@ pub struct BlockDump {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SegmentDump {
     pub base: u64,
+    pub pool: crate::allocator::rules::PoolKind,
     pub size: u64,
     pub expandable: bool,
     /// Mapped ranges, `(addr, len)`; the whole segment for a plain one.
@@ -94,6 +95,7 @@ pub(crate) fn dump_shard(sh: &Shard, out: &mut StateDump) {
         };
         out.segments.push(SegmentDump {
             base: s.base,
+            pool: s.pool,
             size: s.size,
             expandable,
             mapped,

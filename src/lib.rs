@@ -26,12 +26,14 @@ pub mod allocator;
 pub mod cuda;
 pub mod driver;
 pub mod error;
+pub mod ffi;
 pub mod invariants;
 pub mod kernels;
 pub mod ledger;
 pub mod profile;
 pub mod replay;
 pub mod report;
+pub mod stats;
 pub mod tag;
 
 pub use allocator::{Allocation, Allocator, Config, Limit, SegmentMode};

@@ -1,0 +1,301 @@
+"""vram-ledger for PyTorch: a device allocator that keeps an exact, tagged ledger.
+
+    import vram_ledger
+    vram_ledger.install()                      # before any CUDA use
+    with vram_ledger.tag("weights"):
+        model = build_model().cuda()
+    with vram_ledger.profile(utilization=0.9) as p:
+        dummy_forward(model)
+    kv_bytes = p.result["kv_budget"]
+
+Tags are per thread. Autograd runs the backward pass on its own threads, which carry no tag:
+their allocations are counted as "untracked" (set a tag inside a hook to change that).
+
+The shared library is found from, in order: the VRAM_LEDGER_LIB environment variable, this
+package's folder, and the repository's target/release folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+__all__ = [
+    "VramLedgerError",
+    "library_path",
+    "install",
+    "mempool",
+    "tag",
+    "current_tag",
+    "stats",
+    "memory_stats",
+    "reset_peak_memory_stats",
+    "empty_cache",
+    "profile",
+    "report",
+]
+
+TAGS = ("weights", "activation", "kv_cache", "kv", "untracked")
+MODES = ("plain", "expandable", "compact", "remap")
+
+
+class VramLedgerError(RuntimeError):
+    """An error reported by the vram-ledger library, with its message."""
+
+
+def _candidates() -> List[Path]:
+    out = []
+    env = os.environ.get("VRAM_LEDGER_LIB")
+    if env:
+        out.append(Path(env))
+    here = Path(__file__).resolve().parent
+    out.append(here / "libvram_ledger.so")
+    out.append(here.parent.parent / "target" / "release" / "libvram_ledger.so")
+    return out
+
+
+def library_path() -> str:
+    """The shared library this package will load."""
+    env = os.environ.get("VRAM_LEDGER_LIB")
+    if env and not Path(env).is_file():
+        raise VramLedgerError(f"VRAM_LEDGER_LIB={env} does not name a file")
+    for c in _candidates():
+        if c.is_file():
+            return str(c)
+    tried = ", ".join(str(c) for c in _candidates())
+    raise VramLedgerError(f"libvram_ledger.so not found (tried: {tried}); build it with `cargo build --release` or set VRAM_LEDGER_LIB")
+
+
+_LIB: Optional[ctypes.CDLL] = None
+_LOCK = threading.Lock()
+
+
+def _lib() -> ctypes.CDLL:
+    global _LIB
+    with _LOCK:
+        if _LIB is None:
+            lib = ctypes.CDLL(library_path())
+            c_int, c_char_p, c_void_p = ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p
+            for name, args, res in [
+                ("vram_ledger_configure", [c_char_p], c_int),
+                ("vram_ledger_set_tag", [c_char_p], c_int),
+                ("vram_ledger_push_tag", [c_char_p], c_int),
+                ("vram_ledger_pop_tag", [], c_int),
+                ("vram_ledger_current_tag", [], c_char_p),
+                ("vram_ledger_stats_json", [c_int], c_void_p),
+                ("vram_ledger_memory_stats_json", [c_int], c_void_p),
+                ("vram_ledger_reset_peaks", [c_int], c_int),
+                ("vram_ledger_empty_cache", [c_int], c_int),
+                ("vram_ledger_profile_begin", [c_int, ctypes.c_double, ctypes.c_int64], c_int),
+                ("vram_ledger_profile_end", [c_int], c_void_p),
+                ("vram_ledger_last_error", [], c_char_p),
+                ("vram_ledger_string_free", [c_void_p], None),
+                ("vram_ledger_device_count", [], c_int),
+                ("vram_ledger_malloc", [ctypes.c_ssize_t, c_int, c_void_p], c_void_p),
+                ("vram_ledger_free", [c_void_p, ctypes.c_ssize_t, c_int, c_void_p], None),
+            ]:
+                f = getattr(lib, name)
+                f.argtypes = args
+                f.restype = res
+            _LIB = lib
+        return _LIB
+
+
+def _last_error() -> str:
+    return (_lib().vram_ledger_last_error() or b"").decode("utf-8", "replace")
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise VramLedgerError(_last_error())
+
+
+def _json(ptr: Optional[int]) -> Any:
+    if not ptr:
+        raise VramLedgerError(_last_error())
+    try:
+        return json.loads(ctypes.string_at(ptr).decode())
+    finally:
+        _lib().vram_ledger_string_free(ptr)
+
+
+def _device(device: Optional[int]) -> int:
+    if device is None:
+        try:
+            import torch
+
+            if torch.cuda.is_initialized():
+                return torch.cuda.current_device()
+        except ImportError:
+            pass
+        return 0
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"device must be an int, not {type(device).__name__}")
+    return device
+
+
+_INSTALLED: Dict[str, Any] = {}
+
+
+def _address(fn: Any) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def install(mode: Optional[str] = None) -> Any:
+    """Make vram-ledger PyTorch's CUDA allocator for this process, with the init, empty_cache,
+    memory-fraction and record_stream hooks. Must run before any CUDA use; permanent."""
+    if "allocator" in _INSTALLED:
+        return _INSTALLED["allocator"]
+    if mode is not None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        _check(_lib().vram_ledger_configure(mode.encode()))
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise VramLedgerError("install() must run before any CUDA use (CUDA is already initialised in this process)")
+    lib = _lib()
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc", "vram_ledger_free")
+    raw = alloc.allocator()
+    raw.set_init_fn(_address(lib.vram_ledger_init))
+    raw.set_reset_fn(_address(lib.vram_ledger_reset))
+    raw.set_memory_fraction_fn(_address(lib.vram_ledger_memory_fraction))
+    raw.set_record_stream_fn(_address(lib.vram_ledger_record_stream))
+    torch.cuda.memory.change_current_allocator(alloc)
+    _INSTALLED["allocator"] = alloc
+    return alloc
+
+
+class TaggedPool:
+    """A torch.cuda.MemPool whose segments come from vram-ledger; `with pool:` allocates into it
+    (under the pool's tag, if it has one)."""
+
+    def __init__(self, tag_name: Optional[str]):
+        import torch
+
+        if tag_name is not None and tag_name not in TAGS:
+            raise ValueError(f"tag must be one of {', '.join(TAGS)}, not {tag_name!r}")
+        self.tag = tag_name
+        self._plug = _INSTALLED.get("pool_allocator")
+        if self._plug is None:
+            self._plug = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc", "vram_ledger_free")
+            _INSTALLED["pool_allocator"] = self._plug
+        self.pool = torch.cuda.MemPool(self._plug.allocator())
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "TaggedPool":
+        import torch
+
+        self._stack.enter_context(torch.cuda.use_mem_pool(self.pool))
+        if self.tag is not None:
+            self._stack.enter_context(tag(self.tag))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+
+def mempool(tag_name: Optional[str] = None) -> TaggedPool:
+    """A torch.cuda.MemPool backed by vram-ledger: PyTorch's allocator stays in charge (its
+    statistics keep working) and asks vram-ledger for whole segments."""
+    return TaggedPool(tag_name)
+
+
+@contextlib.contextmanager
+def tag(name: str) -> Iterator[None]:
+    """Tag this thread's allocations inside the block: weights, activation, kv_cache (or kv),
+    untracked. Nests."""
+    if not isinstance(name, str):
+        raise TypeError(f"tag name must be a str, not {type(name).__name__}")
+    _check(_lib().vram_ledger_push_tag(name.encode()))
+    try:
+        yield
+    finally:
+        _check(_lib().vram_ledger_pop_tag())
+
+
+def current_tag() -> str:
+    """This thread's tag."""
+    return _lib().vram_ledger_current_tag().decode()
+
+
+def stats(device: Optional[int] = None) -> Dict[str, Any]:
+    """The ledger: per tag and allocator-wide current and peak figures, driver calls."""
+    return _json(_lib().vram_ledger_stats_json(_device(device)))
+
+
+def memory_stats(device: Optional[int] = None) -> Dict[str, int]:
+    """torch.cuda.memory_stats()'s keys (which PyTorch cannot give under a pluggable
+    allocator), plus `tag.*` keys."""
+    return _json(_lib().vram_ledger_memory_stats_json(_device(device)))
+
+
+def reset_peak_memory_stats(device: Optional[int] = None) -> None:
+    _check(_lib().vram_ledger_reset_peaks(_device(device)))
+
+
+def empty_cache(device: Optional[int] = None) -> None:
+    _check(_lib().vram_ledger_empty_cache(_device(device)))
+
+
+class Profile:
+    """Filled in when the `profile()` block exits: `result` (a dict) and `report` (lines)."""
+
+    def __init__(self) -> None:
+        self.result: Dict[str, Any] = {}
+        self.report: List[str] = []
+
+    @property
+    def kv_budget(self) -> int:
+        return int(self.result["kv_budget"])
+
+
+@contextlib.contextmanager
+def profile(utilization: float, device: Optional[int] = None, margin_bytes: int = 0) -> Iterator[Profile]:
+    """Profile the dummy pass run inside the block; the KV-cache budget is
+    ceil(total × utilization) − what this process needs besides the KV cache − margin."""
+    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not (0.0 < utilization <= 1.0):
+        raise ValueError(f"utilization must be a number in (0, 1], not {utilization!r}")
+    if not isinstance(margin_bytes, int) or margin_bytes < 0:
+        raise ValueError(f"margin_bytes must be a non-negative int, not {margin_bytes!r}")
+    d = _device(device)
+    try:
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize(d)
+    except ImportError:
+        pass
+    _check(_lib().vram_ledger_profile_begin(d, float(utilization), margin_bytes))
+    p = Profile()
+    try:
+        yield p
+    finally:
+        try:
+            import torch
+
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize(d)
+        except ImportError:
+            pass
+        r = _json(_lib().vram_ledger_profile_end(d))
+        p.report = r.pop("report", [])
+        p.result = r
+
+
+def report(device: Optional[int] = None) -> str:
+    """The ledger as a short table, in GiB."""
+    s = stats(device)
+    g = lambda b: f"{b / (1 << 30):.2f} GiB"  # noqa: E731
+    lines = [f"{'tag':<12} {'allocated':>12} {'peak':>12}"]
+    for t, v in s["per_tag"].items():
+        lines.append(f"{t:<12} {g(v['allocated_bytes']['current']):>12} {g(v['allocated_bytes']['peak']):>12}")
+    lines.append(
+        f"reserved {g(s['reserved_bytes']['current'])} (peak {g(s['reserved_bytes']['peak'])}), cached {g(s['cached_bytes'])}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Profiling on a real GPU, with other processes on it (run from a bundle: bin/profile_engine).
+#  1. A holds 70% of the GPU with raw cuMemAlloc; B starts at utilization 0.2.
+#  2. Three engines started together at 0.3 each.
+# Writes one JSON per engine to $1 and prints a table.
+set -u
+out="${1:-profile-out}"
+mkdir -p "$out"
+bin="$(dirname "$0")/../bin/profile_engine"
+
+rm -f "$out/ready"
+"$bin" hold 0.7 60 "$out/ready" > "$out/hold.log" 2>&1 &
+holder=$!
+for _ in $(seq 600); do [ -f "$out/ready" ] && break; sleep 0.1; done
+"$bin" engine 0.2 8 6 256 "$out/seed.json" > "$out/seed.log" 2>&1 || echo "seed engine failed: $(tail -3 "$out/seed.log")"
+kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+
+pids=()
+for i in 1 2 3; do
+    "$bin" engine 0.3 $((4 * i)) $((2 + i)) $((128 * i)) "$out/together-$i.json" > "$out/together-$i.log" 2>&1 &
+    pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p" || echo "an engine failed"; done
+
+python3 - "$out" <<'PY'
+import json, sys, glob, os
+G = 1 << 30
+print(f"{'run':<12} {'requested':>10} {'ours':>10} {'device-wide':>12} {'truth':>10} {'err ours':>9} {'err dev-wide':>12} {'peak<=req':>9}")
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    r = json.load(open(f))
+    print(f"{os.path.basename(f)[:-5]:<12} {r['requested']/G:>9.2f}G {r['kv_budget']/G:>9.2f}G {r['device_wide_kv_budget']/G:>11.2f}G "
+          f"{r['ground_truth_budget']/G:>9.2f}G {100*r['error_ours']:>8.3f}% {100*r['error_device_wide']:>11.2f}% {str(r['within_request']):>9}")
+PY

@@ -1,0 +1,382 @@
+//! The C ABI of `libvram_ledger.so`: PyTorch's pluggable-allocator entry points and hooks,
+//! tags, statistics and profiling.
+//!
+//! Invariants:
+//! - No panic crosses the boundary: every entry point runs under `catch_unwind`.
+//! - Every failure is a return value (NULL, -1, or nothing for `void` functions) plus a
+//!   readable message from `vram_ledger_last_error()` on the failing thread; the allocator
+//!   keeps working.
+//! - Strings returned to the caller are owned by it and given back with
+//!   `vram_ledger_string_free`; the last-error string stays valid until the next call that
+//!   fails on the same thread.
+//!
+//! Out of memory: `vram_ledger_malloc` returns NULL after releasing the cache and retrying,
+//! and prints the full breakdown to stderr (and the log). PyTorch's pluggable allocator does not
+//! check for NULL: the tensor it builds points at address 0 and the first kernel that touches it
+//! fails with an illegal address, which ends the CUDA context. A `torch.cuda.MemPool` backed by
+//! this library does check, and turns NULL into `torch.OutOfMemoryError`.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_double, c_int, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use crate::driver::cuda::CudaDriver;
+use crate::driver::StreamId;
+use crate::profile::{Margin, ProfileOptions, ProfileScope, Profiler};
+use crate::stats::memory_stats;
+use crate::{cuda, Allocator, Config, Limit, SegmentMode, Tag};
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    static TAG_STACK: RefCell<Vec<Tag>> = const { RefCell::new(Vec::new()) };
+}
+
+fn set_error(msg: impl Into<String>) {
+    let msg = msg.into();
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// Run `f`, turning errors and panics into `on_err` and a last-error message.
+fn guard<T>(on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(msg)) => {
+            set_error(msg);
+            on_err
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            set_error(format!("internal error (caught at the C boundary): {what}"));
+            on_err
+        }
+    }
+}
+
+fn device_index(device: c_int) -> Result<usize, String> {
+    usize::try_from(device).map_err(|_| format!("device {device} is not a device ordinal"))
+}
+
+fn allocator(device: c_int) -> Result<Arc<Allocator<CudaDriver>>, String> {
+    cuda::allocator(device_index(device)?).map_err(|e| e.to_string())
+}
+
+fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, String> {
+    if p.is_null() {
+        return Err(format!("{what} is NULL"));
+    }
+    // SAFETY: the caller passes a NUL-terminated string (checked for NULL above).
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| format!("{what} is not UTF-8"))
+}
+
+fn into_c_string(s: String) -> *mut c_char {
+    CString::new(s).map_or(std::ptr::null_mut(), CString::into_raw)
+}
+
+/// Allocators are created lazily per device; profilers (their baselines) at `vram_ledger_init`.
+type Profilers = Mutex<HashMap<usize, &'static Profiler<'static, CudaDriver>>>;
+type Scopes = Mutex<HashMap<usize, ProfileScope<'static, 'static, CudaDriver>>>;
+static PROFILERS: OnceLock<Profilers> = OnceLock::new();
+static SCOPES: OnceLock<Scopes> = OnceLock::new();
+
+fn profiler(device: usize) -> Result<&'static Profiler<'static, CudaDriver>, String> {
+    let map = PROFILERS.get_or_init(Default::default);
+    let mut m = map.lock();
+    if let Some(p) = m.get(&device) {
+        return Ok(p);
+    }
+    let alloc: &'static Allocator<CudaDriver> = Box::leak(Box::new(
+        cuda::allocator(device).map_err(|e| e.to_string())?,
+    ));
+    let p: &'static Profiler<'static, CudaDriver> =
+        Box::leak(Box::new(Profiler::new(alloc).map_err(|e| e.to_string())?));
+    m.insert(device, p);
+    Ok(p)
+}
+
+// ---------------------------------------------------------------------------------------------
+// PyTorch's pluggable allocator.
+
+/// `void* alloc(ssize_t size, int device, cudaStream_t stream)`. Size 0 returns NULL (as
+/// PyTorch's own allocator does), which is not an error.
+#[no_mangle]
+pub extern "C" fn vram_ledger_malloc(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    guard(std::ptr::null_mut(), || {
+        let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
+        let a = allocator(device)?;
+        match a.allocate(size, StreamId(stream as u64)) {
+            Ok(x) => Ok(x.ptr as *mut c_void),
+            Err(e) => {
+                if matches!(e, crate::Error::OutOfMemory(_)) {
+                    eprintln!("vram-ledger: {e}");
+                }
+                tracing::error!(device, "allocation failed: {e}");
+                Err(e.to_string())
+            }
+        }
+    })
+}
+
+/// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`.
+#[no_mangle]
+pub extern "C" fn vram_ledger_free(
+    ptr: *mut c_void,
+    _size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) {
+    guard((), || {
+        let a = allocator(device)?;
+        a.free_on(ptr as u64, StreamId(stream as u64)).map_err(|e| {
+            tracing::error!(device, "free failed: {e}");
+            e.to_string()
+        })
+    })
+}
+
+/// `void init(int device)`: creates the device's allocator and takes the profiling baseline.
+#[no_mangle]
+pub extern "C" fn vram_ledger_init(device: c_int) {
+    guard((), || profiler(device_index(device)?).map(|_| ()));
+}
+
+/// `void reset(void)`: `torch.cuda.empty_cache()`.
+#[no_mangle]
+pub extern "C" fn vram_ledger_reset() {
+    guard((), || {
+        for d in 0..cuda::device_count() {
+            if let Ok(a) = cuda::allocator(d) {
+                a.empty_cache().map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    });
+}
+
+/// `void memory_fraction(double fraction, int device)`.
+#[no_mangle]
+pub extern "C" fn vram_ledger_memory_fraction(fraction: c_double, device: c_int) {
+    guard((), || {
+        allocator(device)?
+            .set_limit(Some(Limit::Fraction(fraction)))
+            .map_err(|e| e.to_string())
+    });
+}
+
+/// `void record_stream(void* ptr, cudaStream_t stream)`.
+#[no_mangle]
+pub extern "C" fn vram_ledger_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    guard((), || {
+        let mut last = String::from("no CUDA device");
+        for d in 0..cuda::device_count() {
+            match cuda::allocator(d)
+                .map_err(|e| e.to_string())?
+                .record_stream(ptr as u64, StreamId(stream as u64))
+            {
+                Ok(()) => return Ok(()),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(last)
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Configuration, tags, statistics, profiling. Functions returning int give 0 or -1.
+
+/// Choose the segment mode ("plain", "expandable", "compact" or "remap") of allocators not yet
+/// created.
+#[no_mangle]
+pub extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
+    guard(-1, || {
+        let mode = match c_str(mode, "mode")? {
+            "plain" | "native" => SegmentMode::Plain,
+            "expandable" => SegmentMode::Expandable,
+            "compact" => SegmentMode::Compact,
+            "remap" => SegmentMode::Remap,
+            other => {
+                return Err(format!(
+                    "unknown mode {other:?}: expected plain, expandable, compact or remap"
+                ))
+            }
+        };
+        cuda::configure(Config {
+            mode,
+            ..Default::default()
+        });
+        Ok(0)
+    })
+}
+
+/// Set this thread's tag (weights, activation, kv_cache or kv, untracked).
+#[no_mangle]
+pub extern "C" fn vram_ledger_set_tag(name: *const c_char) -> c_int {
+    guard(-1, || {
+        let tag: Tag = c_str(name, "tag name")?
+            .parse()
+            .map_err(|e: crate::tag::UnknownTag| e.to_string())?;
+        crate::tag::set_current(tag);
+        Ok(0)
+    })
+}
+
+/// Make `name` this thread's tag until the matching `vram_ledger_pop_tag`.
+#[no_mangle]
+pub extern "C" fn vram_ledger_push_tag(name: *const c_char) -> c_int {
+    guard(-1, || {
+        let tag: Tag = c_str(name, "tag name")?
+            .parse()
+            .map_err(|e: crate::tag::UnknownTag| e.to_string())?;
+        let previous = crate::tag::set_current(tag);
+        TAG_STACK.with(|s| s.borrow_mut().push(previous));
+        Ok(0)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn vram_ledger_pop_tag() -> c_int {
+    guard(-1, || {
+        let previous = TAG_STACK
+            .with(|s| s.borrow_mut().pop())
+            .ok_or("pop_tag without a matching push_tag")?;
+        crate::tag::set_current(previous);
+        Ok(0)
+    })
+}
+
+/// This thread's tag, as a static string (never NULL).
+#[no_mangle]
+pub extern "C" fn vram_ledger_current_tag() -> *const c_char {
+    match Tag::current() {
+        Tag::Weights => c"weights".as_ptr(),
+        Tag::Activation => c"activation".as_ptr(),
+        Tag::KvCache => c"kv_cache".as_ptr(),
+        Tag::Untracked => c"untracked".as_ptr(),
+    }
+}
+
+/// The ledger snapshot as JSON (free with `vram_ledger_string_free`), or NULL.
+#[no_mangle]
+pub extern "C" fn vram_ledger_stats_json(device: c_int) -> *mut c_char {
+    guard(std::ptr::null_mut(), || {
+        let snap = allocator(device)?.snapshot();
+        Ok(into_c_string(
+            serde_json::to_string(&snap).map_err(|e| e.to_string())?,
+        ))
+    })
+}
+
+/// Statistics under PyTorch's `memory_stats()` keys, plus per-tag keys, as JSON.
+#[no_mangle]
+pub extern "C" fn vram_ledger_memory_stats_json(device: c_int) -> *mut c_char {
+    guard(std::ptr::null_mut(), || {
+        let stats = memory_stats(&*allocator(device)?);
+        Ok(into_c_string(
+            serde_json::to_string(&stats).map_err(|e| e.to_string())?,
+        ))
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn vram_ledger_reset_peaks(device: c_int) -> c_int {
+    guard(-1, || {
+        allocator(device)?.ledger().reset_peaks();
+        Ok(0)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn vram_ledger_empty_cache(device: c_int) -> c_int {
+    guard(-1, || {
+        allocator(device)?
+            .empty_cache()
+            .map(|()| 0)
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Open a profiling scope on `device` (its baseline was taken by `vram_ledger_init`). A
+/// negative `margin_bytes` means none.
+#[no_mangle]
+pub extern "C" fn vram_ledger_profile_begin(
+    device: c_int,
+    utilization: c_double,
+    margin_bytes: i64,
+) -> c_int {
+    guard(-1, || {
+        let d = device_index(device)?;
+        let p = profiler(d)?;
+        let margin = Margin::Bytes(margin_bytes.max(0) as u64);
+        let scope = p
+            .begin(ProfileOptions {
+                utilization,
+                margin,
+                ..Default::default()
+            })
+            .map_err(|e| e.to_string())?;
+        let scopes = SCOPES.get_or_init(Default::default);
+        if scopes.lock().insert(d, scope).is_some() {
+            tracing::warn!(
+                device = d,
+                "a profiling scope was open already; it was replaced"
+            );
+        }
+        Ok(0)
+    })
+}
+
+/// Close the profiling scope of `device`: the result as JSON (free with
+/// `vram_ledger_string_free`), or NULL.
+#[no_mangle]
+pub extern "C" fn vram_ledger_profile_end(device: c_int) -> *mut c_char {
+    guard(std::ptr::null_mut(), || {
+        let d = device_index(device)?;
+        let scope = SCOPES
+            .get_or_init(Default::default)
+            .lock()
+            .remove(&d)
+            .ok_or("no profiling scope is open on this device")?;
+        let r = scope.end().map_err(|e| e.to_string())?;
+        let mut v = serde_json::to_value(&r).map_err(|e| e.to_string())?;
+        v["report"] = serde_json::json!(r.report_lines());
+        Ok(into_c_string(v.to_string()))
+    })
+}
+
+/// The message of the last failure on this thread ("" if none). Valid until the next failure.
+#[no_mangle]
+pub extern "C" fn vram_ledger_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// Free a string returned by this library. NULL is ignored.
+///
+/// # Safety
+/// `s` is NULL or a string this library returned, not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn vram_ledger_string_free(s: *mut c_char) {
+    if !s.is_null() {
+        // SAFETY: `s` came from CString::into_raw in this library.
+        drop(unsafe { CString::from_raw(s) });
+    }
+}
+
+/// The number of CUDA devices (0 without a driver).
+#[no_mangle]
+pub extern "C" fn vram_ledger_device_count() -> c_int {
+    guard(0, || Ok(cuda::device_count() as c_int))
+}
