@@ -20,7 +20,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_double, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 
@@ -65,8 +65,45 @@ fn device_index(device: c_int) -> Result<usize, String> {
     usize::try_from(device).map_err(|_| format!("device {device} is not a device ordinal"))
 }
 
-fn allocator(device: c_int) -> Result<Arc<Allocator<CudaDriver>>, String> {
-    cuda::allocator(device_index(device)?).map_err(|e| e.to_string())
+/// A device's allocator and profiler, created at the device's first use and kept for the life
+/// of the process (so that the hot path borrows them without reference counting).
+struct DeviceState {
+    alloc: &'static Allocator<CudaDriver>,
+    profiler: Profiler<'static, CudaDriver>,
+}
+
+static DEVICES: OnceLock<Box<[OnceLock<&'static DeviceState>]>> = OnceLock::new();
+static SCOPES: OnceLock<Mutex<HashMap<usize, ProfileScope<'static, 'static, CudaDriver>>>> =
+    OnceLock::new();
+
+/// The device's state. Its first use takes the profiling baseline: PyTorch has created the
+/// CUDA context by then, and nothing has been allocated through us yet.
+#[inline]
+fn state(device: c_int) -> Result<&'static DeviceState, String> {
+    let d = device_index(device)?;
+    let slots =
+        DEVICES.get_or_init(|| (0..cuda::device_count()).map(|_| OnceLock::new()).collect());
+    let slot = slots.get(d).ok_or_else(|| {
+        crate::Error::NoSuchDevice {
+            ordinal: d,
+            available: slots.len(),
+        }
+        .to_string()
+    })?;
+    if let Some(s) = slot.get() {
+        return Ok(s);
+    }
+    let alloc: &'static Allocator<CudaDriver> =
+        Box::leak(Box::new(cuda::allocator(d).map_err(|e| e.to_string())?));
+    let made = DeviceState {
+        alloc,
+        profiler: Profiler::new(alloc).map_err(|e| e.to_string())?,
+    };
+    Ok(slot.get_or_init(|| Box::leak(Box::new(made))))
+}
+
+fn allocator(device: c_int) -> Result<&'static Allocator<CudaDriver>, String> {
+    state(device).map(|s| s.alloc)
 }
 
 fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, String> {
@@ -81,27 +118,6 @@ fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, String> {
 
 fn into_c_string(s: String) -> *mut c_char {
     CString::new(s).map_or(std::ptr::null_mut(), CString::into_raw)
-}
-
-/// Allocators are created lazily per device; profilers (their baselines) at `vram_ledger_init`.
-type Profilers = Mutex<HashMap<usize, &'static Profiler<'static, CudaDriver>>>;
-type Scopes = Mutex<HashMap<usize, ProfileScope<'static, 'static, CudaDriver>>>;
-static PROFILERS: OnceLock<Profilers> = OnceLock::new();
-static SCOPES: OnceLock<Scopes> = OnceLock::new();
-
-fn profiler(device: usize) -> Result<&'static Profiler<'static, CudaDriver>, String> {
-    let map = PROFILERS.get_or_init(Default::default);
-    let mut m = map.lock();
-    if let Some(p) = m.get(&device) {
-        return Ok(p);
-    }
-    let alloc: &'static Allocator<CudaDriver> = Box::leak(Box::new(
-        cuda::allocator(device).map_err(|e| e.to_string())?,
-    ));
-    let p: &'static Profiler<'static, CudaDriver> =
-        Box::leak(Box::new(Profiler::new(alloc).map_err(|e| e.to_string())?));
-    m.insert(device, p);
-    Ok(p)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -148,20 +164,25 @@ pub extern "C" fn vram_ledger_free(
     })
 }
 
-/// `void init(int device)`: creates the device's allocator and takes the profiling baseline.
+/// `void init(int device)`. PyTorch calls it for every device at start-up, also in processes
+/// that use only one, so it creates nothing: a device's allocator and profiling baseline come
+/// with its first use.
 #[no_mangle]
 pub extern "C" fn vram_ledger_init(device: c_int) {
-    guard((), || profiler(device_index(device)?).map(|_| ()));
+    guard((), || device_index(device).map(|_| ()));
 }
 
 /// `void reset(void)`: `torch.cuda.empty_cache()`.
 #[no_mangle]
 pub extern "C" fn vram_ledger_reset() {
     guard((), || {
-        for d in 0..cuda::device_count() {
-            if let Ok(a) = cuda::allocator(d) {
-                a.empty_cache().map_err(|e| e.to_string())?;
-            }
+        for s in DEVICES
+            .get()
+            .into_iter()
+            .flat_map(|d| d.iter())
+            .filter_map(OnceLock::get)
+        {
+            s.alloc.empty_cache().map_err(|e| e.to_string())?;
         }
         Ok(())
     });
@@ -181,12 +202,14 @@ pub extern "C" fn vram_ledger_memory_fraction(fraction: c_double, device: c_int)
 #[no_mangle]
 pub extern "C" fn vram_ledger_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     guard((), || {
-        let mut last = String::from("no CUDA device");
-        for d in 0..cuda::device_count() {
-            match cuda::allocator(d)
-                .map_err(|e| e.to_string())?
-                .record_stream(ptr as u64, StreamId(stream as u64))
-            {
+        let mut last = String::from("no device has been used");
+        for s in DEVICES
+            .get()
+            .into_iter()
+            .flat_map(|d| d.iter())
+            .filter_map(OnceLock::get)
+        {
+            match s.alloc.record_stream(ptr as u64, StreamId(stream as u64)) {
                 Ok(()) => return Ok(()),
                 Err(e) => last = e.to_string(),
             }
@@ -284,7 +307,7 @@ pub extern "C" fn vram_ledger_stats_json(device: c_int) -> *mut c_char {
 #[no_mangle]
 pub extern "C" fn vram_ledger_memory_stats_json(device: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {
-        let stats = memory_stats(&*allocator(device)?);
+        let stats = memory_stats(allocator(device)?);
         Ok(into_c_string(
             serde_json::to_string(&stats).map_err(|e| e.to_string())?,
         ))
@@ -319,7 +342,7 @@ pub extern "C" fn vram_ledger_profile_begin(
 ) -> c_int {
     guard(-1, || {
         let d = device_index(device)?;
-        let p = profiler(d)?;
+        let p = &state(device)?.profiler;
         let margin = Margin::Bytes(margin_bytes.max(0) as u64);
         let scope = p
             .begin(ProfileOptions {
