@@ -119,9 +119,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut base = 0.0;
     for threads in [1usize, 2, 4, 8] {
         const PAIRS: u64 = 2_000_000;
-        let streams: Vec<StreamId> = (0..threads)
-            .map(|_| stream_id(&ctx.new_stream().unwrap()))
-            .collect();
+        // Keep the streams alive: a destroyed stream's handle is reused by the next one, and
+        // every thread would land on the same stream.
+        let live: Vec<_> = (0..threads).map(|_| ctx.new_stream().unwrap()).collect();
+        let streams: Vec<StreamId> = live.iter().map(|s| stream_id(s)).collect();
         let barrier = Arc::new(Barrier::new(threads + 1));
         let hs: Vec<_> = streams
             .into_iter()
@@ -150,6 +151,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             base = mpairs;
         }
         println!("{{\"what\":\"vram-ledger threads\",\"threads\":{threads},\"mpairs_per_s\":{mpairs:.2},\"speedup\":{:.2}}}", mpairs / base);
+        drop(live);
     }
     a.empty_cache()?;
     Ok(())

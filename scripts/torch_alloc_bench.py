@@ -57,7 +57,7 @@ def mixed_sizes():
 
 
 def main():
-    mod = load_inline("torch_alloc_bench", CPP, functions=["pair_ns", "mixed_ns"], verbose=False)
+    mod = load_inline("torch_alloc_bench", CPP, functions=["pair_ns", "mixed_ns"], with_cuda=True, verbose=False)
     torch.cuda.init()
     for name, n in [("512B", 512), ("1MiB", 1 << 20), ("20MiB", 20 << 20)]:
         print(json.dumps({"what": "PyTorch native raw_alloc+raw_delete", "size": name, "ns_per_pair": round(mod.pair_ns(n, 2_000_000), 1)}))
