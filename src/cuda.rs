@@ -28,6 +28,11 @@ pub fn configure(config: Config) {
     *CONFIG.lock() = Some(config);
 }
 
+/// The configuration set by [`configure`] (the default if none).
+pub fn configured() -> Config {
+    CONFIG.lock().clone().unwrap_or_default()
+}
+
 /// The number of CUDA devices (0 without a driver).
 pub fn device_count() -> usize {
     cuda::device_count().unwrap_or(0)
@@ -43,7 +48,7 @@ pub fn allocator(ordinal: usize) -> Result<Arc<Allocator<CudaDriver>>> {
     if let Some(a) = slot.get() {
         return Ok(a.clone());
     }
-    let config = CONFIG.lock().clone().unwrap_or_default();
+    let config = configured();
     let made = Arc::new(Allocator::new(CudaDriver::new(ordinal)?, config)?);
     // Two threads may race to create it; the first one wins and the other's is dropped.
     Ok(slot.get_or_init(|| made).clone())

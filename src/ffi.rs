@@ -25,6 +25,8 @@ use std::sync::OnceLock;
 use parking_lot::Mutex;
 
 use crate::driver::cuda::CudaDriver;
+use crate::driver::sim::SimDriver;
+use crate::driver::Driver;
 use crate::driver::StreamId;
 use crate::profile::{Margin, ProfileOptions, ProfileScope, Profiler};
 use crate::stats::memory_stats;
@@ -67,22 +69,66 @@ fn device_index(device: c_int) -> Result<usize, String> {
 
 /// A device's allocator and profiler, created at the device's first use and kept for the life
 /// of the process (so that the hot path borrows them without reference counting).
-struct DeviceState {
-    alloc: &'static Allocator<CudaDriver>,
-    profiler: Profiler<'static, CudaDriver>,
+struct Dev<D: Driver> {
+    alloc: &'static Allocator<D>,
+    profiler: Profiler<'static, D>,
+}
+
+/// The real device, or (with `VRAM_LEDGER_DRIVER=sim`) a simulated one: the whole C ABI then
+/// runs on machines without a GPU, for tests and fuzzing.
+enum DeviceState {
+    Cuda(Dev<CudaDriver>),
+    Sim(Dev<SimDriver>),
+}
+
+enum Scope {
+    Cuda(ProfileScope<'static, 'static, CudaDriver>),
+    Sim(ProfileScope<'static, 'static, SimDriver>),
+}
+
+/// Run `$body` with `$d` bound to the device's `Dev`, whichever driver it has.
+macro_rules! on_device {
+    ($state:expr, $d:ident => $body:expr) => {
+        match $state {
+            DeviceState::Cuda($d) => $body,
+            DeviceState::Sim($d) => $body,
+        }
+    };
 }
 
 static DEVICES: OnceLock<Box<[OnceLock<&'static DeviceState>]>> = OnceLock::new();
-static SCOPES: OnceLock<Mutex<HashMap<usize, ProfileScope<'static, 'static, CudaDriver>>>> =
-    OnceLock::new();
+static SCOPES: OnceLock<Mutex<HashMap<usize, Scope>>> = OnceLock::new();
+
+fn simulated() -> bool {
+    static SIM: OnceLock<bool> = OnceLock::new();
+    *SIM.get_or_init(|| std::env::var("VRAM_LEDGER_DRIVER").is_ok_and(|v| v == "sim"))
+}
+
+fn device_count() -> usize {
+    if simulated() {
+        std::env::var("VRAM_LEDGER_SIM_DEVICES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1)
+    } else {
+        cuda::device_count()
+    }
+}
+
+fn dev<D: Driver>(alloc: Allocator<D>) -> Result<Dev<D>, String> {
+    let alloc: &'static Allocator<D> = Box::leak(Box::new(alloc));
+    Ok(Dev {
+        alloc,
+        profiler: Profiler::new(alloc).map_err(|e| e.to_string())?,
+    })
+}
 
 /// The device's state. Its first use takes the profiling baseline: PyTorch has created the
 /// CUDA context by then, and nothing has been allocated through us yet.
 #[inline]
 fn state(device: c_int) -> Result<&'static DeviceState, String> {
     let d = device_index(device)?;
-    let slots =
-        DEVICES.get_or_init(|| (0..cuda::device_count()).map(|_| OnceLock::new()).collect());
+    let slots = DEVICES.get_or_init(|| (0..device_count()).map(|_| OnceLock::new()).collect());
     let slot = slots.get(d).ok_or_else(|| {
         crate::Error::NoSuchDevice {
             ordinal: d,
@@ -93,17 +139,19 @@ fn state(device: c_int) -> Result<&'static DeviceState, String> {
     if let Some(s) = slot.get() {
         return Ok(s);
     }
-    let alloc: &'static Allocator<CudaDriver> =
-        Box::leak(Box::new(cuda::allocator(d).map_err(|e| e.to_string())?));
-    let made = DeviceState {
-        alloc,
-        profiler: Profiler::new(alloc).map_err(|e| e.to_string())?,
+    let made = if simulated() {
+        let a = Allocator::new(SimDriver::new(), cuda::configured()).map_err(|e| e.to_string())?;
+        DeviceState::Sim(dev(a)?)
+    } else {
+        // The registry keeps its Arc; this state borrows the allocator for the process's life.
+        let a: &'static Allocator<CudaDriver> =
+            Box::leak(Box::new(cuda::allocator(d).map_err(|e| e.to_string())?));
+        DeviceState::Cuda(Dev {
+            alloc: a,
+            profiler: Profiler::new(a).map_err(|e| e.to_string())?,
+        })
     };
     Ok(slot.get_or_init(|| Box::leak(Box::new(made))))
-}
-
-fn allocator(device: c_int) -> Result<&'static Allocator<CudaDriver>, String> {
-    state(device).map(|s| s.alloc)
 }
 
 fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, String> {
@@ -133,8 +181,8 @@ pub extern "C" fn vram_ledger_malloc(
 ) -> *mut c_void {
     guard(std::ptr::null_mut(), || {
         let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
-        let a = allocator(device)?;
-        match a.allocate(size, StreamId(stream as u64)) {
+        let r = on_device!(state(device)?, d => d.alloc.allocate(size, StreamId(stream as u64)));
+        match r {
             Ok(x) => Ok(x.ptr as *mut c_void),
             Err(e) => {
                 if matches!(e, crate::Error::OutOfMemory(_)) {
@@ -156,8 +204,9 @@ pub extern "C" fn vram_ledger_free(
     stream: *mut c_void,
 ) {
     guard((), || {
-        let a = allocator(device)?;
-        a.free_on(ptr as u64, StreamId(stream as u64)).map_err(|e| {
+        let r =
+            on_device!(state(device)?, d => d.alloc.free_on(ptr as u64, StreamId(stream as u64)));
+        r.map_err(|e| {
             tracing::error!(device, "free failed: {e}");
             e.to_string()
         })
@@ -182,7 +231,7 @@ pub extern "C" fn vram_ledger_reset() {
             .flat_map(|d| d.iter())
             .filter_map(OnceLock::get)
         {
-            s.alloc.empty_cache().map_err(|e| e.to_string())?;
+            on_device!(s, d => d.alloc.empty_cache()).map_err(|e| e.to_string())?;
         }
         Ok(())
     });
@@ -192,9 +241,8 @@ pub extern "C" fn vram_ledger_reset() {
 #[no_mangle]
 pub extern "C" fn vram_ledger_memory_fraction(fraction: c_double, device: c_int) {
     guard((), || {
-        allocator(device)?
-            .set_limit(Some(Limit::Fraction(fraction)))
-            .map_err(|e| e.to_string())
+        let limit = Some(Limit::Fraction(fraction));
+        on_device!(state(device)?, d => d.alloc.set_limit(limit)).map_err(|e| e.to_string())
     });
 }
 
@@ -209,7 +257,7 @@ pub extern "C" fn vram_ledger_record_stream(ptr: *mut c_void, stream: *mut c_voi
             .flat_map(|d| d.iter())
             .filter_map(OnceLock::get)
         {
-            match s.alloc.record_stream(ptr as u64, StreamId(stream as u64)) {
+            match on_device!(s, d => d.alloc.record_stream(ptr as u64, StreamId(stream as u64))) {
                 Ok(()) => return Ok(()),
                 Err(e) => last = e.to_string(),
             }
@@ -296,7 +344,7 @@ pub extern "C" fn vram_ledger_current_tag() -> *const c_char {
 #[no_mangle]
 pub extern "C" fn vram_ledger_stats_json(device: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {
-        let snap = allocator(device)?.snapshot();
+        let snap = on_device!(state(device)?, d => d.alloc.snapshot());
         Ok(into_c_string(
             serde_json::to_string(&snap).map_err(|e| e.to_string())?,
         ))
@@ -307,7 +355,7 @@ pub extern "C" fn vram_ledger_stats_json(device: c_int) -> *mut c_char {
 #[no_mangle]
 pub extern "C" fn vram_ledger_memory_stats_json(device: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {
-        let stats = memory_stats(allocator(device)?);
+        let stats = on_device!(state(device)?, d => memory_stats(d.alloc));
         Ok(into_c_string(
             serde_json::to_string(&stats).map_err(|e| e.to_string())?,
         ))
@@ -317,7 +365,7 @@ pub extern "C" fn vram_ledger_memory_stats_json(device: c_int) -> *mut c_char {
 #[no_mangle]
 pub extern "C" fn vram_ledger_reset_peaks(device: c_int) -> c_int {
     guard(-1, || {
-        allocator(device)?.ledger().reset_peaks();
+        on_device!(state(device)?, d => d.alloc.ledger().reset_peaks());
         Ok(0)
     })
 }
@@ -325,14 +373,13 @@ pub extern "C" fn vram_ledger_reset_peaks(device: c_int) -> c_int {
 #[no_mangle]
 pub extern "C" fn vram_ledger_empty_cache(device: c_int) -> c_int {
     guard(-1, || {
-        allocator(device)?
-            .empty_cache()
+        on_device!(state(device)?, d => d.alloc.empty_cache())
             .map(|()| 0)
             .map_err(|e| e.to_string())
     })
 }
 
-/// Open a profiling scope on `device` (its baseline was taken by `vram_ledger_init`). A
+/// Open a profiling scope on `device` (its baseline was taken at the device's first use). A
 /// negative `margin_bytes` means none.
 #[no_mangle]
 pub extern "C" fn vram_ledger_profile_begin(
@@ -342,15 +389,20 @@ pub extern "C" fn vram_ledger_profile_begin(
 ) -> c_int {
     guard(-1, || {
         let d = device_index(device)?;
-        let p = &state(device)?.profiler;
         let margin = Margin::Bytes(margin_bytes.max(0) as u64);
-        let scope = p
-            .begin(ProfileOptions {
-                utilization,
-                margin,
-                ..Default::default()
-            })
-            .map_err(|e| e.to_string())?;
+        let options = ProfileOptions {
+            utilization,
+            margin,
+            ..Default::default()
+        };
+        let scope = match state(device)? {
+            DeviceState::Cuda(dev) => {
+                Scope::Cuda(dev.profiler.begin(options).map_err(|e| e.to_string())?)
+            }
+            DeviceState::Sim(dev) => {
+                Scope::Sim(dev.profiler.begin(options).map_err(|e| e.to_string())?)
+            }
+        };
         let scopes = SCOPES.get_or_init(Default::default);
         if scopes.lock().insert(d, scope).is_some() {
             tracing::warn!(
@@ -373,7 +425,11 @@ pub extern "C" fn vram_ledger_profile_end(device: c_int) -> *mut c_char {
             .lock()
             .remove(&d)
             .ok_or("no profiling scope is open on this device")?;
-        let r = scope.end().map_err(|e| e.to_string())?;
+        let r = match scope {
+            Scope::Cuda(s) => s.end(),
+            Scope::Sim(s) => s.end(),
+        }
+        .map_err(|e| e.to_string())?;
         let mut v = serde_json::to_value(&r).map_err(|e| e.to_string())?;
         v["report"] = serde_json::json!(r.report_lines());
         Ok(into_c_string(v.to_string()))
@@ -401,5 +457,5 @@ pub unsafe extern "C" fn vram_ledger_string_free(s: *mut c_char) {
 /// The number of CUDA devices (0 without a driver).
 #[no_mangle]
 pub extern "C" fn vram_ledger_device_count() -> c_int {
-    guard(0, || Ok(cuda::device_count() as c_int))
+    guard(0, || Ok(device_count() as c_int))
 }

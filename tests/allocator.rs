@@ -202,6 +202,22 @@ fn unknown_and_double_frees_are_errors_that_change_nothing() {
 }
 
 #[test]
+fn free_on_with_an_unknown_pointer_or_the_wrong_stream() {
+    let a = plain();
+    // Unknown everywhere: an error (and no deadlock: the stream's shard is unlocked before
+    // every shard is searched).
+    assert!(matches!(
+        a.free_on(0xdead_b000, S0),
+        Err(Error::UnknownPointer(_))
+    ));
+    // Allocated on S1, freed with S0 as the hint: found by the search.
+    let x = a.allocate(4096, S1).unwrap();
+    a.free_on(x.ptr, S0).unwrap();
+    assert_eq!(a.snapshot().all.allocated_bytes.current, 0);
+    check(&a);
+}
+
+#[test]
 fn zero_and_absurd_sizes() {
     let a = plain();
     let z = a.allocate(0, S0).unwrap();

@@ -372,7 +372,9 @@ impl<D: Driver> Allocator<D> {
             return Ok(());
         }
         // An unknown pointer changes nothing in the shard, so trying it there first is safe.
-        match self.shard(stream).lock().free(&self.core, ptr) {
+        // The guard must be gone before the fallback locks every shard, this one included.
+        let first = self.shard(stream).lock().free(&self.core, ptr);
+        match first {
             Err(Error::UnknownPointer(_)) => self.free(ptr),
             done => done,
         }

@@ -1,0 +1,213 @@
+//! The C ABI under abuse, on simulated devices (VRAM_LEDGER_DRIVER=sim): every bad call gets an
+//! error code or NULL and a readable last error, and the allocator keeps working. Each test uses
+//! its own device, so that parallel tests do not share a ledger.
+
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::ptr::null_mut;
+use std::sync::Once;
+
+use vram_ledger::ffi::*;
+
+fn setup() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        std::env::set_var("VRAM_LEDGER_DRIVER", "sim");
+        std::env::set_var("VRAM_LEDGER_SIM_DEVICES", "8");
+    });
+}
+
+fn last_error() -> String {
+    unsafe { CStr::from_ptr(vram_ledger_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn json(p: *mut c_char) -> serde_json::Value {
+    assert!(!p.is_null(), "{}", last_error());
+    let v = serde_json::from_str(&unsafe { CStr::from_ptr(p) }.to_string_lossy()).unwrap();
+    unsafe { vram_ledger_string_free(p) };
+    v
+}
+
+fn allocated(device: i32) -> u64 {
+    json(vram_ledger_stats_json(device))["all"]["allocated_bytes"]["current"]
+        .as_u64()
+        .unwrap()
+}
+
+const S: *mut c_void = null_mut();
+
+#[test]
+fn abi_allocate_and_free_round_trip() {
+    setup();
+    assert!(vram_ledger_device_count() == 8);
+    let p = vram_ledger_malloc(1000, 0, S);
+    assert!(!p.is_null(), "{}", last_error());
+    assert_eq!(allocated(0), 1024);
+    vram_ledger_free(p, 1000, 0, S);
+    assert_eq!(allocated(0), 0);
+    // Size 0 is NULL without being an error.
+    assert!(vram_ledger_malloc(0, 0, S).is_null());
+    let stats = json(vram_ledger_memory_stats_json(0));
+    assert_eq!(stats["allocation.all.allocated"], 1);
+}
+
+#[test]
+fn abi_free_of_unknown_pointers_and_double_free() {
+    setup();
+    let before = json(vram_ledger_stats_json(1));
+    vram_ledger_free(0xdead_b000 as *mut c_void, 512, 1, S);
+    assert!(
+        last_error().contains("not allocated by this allocator"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(json(vram_ledger_stats_json(1)), before, "nothing changed");
+    let p = vram_ledger_malloc(4096, 1, S);
+    vram_ledger_free(p, 4096, 1, S);
+    vram_ledger_free(p, 4096, 1, S);
+    assert!(last_error().contains("already freed"), "{}", last_error());
+    // NULL is a no-op, as PyTorch frees NULL for zero-sized tensors.
+    vram_ledger_free(null_mut(), 0, 1, S);
+    let q = vram_ledger_malloc(4096, 1, S);
+    assert_eq!(q, p, "the allocator keeps working, and reuses the block");
+    vram_ledger_free(q, 4096, 1, S);
+}
+
+#[test]
+fn abi_negative_and_absurd_sizes() {
+    setup();
+    assert!(vram_ledger_malloc(-1, 2, S).is_null());
+    assert!(
+        last_error().contains("negative size -1"),
+        "{}",
+        last_error()
+    );
+    assert!(vram_ledger_malloc(isize::MAX, 2, S).is_null());
+    assert!(last_error().contains("absurd"), "{}", last_error());
+    assert!(
+        vram_ledger_malloc(1 << 50, 2, S).is_null(),
+        "1 PiB does not fit a simulated 80 GiB device"
+    );
+    assert!(
+        last_error().contains("out of device memory"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(allocated(2), 0);
+    let p = vram_ledger_malloc(1 << 20, 2, S);
+    assert!(!p.is_null());
+    vram_ledger_free(p, 1 << 20, 2, S);
+}
+
+#[test]
+fn abi_wrong_device_ordinals() {
+    setup();
+    assert!(vram_ledger_malloc(512, 8, S).is_null());
+    assert!(
+        last_error().contains("no device with ordinal 8: 8 device(s) available"),
+        "{}",
+        last_error()
+    );
+    assert!(vram_ledger_malloc(512, -1, S).is_null());
+    assert!(
+        last_error().contains("not a device ordinal"),
+        "{}",
+        last_error()
+    );
+    assert!(vram_ledger_stats_json(99).is_null());
+    assert_eq!(vram_ledger_reset_peaks(-3), -1);
+    assert_eq!(vram_ledger_empty_cache(42), -1);
+}
+
+#[test]
+fn abi_tags_by_name() {
+    setup();
+    let name = |s: &str| CString::new(s).unwrap();
+    let current = || {
+        unsafe { CStr::from_ptr(vram_ledger_current_tag()) }
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(vram_ledger_set_tag(name("weight").as_ptr()), -1);
+    assert!(
+        last_error().contains("unknown tag \"weight\""),
+        "{}",
+        last_error()
+    );
+    assert_eq!(vram_ledger_set_tag(null_mut()), -1);
+    assert!(last_error().contains("NULL"));
+    assert_eq!(vram_ledger_push_tag(name("kv").as_ptr()), 0);
+    let p = vram_ledger_malloc(3000, 3, S);
+    assert_eq!(current(), "kv_cache");
+    assert_eq!(vram_ledger_pop_tag(), 0);
+    assert_eq!(current(), "untracked");
+    assert_eq!(vram_ledger_pop_tag(), -1, "more pops than pushes");
+    let s = json(vram_ledger_stats_json(3));
+    assert_eq!(s["per_tag"]["kv_cache"]["allocated_bytes"]["current"], 3072);
+    let bad = [0xffu8, 0];
+    assert_eq!(vram_ledger_set_tag(bad.as_ptr() as *const c_char), -1);
+    assert!(last_error().contains("UTF-8"));
+    vram_ledger_free(p, 3000, 3, S);
+}
+
+#[test]
+fn abi_memory_fraction_and_configure() {
+    setup();
+    vram_ledger_memory_fraction(0.0001, 4);
+    assert!(vram_ledger_malloc(100 << 20, 4, S).is_null());
+    assert!(last_error().contains("limit"), "{}", last_error());
+    vram_ledger_memory_fraction(2.0, 4);
+    assert!(
+        last_error().contains("invalid memory limit"),
+        "{}",
+        last_error()
+    );
+    vram_ledger_memory_fraction(1.0, 4);
+    let p = vram_ledger_malloc(100 << 20, 4, S);
+    assert!(!p.is_null(), "{}", last_error());
+    vram_ledger_free(p, 100 << 20, 4, S);
+    assert_eq!(
+        vram_ledger_configure(CString::new("warp").unwrap().as_ptr()),
+        -1
+    );
+    assert!(last_error().contains("unknown mode"));
+    assert_eq!(vram_ledger_configure(null_mut()), -1);
+    vram_ledger_record_stream(0x1234 as *mut c_void, S);
+    assert!(
+        last_error().contains("not allocated by this allocator"),
+        "{}",
+        last_error()
+    );
+    vram_ledger_reset();
+}
+
+#[test]
+fn abi_profiling_scope() {
+    setup();
+    assert!(vram_ledger_profile_end(5).is_null());
+    assert!(last_error().contains("no profiling scope is open"));
+    assert_eq!(vram_ledger_profile_begin(5, 1.5, 0), -1);
+    assert!(last_error().contains("utilization"));
+    assert_eq!(
+        vram_ledger_push_tag(CString::new("weights").unwrap().as_ptr()),
+        0
+    );
+    let w = vram_ledger_malloc(1 << 30, 5, S);
+    vram_ledger_pop_tag();
+    assert_eq!(vram_ledger_profile_begin(5, 0.5, -1), 0, "{}", last_error());
+    vram_ledger_push_tag(CString::new("activation").unwrap().as_ptr());
+    let a = vram_ledger_malloc(2 << 30, 5, S);
+    vram_ledger_free(a, 2 << 30, 5, S);
+    vram_ledger_pop_tag();
+    let r = json(vram_ledger_profile_end(5));
+    assert_eq!(r["weights"], 1u64 << 30);
+    assert_eq!(r["activation_peak"], 2u64 << 30);
+    assert!(r["kv_budget"].as_u64().unwrap() > 30 << 30);
+    assert!(r["report"][2]
+        .as_str()
+        .unwrap()
+        .starts_with("Available KV cache memory"));
+    vram_ledger_free(w, 1 << 30, 5, S);
+}
