@@ -221,6 +221,8 @@ pub struct Ledger {
     pub(crate) driver: DriverCounters,
     pub(crate) retries: AtomicU64,
     pub(crate) ooms: AtomicU64,
+    /// Driver failures absorbed while moving free memory before growing (compact, remap).
+    pub(crate) move_failures: AtomicU64,
 }
 
 impl Default for Ledger {
@@ -240,6 +242,7 @@ impl Ledger {
             driver: DriverCounters::default(),
             retries: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
+            move_failures: AtomicU64::new(0),
         }
     }
 
@@ -329,6 +332,7 @@ impl Ledger {
             releases: self.driver.releases.load(Relaxed),
             alloc_retries: self.retries.load(Relaxed),
             ooms: self.ooms.load(Relaxed),
+            move_failures: self.move_failures.load(Relaxed),
         }
     }
 }
@@ -414,6 +418,9 @@ pub struct Snapshot {
     pub releases: u64,
     pub alloc_retries: u64,
     pub ooms: u64,
+    /// Driver failures absorbed while moving free memory before growing (the allocation then
+    /// took new memory instead).
+    pub move_failures: u64,
 }
 
 /// What changed between two snapshots (later − earlier) in the current values and totals.

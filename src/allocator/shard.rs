@@ -563,6 +563,9 @@ impl Shard {
         };
         if want > 0 {
             if let Err(e) = self.release_for_growth(core, want) {
+                core.ledger
+                    .move_failures
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tracing::debug!(error = %e, "could not release free mappings before growing");
             }
         }
