@@ -57,7 +57,8 @@ impl Mode {
         Mode::ALL.into_iter().find(|m| m.name() == s)
     }
 
-    fn config(self) -> Config {
+    /// The allocator configuration of this mode.
+    pub fn config(self) -> Config {
         match self {
             Mode::Native => Config::default(),
             Mode::Expandable => Config {
@@ -167,11 +168,12 @@ pub struct TagPeak {
     pub peak_allocated: u64,
 }
 
-/// Replay `trace`, calling `progress` with the number of events done now and then.
+/// Replay `trace` on a fresh simulated device, calling `progress` with the number of events
+/// done now and then.
 pub fn replay(
     trace: &Trace,
     opts: &ReplayOptions,
-    mut progress: impl FnMut(usize),
+    progress: impl FnMut(usize),
 ) -> Result<ReplayResult, Error> {
     let drv = SimDriver::with_config(SimConfig {
         capacity: opts.capacity,
@@ -183,6 +185,18 @@ pub fn replay(
         ..opts.mode.config()
     };
     let alloc = Allocator::new(drv, config)?;
+    replay_on(&alloc, trace, opts, progress)
+}
+
+/// Replay `trace` through an existing allocator (whose mode is the caller's business; `opts`
+/// only names it in the result). At the end everything the trace left live is freed and the
+/// cache emptied; `held_after` says what the driver still holds.
+pub fn replay_on(
+    alloc: &Allocator<SimDriver>,
+    trace: &Trace,
+    opts: &ReplayOptions,
+    mut progress: impl FnMut(usize),
+) -> Result<ReplayResult, Error> {
     let start = Instant::now();
     // Trace address -> (our pointer, trace size, tag).
     let mut live: HashMap<u64, (u64, u64, Tag)> = HashMap::with_capacity(4096);

@@ -1,0 +1,152 @@
+//! Concurrency stress: 8 threads doing random operations on distinct and shared streams. Every
+//! allocation is checked against a shared shadow interval map (no two live allocations
+//! overlap); at quiescent points between rounds the ledger's identity holds and equals the
+//! shadow's totals. `VRAM_LEDGER_STRESS_OPS` sets the operations per thread per round.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Barrier, Mutex};
+
+use vram_ledger::driver::sim::{SimConfig, SimDriver, GIB};
+use vram_ledger::driver::StreamId;
+use vram_ledger::invariants;
+use vram_ledger::{Allocation, Allocator, Config, SegmentMode, Tag};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Live intervals: start -> (end, owner thread).
+type Shadow = Mutex<BTreeMap<u64, (u64, usize)>>;
+
+fn claim(shadow: &Shadow, a: &Allocation, who: usize) {
+    let mut m = shadow.lock().unwrap();
+    if let Some((&s, &(e, w))) = m.range(..a.ptr + a.size).next_back() {
+        assert!(
+            e <= a.ptr,
+            "overlap: [{:#x},{:#x}) of thread {w} and [{:#x},{:#x}) of thread {who}",
+            s,
+            e,
+            a.ptr,
+            a.ptr + a.size
+        );
+    }
+    m.insert(a.ptr, (a.ptr + a.size, who));
+}
+
+fn stress(mode: SegmentMode) {
+    let ops: u64 = std::env::var("VRAM_LEDGER_STRESS_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3000);
+    let drv = SimDriver::with_config(SimConfig {
+        capacity: 64 * GIB,
+        ..Default::default()
+    });
+    let a = Arc::new(
+        Allocator::new(
+            drv,
+            Config {
+                mode,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let shadow: Arc<Shadow> = Arc::default();
+    let threads = 8;
+    let barrier = Arc::new(Barrier::new(threads));
+    let lives: Vec<Arc<Mutex<Vec<Allocation>>>> = (0..threads).map(|_| Arc::default()).collect();
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (a, shadow, barrier, live) =
+                (a.clone(), shadow.clone(), barrier.clone(), lives[t].clone());
+            let all: Vec<_> = lives.clone();
+            std::thread::spawn(move || {
+                let mut rng = Rng(0x9E37_79B9 + t as u64 * 7919);
+                // Threads 0..4 have a stream each; 4..8 share two streams.
+                let own = StreamId(0x100 * (1 + if t < 4 { t as u64 } else { 4 + t as u64 % 2 }));
+                for round in 0..3 {
+                    for _ in 0..ops {
+                        let r = rng.next();
+                        let mut mine = live.lock().unwrap();
+                        if mine.is_empty() || r % 100 < 55 {
+                            let size = match r % 7 {
+                                0..=2 => 1 + (r >> 8) % 8192,
+                                3..=5 => (r >> 8) % (4 << 20),
+                                _ => (r >> 8) % (64 << 20),
+                            };
+                            let tag = Tag::ALL[(r >> 3) as usize % 4];
+                            let x = a.allocate_tagged(size, own, tag).unwrap();
+                            if x.ptr != 0 {
+                                claim(&shadow, &x, t);
+                                mine.push(x);
+                            }
+                        } else {
+                            let i = (r >> 20) as usize % mine.len();
+                            let x = mine.swap_remove(i);
+                            shadow.lock().unwrap().remove(&x.ptr);
+                            if r % 3 == 0 {
+                                a.free(x.ptr).unwrap();
+                            } else {
+                                a.free_on(x.ptr, x.stream).unwrap();
+                            }
+                        }
+                        drop(mine);
+                        if r % 997 == 0 {
+                            a.empty_cache().unwrap();
+                        }
+                        if r % 1009 == 0 {
+                            let _ = a.snapshot(); // lock-free reads while others allocate
+                        }
+                    }
+                    // Quiescent point: everyone stops, thread 0 checks.
+                    barrier.wait();
+                    if t == 0 {
+                        let mut d = a.dump();
+                        d.driver_held = Some(a.driver().held_bytes());
+                        invariants::check(&d)
+                            .unwrap_or_else(|v| panic!("{mode:?} round {round}: {v}"));
+                        let shadow_bytes: u64 = all
+                            .iter()
+                            .flat_map(|l| l.lock().unwrap().clone())
+                            .map(|x| x.size)
+                            .sum();
+                        assert_eq!(a.snapshot().all.allocated_bytes.current, shadow_bytes);
+                    }
+                    barrier.wait();
+                }
+                let mine = std::mem::take(&mut *live.lock().unwrap());
+                for x in mine {
+                    a.free(x.ptr).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.driver().held_bytes(), 0);
+    assert_eq!(a.live_allocations(), 0);
+}
+
+#[test]
+fn stress_plain() {
+    stress(SegmentMode::Plain);
+}
+
+#[test]
+fn stress_expandable() {
+    stress(SegmentMode::Expandable);
+}
+
+#[test]
+fn stress_remap() {
+    stress(SegmentMode::Remap);
+}
