@@ -75,7 +75,8 @@ fn stress(mode: SegmentMode) {
                     for _ in 0..ops {
                         let r = rng.next();
                         let mut mine = live.lock().unwrap();
-                        if mine.is_empty() || r % 100 < 55 {
+                        // Bounded: about 150 live allocations per thread at most.
+                        if mine.is_empty() || (mine.len() < 150 && r % 100 < 55) {
                             let size = match r % 7 {
                                 0..=2 => 1 + (r >> 8) % 8192,
                                 3..=5 => (r >> 8) % (4 << 20),
