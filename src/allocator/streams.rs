@@ -3,16 +3,33 @@
 //! shards puts two of eight streams together more often than not); later streams, or a full
 //! table, fall back to a hash.
 //!
-//! Invariants: a stream's shard never changes once assigned (its blocks live there); lookups
-//! take no lock: an open-addressing table of atomics where a key, once published, is never
-//! removed, and its value is written before the key is (release/acquire).
+//! Invariants: a stream's shard never changes once assigned (its blocks live there), and every
+//! thread sees the same one; lookups take no lock: an open-addressing table of atomics where a
+//! slot is claimed by one compare-and-swap, its value written, then its key published
+//! (release/acquire); a key, once published, is never removed; a thread that meets a claimed
+//! slot waits for it to be published before deciding whose it is (checked with loom).
 
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+#[cfg(not(loom))]
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use crate::driver::StreamId;
 
 pub(crate) const SHARDS: usize = 16;
+// Under loom, a table small enough to explore every interleaving, collisions included.
+#[cfg(not(loom))]
 const SLOTS: usize = 256;
+#[cfg(loom)]
+const SLOTS: usize = 2;
+
+#[inline]
+fn pause() {
+    #[cfg(loom)]
+    loom::thread::yield_now();
+    #[cfg(not(loom))]
+    std::hint::spin_loop();
+}
 const EMPTY: u64 = 0;
 const CLAIMED: u64 = u64::MAX;
 
@@ -45,57 +62,39 @@ impl StreamTable {
     #[inline]
     pub(crate) fn shard(&self, stream: StreamId) -> usize {
         let key = stream.0.wrapping_add(1);
+        if key == EMPTY || key == CLAIMED {
+            return Self::fallback(stream);
+        }
         let start = mix(stream.0) as usize;
         for probe in 0..SLOTS {
             let i = (start + probe) % SLOTS;
-            match self.keys[i].load(Ordering::Acquire) {
-                k if k == key => return self.shards[i].load(Ordering::Relaxed),
-                EMPTY => return self.claim(i, key, stream),
-                _ => {}
+            loop {
+                match self.keys[i].load(Ordering::Acquire) {
+                    k if k == key => return self.shards[i].load(Ordering::Relaxed),
+                    EMPTY => {
+                        if self.keys[i]
+                            .compare_exchange(EMPTY, CLAIMED, Ordering::Acquire, Ordering::Acquire)
+                            .is_ok()
+                        {
+                            return self.publish(i, key);
+                        }
+                        // Someone else claimed it first: look at it again.
+                    }
+                    // Being published, perhaps for this very stream: wait, then look again.
+                    CLAIMED => pause(),
+                    _ => break,
+                }
             }
         }
         Self::fallback(stream)
     }
 
     #[cold]
-    fn claim(&self, mut i: usize, key: u64, stream: StreamId) -> usize {
-        for _ in 0..SLOTS {
-            match self.keys[i].compare_exchange(
-                EMPTY,
-                CLAIMED,
-                Ordering::Acquire,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => {
-                    let shard = self.next.fetch_add(1, Ordering::Relaxed) % SHARDS;
-                    self.shards[i].store(shard, Ordering::Relaxed);
-                    self.keys[i].store(key, Ordering::Release);
-                    return shard;
-                }
-                Err(_) => {
-                    // Someone claimed this slot: wait until it is published, then see whose.
-                    let k = loop {
-                        let k = self.keys[i].load(Ordering::Acquire);
-                        if k != CLAIMED {
-                            break k;
-                        }
-                        std::hint::spin_loop();
-                    };
-                    if k == key {
-                        return self.shards[i].load(Ordering::Relaxed);
-                    }
-                    i = (i + 1) % SLOTS;
-                    // Skip slots owned by other streams.
-                    while !matches!(self.keys[i].load(Ordering::Acquire), EMPTY | CLAIMED) {
-                        if self.keys[i].load(Ordering::Acquire) == key {
-                            return self.shards[i].load(Ordering::Relaxed);
-                        }
-                        i = (i + 1) % SLOTS;
-                    }
-                }
-            }
-        }
-        Self::fallback(stream)
+    fn publish(&self, i: usize, key: u64) -> usize {
+        let shard = self.next.fetch_add(1, Ordering::Relaxed) % SHARDS;
+        self.shards[i].store(shard, Ordering::Relaxed);
+        self.keys[i].store(key, Ordering::Release);
+        shard
     }
 
     fn fallback(stream: StreamId) -> usize {
@@ -103,7 +102,29 @@ impl StreamTable {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use loom::sync::Arc;
+
+    /// Two threads meet two streams for the first time, in every interleaving: both agree on
+    /// each stream's shard, and the two streams get different shards.
+    #[test]
+    fn loom_first_use_of_streams_agrees() {
+        loom::model(|| {
+            let t = Arc::new(StreamTable::default());
+            let t2 = t.clone();
+            let h = loom::thread::spawn(move || (t2.shard(StreamId(7)), t2.shard(StreamId(9))));
+            let a = (t.shard(StreamId(9)), t.shard(StreamId(7)));
+            let b = h.join().unwrap();
+            assert_eq!(a.0, b.1, "stream 9");
+            assert_eq!(a.1, b.0, "stream 7");
+            assert_ne!(a.0, a.1, "two streams, two shards");
+        });
+    }
+}
+
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 

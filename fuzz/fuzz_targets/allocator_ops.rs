@@ -1,0 +1,111 @@
+//! Arbitrary operation sequences on the allocator over the simulated driver, with the invariant
+//! checker after every step; at the end everything can be freed and returned.
+#![no_main]
+
+use arbitrary::Arbitrary;
+use libfuzzer_sys::fuzz_target;
+use vram_ledger::driver::sim::{SimConfig, SimDriver, GIB, MIB};
+use vram_ledger::driver::{DriverCall, StreamId};
+use vram_ledger::{invariants, Allocator, Config, Limit, SegmentMode, Tag};
+
+#[derive(Arbitrary, Debug)]
+enum Op {
+    Alloc { size: u32, shift: u8, stream: u8, tag: u8 },
+    Free { pick: u16, hinted: bool },
+    FreeRaw { ptr: u64 },
+    RecordStream { pick: u16, stream: u8 },
+    Submit { stream: u8 },
+    Complete { stream: u8 },
+    EmptyCache,
+    Limit { mib: Option<u16> },
+    ResetPeaks,
+    Fault { call: u8, nth: u8 },
+}
+
+#[derive(Arbitrary, Debug)]
+struct Input {
+    mode: u8,
+    ops: Vec<Op>,
+}
+
+const CALLS: [DriverCall; 13] = [
+    DriverCall::AllocSegment,
+    DriverCall::FreeSegment,
+    DriverCall::ReserveVa,
+    DriverCall::ReleaseVa,
+    DriverCall::CreatePhysical,
+    DriverCall::ReleasePhysical,
+    DriverCall::Map,
+    DriverCall::SetAccess,
+    DriverCall::Unmap,
+    DriverCall::RecordEvent,
+    DriverCall::QueryEvent,
+    DriverCall::WaitEvent,
+    DriverCall::SyncStream,
+];
+
+fn check(a: &Allocator<SimDriver>) {
+    let mut d = a.dump();
+    d.driver_held = Some(a.driver().held_bytes());
+    if let Err(v) = invariants::check(&d) {
+        panic!("{v}");
+    }
+}
+
+fuzz_target!(|input: Input| {
+    let mode = [SegmentMode::Plain, SegmentMode::Expandable, SegmentMode::Compact, SegmentMode::Remap][input.mode as usize % 4];
+    let drv = SimDriver::with_config(SimConfig { capacity: 2 * GIB, context_overhead: 64 * MIB, ..Default::default() });
+    let a = Allocator::new(drv, Config { mode, ..Default::default() }).unwrap();
+    let dev = a.driver().device().clone();
+    let mut live = Vec::new();
+    for op in input.ops.into_iter().take(200) {
+        match op {
+            Op::Alloc { size, shift, stream, tag } => {
+                let size = u64::from(size) << (shift % 12);
+                if let Ok(x) = a.allocate_tagged(size, StreamId(u64::from(stream % 4) * 0x100), Tag::ALL[tag as usize % 4]) {
+                    live.push(x);
+                }
+            }
+            Op::Free { pick, hinted } if !live.is_empty() => {
+                let i = pick as usize % live.len();
+                let x = live[i];
+                let r = if hinted { a.free_on(x.ptr, x.stream) } else { a.free(x.ptr) };
+                if r.is_ok() {
+                    live.swap_remove(i);
+                }
+            }
+            Op::FreeRaw { ptr } => {
+                if !live.iter().any(|x| x.ptr == ptr) && ptr != 0 {
+                    assert!(a.free(ptr).is_err());
+                }
+            }
+            Op::RecordStream { pick, stream } if !live.is_empty() => {
+                let x = live[pick as usize % live.len()];
+                if x.ptr != 0 {
+                    a.record_stream(x.ptr, StreamId(u64::from(stream % 4) * 0x100)).unwrap();
+                }
+            }
+            Op::Submit { stream } => dev.submit(StreamId(u64::from(stream % 4) * 0x100)),
+            Op::Complete { stream } => dev.complete(StreamId(u64::from(stream % 4) * 0x100)),
+            Op::EmptyCache => {
+                let _ = a.empty_cache();
+            }
+            Op::Limit { mib } => a.set_limit(mib.map(|m| Limit::Bytes(u64::from(m) * MIB))).unwrap(),
+            Op::ResetPeaks => a.ledger().reset_peaks(),
+            Op::Fault { call, nth } => {
+                a.driver().clear_faults();
+                a.driver().fail_nth(CALLS[call as usize % CALLS.len()], u64::from(nth % 4) + 1);
+            }
+            _ => {}
+        }
+        check(&a);
+    }
+    a.driver().clear_faults();
+    for x in live {
+        a.free(x.ptr).unwrap();
+    }
+    dev.complete_all();
+    a.empty_cache().unwrap();
+    check(&a);
+    assert_eq!(a.driver().held_bytes(), 0);
+});
