@@ -92,17 +92,17 @@ fn stress(mode: SegmentMode) {
                             let i = (r >> 20) as usize % mine.len();
                             let x = mine.swap_remove(i);
                             shadow.lock().unwrap().remove(&x.ptr);
-                            if r % 3 == 0 {
+                            if r.is_multiple_of(3) {
                                 a.free(x.ptr).unwrap();
                             } else {
                                 a.free_on(x.ptr, x.stream).unwrap();
                             }
                         }
                         drop(mine);
-                        if r % 997 == 0 {
+                        if r.is_multiple_of(997) {
                             a.empty_cache().unwrap();
                         }
-                        if r % 1009 == 0 {
+                        if r.is_multiple_of(1009) {
                             let _ = a.snapshot(); // lock-free reads while others allocate
                         }
                     }
