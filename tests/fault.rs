@@ -14,23 +14,7 @@ use vram_ledger::{Allocation, Allocator, Config, SegmentMode, Tag};
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(0x1000);
 
-const INJECTED: [DriverCall; 15] = [
-    DriverCall::AllocSegment,
-    DriverCall::FreeSegment,
-    DriverCall::ReserveVa,
-    DriverCall::ReleaseVa,
-    DriverCall::CreatePhysical,
-    DriverCall::ReleasePhysical,
-    DriverCall::Map,
-    DriverCall::SetAccess,
-    DriverCall::Unmap,
-    DriverCall::MemInfo,
-    DriverCall::ProcessUsage,
-    DriverCall::RecordEvent,
-    DriverCall::WaitEvent,
-    DriverCall::SyncStream,
-    DriverCall::QueryEvent,
-];
+const INJECTED: [DriverCall; DriverCall::ALL.len()] = DriverCall::ALL;
 
 fn check(a: &Allocator<SimDriver>, when: &str) {
     let mut d = a.dump();

@@ -26,22 +26,7 @@ enum Op {
     ClearFaults,
 }
 
-const FAULTABLE: [DriverCall; 14] = [
-    DriverCall::AllocSegment,
-    DriverCall::FreeSegment,
-    DriverCall::ReserveVa,
-    DriverCall::ReleaseVa,
-    DriverCall::CreatePhysical,
-    DriverCall::ReleasePhysical,
-    DriverCall::Map,
-    DriverCall::SetAccess,
-    DriverCall::Unmap,
-    DriverCall::RecordEvent,
-    DriverCall::QueryEvent,
-    DriverCall::WaitEvent,
-    DriverCall::SyncStream,
-    DriverCall::MemInfo,
-];
+const FAULTABLE: [DriverCall; DriverCall::ALL.len()] = DriverCall::ALL;
 
 fn stream(i: u8) -> StreamId {
     StreamId(u64::from(i) * 0x1000)

@@ -28,21 +28,7 @@ struct Input {
     ops: Vec<Op>,
 }
 
-const CALLS: [DriverCall; 13] = [
-    DriverCall::AllocSegment,
-    DriverCall::FreeSegment,
-    DriverCall::ReserveVa,
-    DriverCall::ReleaseVa,
-    DriverCall::CreatePhysical,
-    DriverCall::ReleasePhysical,
-    DriverCall::Map,
-    DriverCall::SetAccess,
-    DriverCall::Unmap,
-    DriverCall::RecordEvent,
-    DriverCall::QueryEvent,
-    DriverCall::WaitEvent,
-    DriverCall::SyncStream,
-];
+const CALLS: [DriverCall; DriverCall::ALL.len()] = DriverCall::ALL;
 
 fn check(a: &Allocator<SimDriver>) {
     let mut d = a.dump();
