@@ -202,6 +202,19 @@ fn replay_rejects_files_that_are_not_snapshots() {
 }
 
 #[test]
+fn replay_refuses_a_pickle_that_expands_without_bound() {
+    // Found by fuzzing: 381 bytes that double a value with every DUP + TUPLE2, which the pickle
+    // decoder would build in full (gigabytes).
+    let e = replay::read_file(Path::new("tests/data/pickle-bomb.pickle"), None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("would expand to at least") && e.contains("from 381 bytes"),
+        "{e}"
+    );
+}
+
+#[test]
 fn replay_cli_json_svg_and_errors() {
     // Where the binary was built, unless a bundle moved it elsewhere.
     let exe = std::env::var("VRAM_LEDGER_BIN")

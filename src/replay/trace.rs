@@ -109,11 +109,29 @@ pub fn read_bytes(bytes: &[u8], device: Option<usize>) -> Result<Trace, TraceErr
             "it does not start with a pickle protocol header".into(),
         ));
     }
+    if let Err(nodes) = super::pickle_guard::check(bytes) {
+        return Err(TraceError::Pickle(format!(
+            "it would expand to at least {nodes} values from {} bytes (memo references and \
+             duplicates copied over and over); refused",
+            bytes.len()
+        )));
+    }
     let opts = serde_pickle::DeOptions::new()
         .replace_unresolved_globals()
         .decode_strings();
-    let value = serde_pickle::value_from_slice(bytes, opts)
-        .map_err(|e| TraceError::Pickle(e.to_string()))?;
+    let value = serde_pickle::value_from_slice(bytes, opts).map_err(|e| {
+        // The decoder's messages can quote a whole decoded value: keep the start.
+        let mut msg = e.to_string();
+        if msg.len() > 300 {
+            let cut = (0..=300)
+                .rev()
+                .find(|&i| msg.is_char_boundary(i))
+                .unwrap_or(0);
+            msg.truncate(cut);
+            msg.push('…');
+        }
+        TraceError::Pickle(msg)
+    })?;
     parse_snapshot(&value, device)
 }
 
