@@ -21,7 +21,7 @@ pub(crate) fn check(data: &[u8]) -> Result<(), u64> {
     macro_rules! arg {
         ($n:expr) => {{
             let n = $n;
-            if i + n > data.len() {
+            if n > data.len() - i {
                 return Ok(());
             }
             let v = &data[i..i + n];
@@ -224,6 +224,12 @@ mod tests {
         }
         p.push(b'.');
         assert!(check(&p).is_err(), "a bomb of {} bytes passed", p.len());
+        // A length near 2^64 is a truncated argument, not an overflow (the fuzzer found this).
+        let mut huge = vec![0x80, 4, 0x8d];
+        huge.extend_from_slice(&(u64::MAX - 3).to_le_bytes());
+        huge.extend_from_slice(b"abc.");
+        assert_eq!(check(&huge), Ok(()));
+        assert!(crate::replay::trace::read_bytes(&huge, None).is_err());
         let fine = serde_pickle::to_vec(&vec![vec![1u32; 1000]; 100], Default::default()).unwrap();
         assert_eq!(check(&fine), Ok(()));
         // The shipped traces pass.
