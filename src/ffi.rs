@@ -115,8 +115,7 @@ fn device_count() -> usize {
     }
 }
 
-fn dev<D: Driver>(alloc: Allocator<D>) -> Result<Dev<D>, String> {
-    let alloc: &'static Allocator<D> = Box::leak(Box::new(alloc));
+fn dev<D: Driver>(alloc: &'static Allocator<D>) -> Result<Dev<D>, String> {
     Ok(Dev {
         alloc,
         profiler: Profiler::new(alloc).map_err(|e| e.to_string())?,
@@ -141,15 +140,12 @@ fn state(device: c_int) -> Result<&'static DeviceState, String> {
     }
     let made = if simulated() {
         let a = Allocator::new(SimDriver::new(), cuda::configured()).map_err(|e| e.to_string())?;
-        DeviceState::Sim(dev(a)?)
+        DeviceState::Sim(dev(Box::leak(Box::new(a)))?)
     } else {
         // The registry keeps its Arc; this state borrows the allocator for the process's life.
         let a: &'static Allocator<CudaDriver> =
             Box::leak(Box::new(cuda::allocator(d).map_err(|e| e.to_string())?));
-        DeviceState::Cuda(Dev {
-            alloc: a,
-            profiler: Profiler::new(a).map_err(|e| e.to_string())?,
-        })
+        DeviceState::Cuda(dev(a)?)
     };
     Ok(slot.get_or_init(|| Box::leak(Box::new(made))))
 }

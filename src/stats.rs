@@ -81,6 +81,7 @@ pub fn memory_stats<D: Driver>(a: &Allocator<D>) -> BTreeMap<String, u64> {
         allocated: u64,
         requested: u64,
         active: u64,
+        active_bytes: u64,
         inactive_split: u64,
         inactive_split_bytes: u64,
         segments: u64,
@@ -99,10 +100,12 @@ pub fn memory_stats<D: Driver>(a: &Allocator<D>) -> BTreeMap<String, u64> {
                     p.allocated += b.size;
                     p.requested += b.requested;
                     p.active += 1;
+                    p.active_bytes += b.size;
                     active_all += 1;
                 }
                 DumpState::Pending => {
                     p.active += 1;
+                    p.active_bytes += b.size;
                     active_all += 1;
                 }
                 DumpState::Free if split => {
@@ -139,7 +142,7 @@ pub fn memory_stats<D: Driver>(a: &Allocator<D>) -> BTreeMap<String, u64> {
         put("allocated_bytes", name, p.allocated, p.allocated, 0, 0);
         put("requested_bytes", name, p.requested, p.requested, 0, 0);
         put("active", name, p.active, p.active, 0, 0);
-        put("active_bytes", name, p.allocated, p.allocated, 0, 0);
+        put("active_bytes", name, p.active_bytes, p.active_bytes, 0, 0);
         put(
             "inactive_split",
             name,
@@ -259,5 +262,13 @@ mod tests {
             m["inactive_split.all.current"], 1,
             "the 20 MiB segment's free tail"
         );
+        // A freed block still used by another stream stays active, in its pool too.
+        let y = a.allocate(4096, StreamId::DEFAULT).unwrap();
+        a.record_stream(y.ptr, StreamId(0x100)).unwrap();
+        a.driver().device().submit(StreamId(0x100));
+        a.free(y.ptr).unwrap();
+        let m = memory_stats(&a);
+        assert_eq!(m["active_bytes.small_pool.current"], 4096);
+        assert_eq!(m["active_bytes.all.current"], (3 << 20) + 4096);
     }
 }

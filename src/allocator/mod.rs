@@ -355,10 +355,20 @@ impl<D: Driver> Allocator<D> {
         if ptr == 0 {
             return Ok(());
         }
+        self.in_owning_shard(ptr, |sh| sh.free(&self.core, ptr))
+    }
+
+    /// Run `op` on each shard in turn until one knows `ptr`. `op` must change nothing and
+    /// return `UnknownPointer` when its shard does not hold the pointer.
+    fn in_owning_shard(
+        &self,
+        ptr: DevicePtr,
+        mut op: impl FnMut(&mut Shard) -> Result<()>,
+    ) -> Result<()> {
         for s in self.shards.iter() {
-            let mut sh = s.lock();
-            if sh.owns(ptr) {
-                return sh.free(&self.core, ptr);
+            match op(&mut s.lock()) {
+                Err(Error::UnknownPointer(_)) => continue,
+                done => return done,
             }
         }
         Err(Error::UnknownPointer(ptr))
@@ -383,13 +393,7 @@ impl<D: Driver> Allocator<D> {
     /// Record that `stream` uses the allocation at `ptr`: when it is freed, its memory is not
     /// reused until the work queued on `stream` by then has completed.
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
-        for s in self.shards.iter() {
-            let mut sh = s.lock();
-            if sh.owns(ptr) {
-                return sh.record_stream(ptr, stream);
-            }
-        }
-        Err(Error::UnknownPointer(ptr))
+        self.in_owning_shard(ptr, |sh| sh.record_stream(ptr, stream))
     }
 
     /// Give every cached byte back to the driver (waiting first for the streams that still use

@@ -306,10 +306,6 @@ impl Shard {
         self.live.len()
     }
 
-    pub(crate) fn owns(&self, ptr: DevicePtr) -> bool {
-        self.live.contains_key(&ptr)
-    }
-
     /// Return an allocation to the cache (or to the pending list when other streams used it).
     /// Unknown pointers are an error and change nothing.
     pub(crate) fn free<D: Driver>(&mut self, core: &Core<D>, ptr: DevicePtr) -> Result<()> {
