@@ -6,7 +6,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use vram_ledger::driver::sim::{SimDriver, MIB};
+use vram_ledger::driver::sim::SimDriver;
+use vram_ledger::units::MIB;
 use vram_ledger::{Allocator, Config, SegmentMode, StreamId, Tag};
 
 fn allocator(mode: SegmentMode) -> Allocator<SimDriver> {
@@ -22,7 +23,7 @@ fn allocator(mode: SegmentMode) -> Allocator<SimDriver> {
 
 fn cached_pair(c: &mut Criterion) {
     let mut g = c.benchmark_group("cached_pair");
-    for mode in [SegmentMode::Plain, SegmentMode::Expandable] {
+    for mode in [SegmentMode::Native, SegmentMode::Expandable] {
         for (name, size) in [("512B", 512u64), ("1MiB", MIB), ("20MiB", 20 * MIB)] {
             let a = allocator(mode);
             let s = StreamId::DEFAULT;
@@ -61,7 +62,7 @@ fn mixed(c: &mut Criterion) {
     let sizes = mixed_sizes();
     let mut g = c.benchmark_group("mixed64");
     g.throughput(Throughput::Elements(64));
-    for mode in [SegmentMode::Plain, SegmentMode::Expandable] {
+    for mode in [SegmentMode::Native, SegmentMode::Expandable] {
         let a = allocator(mode);
         let s = StreamId::DEFAULT;
         let mut ptrs = Vec::with_capacity(64);
@@ -95,7 +96,7 @@ fn threads(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(6)).sample_size(10);
     const PAIRS: u64 = 200_000;
     for n in [1usize, 2, 4, 8] {
-        let a = Arc::new(allocator(SegmentMode::Plain));
+        let a = Arc::new(allocator(SegmentMode::Native));
         g.throughput(Throughput::Elements(PAIRS * n as u64));
         g.bench_function(BenchmarkId::from_parameter(n), |b| {
             b.iter_custom(|iters| {

@@ -15,6 +15,7 @@ use vram_ledger::cuda::{self, DeviceBuffer};
 use vram_ledger::driver::Driver;
 use vram_ledger::kernels::PatternKernels;
 use vram_ledger::profile::{ProfileOptions, Profiler};
+use vram_ledger::units::{in_gib, GIB};
 use vram_ledger::{tag, Tag};
 
 fn arg<T: std::str::FromStr>(args: &[String], i: usize, what: &str) -> T {
@@ -46,8 +47,8 @@ fn hold(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     std::fs::write(&ready, format!("{held}"))?;
     println!(
         "holding {:.2} GiB of {:.2} GiB",
-        held as f64 / (1u64 << 30) as f64,
-        total as f64 / (1u64 << 30) as f64
+        in_gib(held as u64),
+        in_gib(total as u64)
     );
     std::thread::sleep(Duration::from_secs(seconds));
     Ok(())
@@ -68,7 +69,7 @@ fn engine(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
 
     let weights: Vec<DeviceBuffer<u64>> = {
         let _w = tag::scope(Tag::Weights);
-        let words = ((weights_gib * (1u64 << 30) as f64) as usize / 8) / 16;
+        let words = ((weights_gib * GIB as f64) as usize / 8) / 16;
         (0..16)
             .map(|_| DeviceBuffer::new(&alloc, words, &stream))
             .collect::<Result<_, _>>()?
@@ -76,7 +77,7 @@ fn engine(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     for (i, w) in weights.iter().enumerate() {
         kernels.fill(&stream, w.ptr(), w.len() as u64 * 8, i as u64)?;
     }
-    let act_words = (act_gib * (1u64 << 30) as f64) as usize / 8;
+    let act_words = (act_gib * GIB as f64) as usize / 8;
     let mut outside = Vec::new();
     let mut pass = |with_outside: bool| -> Result<(), Box<dyn std::error::Error>> {
         // A forward pass: layer activations live together at the peak, then are freed.

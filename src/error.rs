@@ -7,6 +7,7 @@ use thiserror::Error;
 use crate::driver::{DevicePtr, DriverError};
 use crate::ledger::PerTag;
 use crate::tag::UnknownTag;
+use crate::units::Bytes;
 
 /// Everything known when an allocation could not be served, after the cache was released and
 /// the allocation retried.
@@ -32,42 +33,31 @@ pub struct OomReport {
     pub cause: String,
 }
 
-pub(crate) fn gib(bytes: u64) -> String {
-    let b = bytes as f64;
-    if bytes >= 1 << 30 {
-        format!("{:.2} GiB", b / (1u64 << 30) as f64)
-    } else if bytes >= 1 << 20 {
-        format!("{:.2} MiB", b / (1u64 << 20) as f64)
-    } else {
-        format!("{bytes} bytes")
-    }
-}
-
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
             "out of device memory. Tried to allocate {} (needing {} more from the driver). \
              The device has a total capacity of {} of which {} is free.",
-            gib(self.requested),
-            gib(self.needed),
-            gib(self.device_total),
-            gib(self.device_free)
+            Bytes(self.requested),
+            Bytes(self.needed),
+            Bytes(self.device_total),
+            Bytes(self.device_free)
         )?;
         if let Some(p) = self.process_usage {
-            write!(f, " This process has {} in use.", gib(p))?;
+            write!(f, " This process has {} in use.", Bytes(p))?;
         }
         write!(
             f,
             " Of it, {} is allocated by vram-ledger and {} is reserved but unallocated (cached)",
-            gib(self.allocated),
-            gib(self.cached)
+            Bytes(self.allocated),
+            Bytes(self.cached)
         )?;
         match self.non_allocator {
             Some(n) => write!(
                 f,
                 "; {} is outside the allocator (context, libraries).",
-                gib(n)
+                Bytes(n)
             )?,
             None => write!(
                 f,
@@ -76,11 +66,11 @@ impl fmt::Display for OomReport {
         }
         write!(f, " Allocated by tag:")?;
         for t in crate::tag::Tag::ALL {
-            write!(f, " {} {}", t, gib(self.per_tag[t]))?;
+            write!(f, " {} {}", t, Bytes(self.per_tag[t]))?;
         }
         write!(f, ".")?;
         if let Some(l) = self.limit {
-            write!(f, " The allocator's limit is {}.", gib(l))?;
+            write!(f, " The allocator's limit is {}.", Bytes(l))?;
         }
         write!(f, " Last failure: {}.", self.cause)?;
         if self.cached > self.needed {

@@ -265,22 +265,12 @@ pub extern "C" fn vram_ledger_record_stream(ptr: *mut c_void, stream: *mut c_voi
 // ---------------------------------------------------------------------------------------------
 // Configuration, tags, statistics, profiling. Functions returning int give 0 or -1.
 
-/// Choose the segment mode ("plain", "expandable", "compact" or "remap") of allocators not yet
+/// Choose the segment mode ("native", "expandable", "compact" or "remap") of allocators not yet
 /// created.
 #[no_mangle]
 pub extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
     guard(-1, || {
-        let mode = match c_str(mode, "mode")? {
-            "plain" | "native" => SegmentMode::Plain,
-            "expandable" => SegmentMode::Expandable,
-            "compact" => SegmentMode::Compact,
-            "remap" => SegmentMode::Remap,
-            other => {
-                return Err(format!(
-                    "unknown mode {other:?}: expected plain, expandable, compact or remap"
-                ))
-            }
-        };
+        let mode: SegmentMode = c_str(mode, "mode")?.parse().map_err(|e| format!("{e}"))?;
         cuda::configure(Config {
             mode,
             ..Default::default()

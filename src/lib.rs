@@ -35,6 +35,7 @@ pub mod replay;
 pub mod report;
 pub mod stats;
 pub mod tag;
+pub mod units;
 
 pub use allocator::{Allocation, Allocator, Config, Limit, SegmentMode};
 pub use driver::{DevicePtr, Driver, StreamId};

@@ -4,8 +4,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use vram_ledger::allocator::rules;
-use vram_ledger::driver::sim::{SimConfig, SimDriver, GIB, MIB};
-use vram_ledger::replay::{self, Mode};
+use vram_ledger::driver::sim::{SimConfig, SimDriver};
+use vram_ledger::replay;
+use vram_ledger::units::{Bytes, GIB, MIB};
 use vram_ledger::{report, Allocator, Config, SegmentMode, StreamId, Tag};
 
 #[derive(Parser)]
@@ -130,7 +131,7 @@ fn demo(expandable: bool, json: bool) -> Result<(), String> {
     let mode = if expandable {
         SegmentMode::Expandable
     } else {
-        SegmentMode::Plain
+        SegmentMode::Native
     };
     let a = Allocator::new(
         drv,
@@ -185,7 +186,7 @@ fn demo(expandable: bool, json: bool) -> Result<(), String> {
 
 fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
     if args.list_modes {
-        for m in Mode::ALL {
+        for m in SegmentMode::ALL {
             println!("{:<12} {}", m.name(), m.describe());
         }
         return Ok(());
@@ -195,16 +196,12 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
         .file
         .as_deref()
         .expect("clap requires a file unless --list-modes");
-    let modes: Vec<Mode> = if mode == "all" {
-        Mode::ALL.to_vec()
+    let modes: Vec<SegmentMode> = if mode == "all" {
+        SegmentMode::ALL.to_vec()
     } else {
-        vec![Mode::parse(mode).ok_or_else(|| {
-            let names: Vec<_> = Mode::ALL.iter().map(|m| m.name()).collect();
-            format!(
-                "unknown mode {mode:?}: expected one of {} or all",
-                names.join(", ")
-            )
-        })?]
+        vec![mode
+            .parse::<SegmentMode>()
+            .map_err(|e| format!("{e}, or all"))?]
     };
     let capacity = match &args.capacity {
         Some(c) => parse_size(c)?,
@@ -273,7 +270,7 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
 }
 
 fn replay_table(r: &replay::ReplayResult) -> String {
-    let g = report::gib2;
+    let g = Bytes;
     let mut s = format!(
         "\nmode {}: {:.2} M events/s\n",
         r.mode.name(),

@@ -18,8 +18,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use serde::Serialize;
 
 use crate::driver::{Driver, MemInfo};
-use crate::error::gib;
 use crate::ledger::Snapshot;
+use crate::units::Bytes;
 use crate::{Allocator, Tag};
 
 /// Where a snapshot's "this process's usage" came from.
@@ -86,7 +86,7 @@ pub enum ProfileError {
     #[error(
         "Free memory on device ({} / {}) on startup is less than desired GPU memory utilization ({utilization}, {}). \
          Decrease GPU memory utilization or reduce GPU memory used by other processes.",
-        gib(*free), gib(*total), gib(*requested)
+        Bytes(*free), Bytes(*total), Bytes(*requested)
     )]
     InsufficientFreeMemory {
         free: u64,
@@ -101,7 +101,7 @@ pub enum ProfileError {
     #[error(
         "device free memory rose by {} during profiling: another process freed memory, so the \
          device-wide measurement is wrong. Profile again, or make per-process usage (NVML) visible.",
-        gib(*rose)
+        Bytes(*rose)
     )]
     OtherProcessFreed { rose: u64 },
     #[error("no memory left for the KV cache: {}", .0.report_lines().join(" "))]
@@ -204,7 +204,7 @@ pub struct ProfileResult {
 impl ProfileResult {
     /// The report, one line per category in GiB with two decimals.
     pub fn report_lines(&self) -> Vec<String> {
-        let g = |b: u64| format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64);
+        let g = Bytes;
         let mut v = vec![format!(
             "Memory profiling takes {:.2} seconds ({}). Total non KV cache memory: {}; weights memory: {}; \
              activation peak: {}; untracked peak: {}; cached by the allocator: {}; outside the allocator: {} \
@@ -389,7 +389,7 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
                 if grown > granule as i64 {
                     warnings.push(format!(
                         "Device free memory fell by {} more than the allocator's growth during profiling; if another                          process allocated meanwhile, it is charged to this engine and the KV budget may be short by up to that much.",
-                        gib(grown as u64)
+                        Bytes(grown as u64)
                     ));
                 }
                 warnings.push(

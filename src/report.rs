@@ -2,11 +2,7 @@
 
 use crate::ledger::Snapshot;
 use crate::tag::Tag;
-
-/// Bytes as GiB with two decimals, the unit engines' logs use.
-pub fn gib2(bytes: u64) -> String {
-    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
+use crate::units::Bytes;
 
 /// A table of the ledger: per tag current and peak, then allocator-wide figures.
 pub fn ledger_table(s: &Snapshot) -> String {
@@ -20,8 +16,8 @@ pub fn ledger_table(s: &Snapshot) -> String {
         out.push_str(&format!(
             "{:<12} {:>14} {:>14} {:>12} {:>12}\n",
             t.name(),
-            gib2(x.allocated_bytes.current),
-            gib2(x.allocated_bytes.peak),
+            Bytes(x.allocated_bytes.current),
+            Bytes(x.allocated_bytes.peak),
             x.allocations.current,
             x.total_allocations
         ));
@@ -29,16 +25,16 @@ pub fn ledger_table(s: &Snapshot) -> String {
     out.push_str(&format!(
         "{:<12} {:>14} {:>14} {:>12} {:>12}\n",
         "all",
-        gib2(s.all.allocated_bytes.current),
-        gib2(s.all.allocated_bytes.peak),
+        Bytes(s.all.allocated_bytes.current),
+        Bytes(s.all.allocated_bytes.peak),
         s.all.allocations.current,
         s.all.total_allocations
     ));
     out.push_str(&format!(
         "reserved {} (peak {}), cached {}, segments {}; driver calls: {} segment allocs, {} frees, {} maps, {} unmaps; {} retries, {} OOMs\n",
-        gib2(s.reserved_bytes.current),
-        gib2(s.reserved_bytes.peak),
-        gib2(s.cached_bytes),
+        Bytes(s.reserved_bytes.current),
+        Bytes(s.reserved_bytes.peak),
+        Bytes(s.cached_bytes),
         s.segments.current,
         s.segment_allocs,
         s.segment_frees,

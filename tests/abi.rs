@@ -172,7 +172,7 @@ fn abi_memory_fraction_and_configure() {
         vram_ledger_configure(CString::new("warp").unwrap().as_ptr()),
         -1
     );
-    assert!(last_error().contains("unknown mode"));
+    assert!(last_error().contains("unknown segment mode"));
     assert_eq!(vram_ledger_configure(null_mut()), -1);
     vram_ledger_record_stream(0x1234 as *mut c_void, S);
     assert!(

@@ -1,9 +1,10 @@
 //! Behaviour of the caching allocator on the simulated device: PyTorch's rules, errors,
 //! streams, limits, and the expandable mode.
 
-use vram_ledger::driver::sim::{SimConfig, SimDriver, GIB, MIB};
+use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
+use vram_ledger::units::{GIB, MIB};
 use vram_ledger::{Allocator, Config, Error, Limit, SegmentMode, Tag};
 
 const S0: StreamId = StreamId::DEFAULT;

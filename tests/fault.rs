@@ -5,10 +5,11 @@
 //! design: a failed poll means "not yet"), every invariant holds after it, and once faults stop
 //! everything can be freed and every byte returned to the driver.
 
-use vram_ledger::driver::sim::{SimConfig, SimDriver, GIB, MIB};
+use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
 use vram_ledger::profile::{ProfileOptions, Profiler};
+use vram_ledger::units::{GIB, MIB};
 use vram_ledger::{Allocation, Allocator, Config, SegmentMode, Tag};
 
 const S0: StreamId = StreamId(0);
@@ -221,7 +222,7 @@ fn exhaustive(mode: SegmentMode) {
 
 #[test]
 fn fault_every_call_plain() {
-    exhaustive(SegmentMode::Plain);
+    exhaustive(SegmentMode::Native);
 }
 
 #[test]

@@ -15,7 +15,7 @@ fn gpu_driver_and_nvml_agree_with_the_ledger() {
         return;
     };
     for mode in [
-        SegmentMode::Plain,
+        SegmentMode::Native,
         SegmentMode::Expandable,
         SegmentMode::Remap,
     ] {

@@ -82,7 +82,7 @@ fn random_sequence(mode: SegmentMode) {
 
 #[test]
 fn gpu_random_sequences_plain() {
-    random_sequence(SegmentMode::Plain);
+    random_sequence(SegmentMode::Native);
 }
 
 #[test]
@@ -105,7 +105,7 @@ fn gpu_record_stream_defers_reuse_until_the_other_stream_is_done() {
     let Some(g) = gpu("gpu_record_stream") else {
         return;
     };
-    let a = allocator(SegmentMode::Plain);
+    let a = allocator(SegmentMode::Native);
     let s0 = g.ctx.new_stream().unwrap();
     let s1 = g.ctx.new_stream().unwrap();
     let mut sink = g.counter();

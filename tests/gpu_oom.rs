@@ -10,7 +10,7 @@ use vram_ledger::{Error, SegmentMode, Tag};
 #[test]
 fn gpu_allocate_until_oom_then_recover() {
     let Some(g) = gpu("gpu_oom") else { return };
-    for mode in [SegmentMode::Plain, SegmentMode::Remap] {
+    for mode in [SegmentMode::Native, SegmentMode::Remap] {
         let a = allocator(mode);
         let s = stream_id(&g.stream);
         let mut held = Vec::new();

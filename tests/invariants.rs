@@ -1,8 +1,9 @@
 //! The invariant checker must catch a broken state: a checker that cannot fail proves nothing.
 //! Each test breaks one thing in a copy of a real allocator's dump.
 
-use vram_ledger::driver::sim::{SimDriver, MIB};
+use vram_ledger::driver::sim::SimDriver;
 use vram_ledger::invariants::{check, DumpState, StateDump};
+use vram_ledger::units::MIB;
 use vram_ledger::{Allocator, Config, SegmentMode, StreamId, Tag};
 
 fn real_state(mode: SegmentMode) -> StateDump {
@@ -27,7 +28,7 @@ fn real_state(mode: SegmentMode) -> StateDump {
 
 fn both() -> [StateDump; 2] {
     [
-        real_state(SegmentMode::Plain),
+        real_state(SegmentMode::Native),
         real_state(SegmentMode::Expandable),
     ]
 }
@@ -58,7 +59,7 @@ fn catches_overlapping_blocks() {
 
 #[test]
 fn catches_overlapping_segments() {
-    let mut d = real_state(SegmentMode::Plain);
+    let mut d = real_state(SegmentMode::Native);
     let other = d.segments[0].clone();
     d.segments.push(other);
     assert!(check(&d).is_err());
@@ -127,7 +128,7 @@ fn catches_allocated_above_active() {
 
 #[test]
 fn catches_internal_structure_problems() {
-    let mut d = real_state(SegmentMode::Plain);
+    let mut d = real_state(SegmentMode::Native);
     d.problems
         .push("free index has 3 entries for 2 free blocks".into());
     assert!(check(&d).is_err());

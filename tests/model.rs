@@ -6,9 +6,10 @@
 use std::collections::HashMap;
 
 use proptest::prelude::*;
-use vram_ledger::driver::sim::{SimConfig, SimDriver, GIB, MIB};
+use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
+use vram_ledger::units::{GIB, MIB};
 use vram_ledger::{Allocation, Allocator, Config, Error, Limit, SegmentMode, Tag};
 
 #[derive(Clone, Debug)]
@@ -308,7 +309,7 @@ proptest! {
 
     #[test]
     fn model_plain_segments(ops in proptest::collection::vec(op_strategy(), 1..80)) {
-        run(SegmentMode::Plain, ops)?;
+        run(SegmentMode::Native, ops)?;
     }
 
     #[test]

@@ -3,11 +3,12 @@
 
 use std::sync::Arc;
 
-use vram_ledger::driver::sim::{SimConfig, SimDevice, SimDriver, GIB, MIB};
+use vram_ledger::driver::sim::{SimConfig, SimDevice, SimDriver};
 use vram_ledger::driver::Driver;
 use vram_ledger::profile::{
     Margin, ProfileError, ProfileOptions, ProfileResult, Profiler, UsageSource,
 };
+use vram_ledger::units::{GIB, MIB};
 use vram_ledger::{Allocator, Config, StreamId, Tag};
 
 const S: StreamId = StreamId::DEFAULT;

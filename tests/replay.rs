@@ -6,10 +6,11 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_pickle::{HashableValue, Value};
-use vram_ledger::replay::{self, Mode, ReplayOptions, ReplayResult};
+use vram_ledger::replay::{self, ReplayOptions, ReplayResult};
+use vram_ledger::SegmentMode;
 use vram_ledger::Tag;
 
-fn run(trace: &str, mode: Mode) -> ReplayResult {
+fn run(trace: &str, mode: SegmentMode) -> ReplayResult {
     let t = replay::read_file(Path::new(&format!("tests/data/{trace}.pickle.gz")), None).unwrap();
     let r = replay::replay(
         &t,
@@ -28,14 +29,14 @@ fn run(trace: &str, mode: Mode) -> ReplayResult {
 #[test]
 fn replay_native_reproduces_pytorch_exactly() {
     for trace in ["gpt2-train", "llama1b-serve"] {
-        let r = run(trace, Mode::Native);
+        let r = run(trace, SegmentMode::Native);
         assert_eq!(r.peak_reserved, r.torch_peak_reserved, "{trace}");
         assert_eq!(
             r.driver_calls.segment_allocs, r.torch_driver_calls.segment_allocs,
             "{trace}"
         );
     }
-    let r = run("gpt2-train", Mode::Native);
+    let r = run("gpt2-train", SegmentMode::Native);
     assert!(
         (r.fragmentation_ratio - 1.1245).abs() < 5e-5,
         "{}",
@@ -47,8 +48,8 @@ fn replay_native_reproduces_pytorch_exactly() {
 #[test]
 fn replay_expandable_matches_pytorch_expandable_segments() {
     // PyTorch recorded 1.0698 and 1.0008 for these workloads with expandable_segments:True.
-    let g = run("gpt2-train", Mode::Expandable);
-    let l = run("llama1b-serve", Mode::Expandable);
+    let g = run("gpt2-train", SegmentMode::Expandable);
+    let l = run("llama1b-serve", SegmentMode::Expandable);
     assert!(
         (g.fragmentation_ratio - 1.0698).abs() < 5e-4,
         "{}",
@@ -64,7 +65,7 @@ fn replay_expandable_matches_pytorch_expandable_segments() {
 #[test]
 fn replay_remap_meets_the_fragmentation_goal_within_twice_pytorchs_calls() {
     for trace in ["gpt2-train", "llama1b-serve"] {
-        let r = run(trace, Mode::Remap);
+        let r = run(trace, SegmentMode::Remap);
         let torch = r.torch_driver_calls.memory_allocations();
         assert!(
             r.fragmentation_ratio <= 1.02,
@@ -87,7 +88,7 @@ fn replay_remap_meets_the_fragmentation_goal_within_twice_pytorchs_calls() {
 
 #[test]
 fn replay_per_tag_peaks_come_from_metadata() {
-    let r = run("gpt2-train", Mode::Native);
+    let r = run("gpt2-train", SegmentMode::Native);
     // Backward runs on autograd threads with empty metadata: untracked.
     assert!(r.per_tag[Tag::Untracked].peak_live > 0);
     assert!(r.per_tag[Tag::Weights].peak_live > 0);
@@ -259,7 +260,7 @@ fn replay_cli_json_svg_and_errors() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&listed.stdout);
-    for m in Mode::ALL {
+    for m in SegmentMode::ALL {
         assert!(text.contains(m.name()));
     }
     let text_file = std::env::temp_dir().join(format!("vram-ledger-{}.txt", std::process::id()));
@@ -281,5 +282,5 @@ fn replay_cli_json_svg_and_errors() {
         ])
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown mode"));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown segment mode"));
 }

@@ -5,8 +5,8 @@ use std::path::Path;
 
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::invariants;
-use vram_ledger::replay::{self, engine::H200_CAPACITY, Mode, ReplayOptions};
-use vram_ledger::Allocator;
+use vram_ledger::replay::{self, engine::H200_CAPACITY, ReplayOptions};
+use vram_ledger::{Allocator, Config, SegmentMode};
 
 #[test]
 fn soak_replay_ten_times_back_to_back() {
@@ -14,13 +14,13 @@ fn soak_replay_ten_times_back_to_back() {
         .iter()
         .map(|t| replay::read_file(Path::new(&format!("tests/data/{t}.pickle.gz")), None).unwrap())
         .collect();
-    for mode in [Mode::Native, Mode::Remap] {
+    for mode in [SegmentMode::Native, SegmentMode::Remap] {
         let drv = SimDriver::with_config(SimConfig {
             capacity: H200_CAPACITY,
             context_overhead: 0,
             ..Default::default()
         });
-        let a = Allocator::new(drv, mode.config()).unwrap();
+        let a = Allocator::new(drv, Config::with_mode(mode)).unwrap();
         let mut first = Vec::new();
         for round in 0..10 {
             for (i, t) in traces.iter().enumerate() {

@@ -6,9 +6,10 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
 
-use vram_ledger::driver::sim::{SimConfig, SimDriver, GIB};
+use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::StreamId;
 use vram_ledger::invariants;
+use vram_ledger::units::GIB;
 use vram_ledger::{Allocation, Allocator, Config, SegmentMode, Tag};
 
 struct Rng(u64);
@@ -139,7 +140,7 @@ fn stress(mode: SegmentMode) {
 
 #[test]
 fn stress_plain() {
-    stress(SegmentMode::Plain);
+    stress(SegmentMode::Native);
 }
 
 #[test]

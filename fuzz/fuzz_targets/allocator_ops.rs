@@ -4,7 +4,8 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use vram_ledger::driver::sim::{SimConfig, SimDriver, GIB, MIB};
+use vram_ledger::driver::sim::{SimConfig, SimDriver};
+use vram_ledger::units::{GIB, MIB};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::{invariants, Allocator, Config, Limit, SegmentMode, Tag};
 
@@ -39,7 +40,7 @@ fn check(a: &Allocator<SimDriver>) {
 }
 
 fuzz_target!(|input: Input| {
-    let mode = [SegmentMode::Plain, SegmentMode::Expandable, SegmentMode::Compact, SegmentMode::Remap][input.mode as usize % 4];
+    let mode = [SegmentMode::Native, SegmentMode::Expandable, SegmentMode::Compact, SegmentMode::Remap][input.mode as usize % 4];
     let drv = SimDriver::with_config(SimConfig { capacity: 2 * GIB, context_overhead: 64 * MIB, ..Default::default() });
     let a = Allocator::new(drv, Config { mode, ..Default::default() }).unwrap();
     let dev = a.driver().device().clone();

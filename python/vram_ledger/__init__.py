@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 TAGS = ("weights", "activation", "kv_cache", "kv", "untracked")
-MODES = ("plain", "expandable", "compact", "remap")
+MODES = ("native", "expandable", "compact", "remap")
 
 
 class VramLedgerError(RuntimeError):

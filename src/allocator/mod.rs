@@ -10,6 +10,7 @@
 //!   order, never while holding another, so it cannot deadlock with allocation.
 
 pub(crate) mod block;
+mod config;
 pub(crate) mod free_index;
 pub mod rules;
 pub(crate) mod shard;
@@ -20,60 +21,15 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crossbeam::utils::CachePadded;
 
+pub use self::config::{Config, Limit, SegmentMode, UnknownMode, DEFAULT_REMAP_PIECE};
 use self::shard::{GrowError, Shard};
 use self::spin::SpinLock;
 use self::streams::{StreamTable, SHARDS};
 use crate::driver::{DevicePtr, Driver, StreamId};
-use crate::error::{gib, Error, OomReport, Result};
+use crate::error::{Error, OomReport, Result};
 use crate::ledger::{Ledger, PerTag, Snapshot};
 use crate::tag::Tag;
-
-/// How device memory is obtained.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SegmentMode {
-    /// One `cuMemAlloc` per segment (2 MiB, 20 MiB, or a 2 MiB multiple), like PyTorch's default.
-    #[default]
-    Plain,
-    /// One virtual reservation per stream and pool; pages mapped on demand and unmapped by
-    /// `empty_cache`, like PyTorch's `expandable_segments:True`.
-    Expandable,
-    /// Like `Expandable`, but each growth maps one piece of physical memory sized to the
-    /// request (2 MiB granules), and before growing the allocator unmaps free memory of the
-    /// same shard: physical memory moves to where it is needed, so reserved bytes follow live
-    /// bytes. Costs a stream synchronisation and an unmap whenever it moves memory.
-    Compact,
-    /// Like `Expandable` with 2 MiB pages, but physical memory is created in request-sized
-    /// chunks and mapped page by page: before growing, the allocator unmaps wholly free pages
-    /// anywhere in the shard and maps those same physical pages where the request needs them.
-    /// Few physical allocations, many map calls, the least fragmentation.
-    Remap,
-}
-
-/// A cap on the bytes the allocator may hold from the driver.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Limit {
-    Bytes(u64),
-    /// A fraction of the device's total memory, in (0, 1].
-    Fraction(f64),
-}
-
-/// Allocator settings. The defaults are PyTorch's.
-#[derive(Clone, Debug, Default)]
-pub struct Config {
-    pub mode: SegmentMode,
-    pub limit: Option<Limit>,
-    /// Cached blocks at least this large are never split (PyTorch's `max_split_size_mb`).
-    pub max_split_size: Option<u64>,
-    /// Remap mode: the largest piece of large-pool memory one map call covers (rounded up to
-    /// the granularity; default 88 MiB). Smaller pieces can be moved more finely (less
-    /// fragmentation) but cost more map calls; the README has the measured trade-off.
-    pub remap_piece: Option<u64>,
-}
-
-/// Default [`Config::remap_piece`].
-pub const DEFAULT_REMAP_PIECE: u64 = 88 << 20;
+use crate::units::Bytes;
 
 /// One live allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,9 +69,9 @@ impl<D: Driver> Core<D> {
             self.committed.fetch_sub(bytes, Relaxed);
             return Err(format!(
                 "{} more would exceed the allocator's limit of {} ({} held)",
-                gib(bytes),
-                gib(limit),
-                gib(before)
+                Bytes(bytes),
+                Bytes(limit),
+                Bytes(before)
             ));
         }
         Ok(())
@@ -143,7 +99,7 @@ impl<D: Driver> Allocator<D> {
             granularity,
             driver,
             ledger: Ledger::new(SHARDS),
-            expandable: config.mode != SegmentMode::Plain,
+            expandable: config.mode != SegmentMode::Native,
             compact: config.mode == SegmentMode::Compact,
             remap: config.mode == SegmentMode::Remap,
             remap_piece: config
@@ -183,7 +139,7 @@ impl<D: Driver> Allocator<D> {
 
     pub fn mode(&self) -> SegmentMode {
         match (self.core.expandable, self.core.compact, self.core.remap) {
-            (false, ..) => SegmentMode::Plain,
+            (false, ..) => SegmentMode::Native,
             (true, true, _) => SegmentMode::Compact,
             (true, _, true) => SegmentMode::Remap,
             _ => SegmentMode::Expandable,

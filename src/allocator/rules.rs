@@ -2,7 +2,7 @@
 //! and when a free block is split. These follow PyTorch's caching allocator so that a workload
 //! behaves the way its authors expect; each rule is a pure function, tested on its own.
 
-use crate::driver::sim::MIB;
+use crate::units::MIB;
 
 /// Smallest block; every size is a multiple of it.
 pub const MIN_BLOCK: u64 = 512;

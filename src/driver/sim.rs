@@ -27,8 +27,7 @@ use super::{
     PhysHandle, StreamId,
 };
 
-pub const GIB: u64 = 1 << 30;
-pub const MIB: u64 = 1 << 20;
+use crate::units::{GIB, MIB};
 
 /// Construction parameters of a simulated device.
 #[derive(Clone, Debug)]

@@ -17,69 +17,9 @@ use crate::ledger::PerTag;
 use crate::tag::Tag;
 use crate::{Allocator, Config, Error, SegmentMode};
 
-/// An allocation policy to replay under.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Mode {
-    /// PyTorch's default: plain segments.
-    Native,
-    /// PyTorch's `expandable_segments:True`: pages mapped on demand.
-    Expandable,
-    /// vram-ledger's compact mode: request-sized mappings, free memory moved before growing.
-    Compact,
-    /// vram-ledger's remap mode: request-sized physical chunks mapped page by page; free pages
-    /// are remapped where a request needs them before anything new is created.
-    Remap,
-}
-
-impl Mode {
-    pub const ALL: [Mode; 4] = [Mode::Native, Mode::Expandable, Mode::Compact, Mode::Remap];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Mode::Native => "native",
-            Mode::Expandable => "expandable",
-            Mode::Compact => "compact",
-            Mode::Remap => "remap",
-        }
-    }
-
-    pub fn describe(self) -> &'static str {
-        match self {
-            Mode::Native => "plain cuMemAlloc segments (2 MiB, 20 MiB, 2 MiB multiples), PyTorch's default rules",
-            Mode::Expandable => "one virtual reservation per stream and pool, 2 MiB / 20 MiB pages mapped on demand",
-            Mode::Compact => "virtual memory mapped in request-sized pieces; free pieces are moved before growing",
-            Mode::Remap => "physical memory in request-sized chunks mapped page by page; free pages are remapped before growing",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Mode> {
-        Mode::ALL.into_iter().find(|m| m.name() == s)
-    }
-
-    /// The allocator configuration of this mode.
-    pub fn config(self) -> Config {
-        match self {
-            Mode::Native => Config::default(),
-            Mode::Expandable => Config {
-                mode: SegmentMode::Expandable,
-                ..Default::default()
-            },
-            Mode::Compact => Config {
-                mode: SegmentMode::Compact,
-                ..Default::default()
-            },
-            Mode::Remap => Config {
-                mode: SegmentMode::Remap,
-                ..Default::default()
-            },
-        }
-    }
-}
-
 #[derive(Clone, Debug)]
 pub struct ReplayOptions {
-    pub mode: Mode,
+    pub mode: SegmentMode,
     /// Simulated device memory (default: an H200's 139.8 GiB).
     pub capacity: u64,
     /// Timeline points to keep (for the picture); 0 for none.
@@ -94,7 +34,7 @@ pub const H200_CAPACITY: u64 = 143_771_287_552;
 impl Default for ReplayOptions {
     fn default() -> Self {
         ReplayOptions {
-            mode: Mode::Native,
+            mode: SegmentMode::Native,
             capacity: H200_CAPACITY,
             timeline_points: 1000,
             remap_piece: None,
@@ -134,7 +74,7 @@ impl DriverCalls {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct ReplayResult {
-    pub mode: Mode,
+    pub mode: SegmentMode,
     pub events: usize,
     pub allocations: u64,
     pub frees: u64,
@@ -182,7 +122,7 @@ pub fn replay(
     });
     let config = Config {
         remap_piece: opts.remap_piece,
-        ..opts.mode.config()
+        ..Config::with_mode(opts.mode)
     };
     let alloc = Allocator::new(drv, config)?;
     replay_on(&alloc, trace, opts, progress)

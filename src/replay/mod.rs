@@ -6,5 +6,5 @@ mod pickle_guard;
 pub mod svg;
 pub mod trace;
 
-pub use engine::{replay, Mode, ReplayOptions, ReplayResult};
+pub use engine::{replay, ReplayOptions, ReplayResult};
 pub use trace::{read_file, Trace, TraceError};

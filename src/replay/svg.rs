@@ -2,6 +2,7 @@
 
 use super::engine::ReplayResult;
 use crate::tag::Tag;
+use crate::units::in_gib;
 
 const W: f64 = 960.0;
 const H: f64 = 420.0;
@@ -101,7 +102,7 @@ pub fn timeline(r: &ReplayResult, title: &str) -> String {
             "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{:.1} GiB</text>\n",
             LEFT - 6.0,
             y(b) + 4.0,
-            b as f64 / (1u64 << 30) as f64
+            in_gib(b)
         ));
     }
     s.push_str(&format!(
