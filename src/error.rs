@@ -29,8 +29,30 @@ pub struct OomReport {
     pub non_allocator: Option<u64>,
     pub per_tag: PerTag<u64>,
     pub limit: Option<u64>,
-    /// Why the last attempt failed (the driver's words, or the limit).
-    pub cause: String,
+    /// Why the last attempt failed.
+    #[serde(serialize_with = "as_text")]
+    pub cause: OomCause,
+}
+
+/// Why the allocator could not get more memory for a request.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum OomCause {
+    /// Growing would pass the allocator's limit.
+    #[error("{} more would exceed the allocator's limit of {} ({} held)", Bytes(*wanted), Bytes(*limit), Bytes(*held))]
+    Limit { wanted: u64, held: u64, limit: u64 },
+    /// The driver has no memory for it.
+    #[error(transparent)]
+    Device(DriverError),
+    /// A virtual segment's reservation has no unmapped range left that could hold it.
+    #[error("the virtual segment's address space is exhausted")]
+    AddressSpace,
+    /// Memory was mapped, but it does not adjoin enough free memory to hold the request.
+    #[error("the mapped memory is not contiguous with enough free memory")]
+    NotContiguous,
+}
+
+fn as_text<S: serde::Serializer>(cause: &OomCause, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_str(cause)
 }
 
 impl fmt::Display for OomReport {
@@ -105,6 +127,12 @@ pub enum Error {
 
     #[error(transparent)]
     Driver(#[from] DriverError),
+
+    #[error(
+        "allocator shard {shard} was left inconsistent by a panic during an earlier operation; \
+         its streams' memory can no longer be used (other shards still work)"
+    )]
+    Poisoned { shard: usize },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

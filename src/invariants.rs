@@ -1,21 +1,19 @@
 //! The invariant checker: a pure function over a [`StateDump`], so that a test can break a
 //! copy of a real state and see the checker catch it.
 //!
-//! What it checks (DESIGN's contracts):
+//! What it checks (the contracts every part of the allocator keeps):
 //! - blocks of each segment tile it exactly, in address order (no overlap, no gap);
 //! - segments never overlap one another;
 //! - every allocated or pending block lies in mapped memory;
 //! - Σ tags = allocated (bytes, requested bytes, counts), and those equal what the blocks say;
 //! - allocated ≤ active ≤ reserved, active = allocated + pending, reserved = mapped bytes +
-//!   spare (held, unmapped) bytes,
-//!   cached = reserved − allocated, the segment count matches, every peak ≥ its current;
+//!   spare (held, unmapped) bytes, cached = reserved − allocated, the segment count matches,
+//!   every peak ≥ its current;
 //! - reserved = what the driver says the allocator holds, when the driver can tell;
 //! - the shards' own structures are consistent (`problems` collected while dumping).
 
 use serde::Serialize;
 
-use crate::allocator::block::BlockState;
-use crate::allocator::shard::{SegmentKind, Shard};
 use crate::ledger::{Counter, Snapshot};
 use crate::tag::Tag;
 
@@ -62,46 +60,6 @@ pub struct StateDump {
     pub driver_held: Option<u64>,
     /// Internal inconsistencies found while dumping.
     pub problems: Vec<String>,
-}
-
-pub(crate) fn dump_shard(sh: &Shard, out: &mut StateDump) {
-    out.spare += sh.spare_bytes();
-    for s in sh.segments.iter().flatten() {
-        let mut blocks = Vec::new();
-        let mut id = s.first;
-        while id != crate::allocator::block::NIL {
-            let b = &sh.blocks[id];
-            let state = match b.state {
-                BlockState::Free => DumpState::Free,
-                BlockState::Allocated => DumpState::Allocated,
-                BlockState::Pending(_) => DumpState::Pending,
-                BlockState::Unmapped => DumpState::Unmapped,
-            };
-            blocks.push(BlockDump {
-                addr: b.addr,
-                size: b.size,
-                requested: b.requested,
-                state,
-                tag: b.tag,
-            });
-            id = b.next;
-        }
-        let (expandable, mapped) = match &s.kind {
-            SegmentKind::Plain => (false, vec![(s.base, s.size)]),
-            SegmentKind::Expandable { mappings, .. } => (
-                true,
-                mappings.iter().map(|(&va, m)| (va, m.bytes)).collect(),
-            ),
-        };
-        out.segments.push(SegmentDump {
-            base: s.base,
-            pool: s.pool,
-            size: s.size,
-            expandable,
-            mapped,
-            blocks,
-        });
-    }
 }
 
 /// The first broken invariant found.

@@ -12,14 +12,15 @@
 //! Readers, on any thread and without any lock, sum the shards. Peaks are kept per shard and
 //! summed: exact whenever the allocations being measured come from one stream's shard (an
 //! engine's forward pass), and an upper bound, never below the current value, when several
-//! streams allocate at once. Reserved bytes, segments and driver calls change only on the slow
-//! path and are plain shared atomics.
+//! streams allocate at once. Reserved bytes and segments change only on the slow path and are
+//! plain shared atomics; driver calls are counted by the driver adaptor, not here.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crossbeam::utils::CachePadded;
 use serde::{Deserialize, Serialize};
 
+use crate::driver::counting::DriverCalls;
 use crate::tag::Tag;
 
 /// A current value and its high-water mark, shared by any number of writers.
@@ -199,26 +200,12 @@ impl ShardCells {
     }
 }
 
-/// Driver calls the allocator made, by what they cost.
-#[derive(Default, Debug)]
-pub(crate) struct DriverCounters {
-    pub(crate) segment_allocs: AtomicU64,
-    pub(crate) segment_frees: AtomicU64,
-    pub(crate) maps: AtomicU64,
-    pub(crate) unmaps: AtomicU64,
-    /// Remap mode: physical chunks created and released (expandable modes create and release
-    /// one handle per map and unmap).
-    pub(crate) creates: AtomicU64,
-    pub(crate) releases: AtomicU64,
-}
-
 /// The live ledger of one allocator.
 #[derive(Debug)]
 pub struct Ledger {
     shards: Box<[CachePadded<ShardCells>]>,
     pub(crate) reserved: Gauge,
     pub(crate) segments: Gauge,
-    pub(crate) driver: DriverCounters,
     pub(crate) retries: AtomicU64,
     pub(crate) ooms: AtomicU64,
     /// Driver failures absorbed while moving free memory before growing (compact, remap).
@@ -239,7 +226,6 @@ impl Ledger {
                 .collect(),
             reserved: Gauge::default(),
             segments: Gauge::default(),
-            driver: DriverCounters::default(),
             retries: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
             move_failures: AtomicU64::new(0),
@@ -304,8 +290,9 @@ impl Ledger {
         }
     }
 
-    /// A copy of every counter; consistent when no allocation is in flight.
-    pub fn snapshot(&self) -> Snapshot {
+    /// A copy of every counter, with the driver calls counted elsewhere (the allocator's
+    /// counting driver); consistent when no allocation is in flight.
+    pub(crate) fn snapshot(&self, driver_calls: DriverCalls) -> Snapshot {
         let mut per_tag = PerTag::<TagStats>::default();
         let mut all = TagStats::default();
         let mut active = Counter::default();
@@ -324,12 +311,7 @@ impl Ledger {
             active_bytes: active,
             reserved_bytes: reserved,
             segments: self.segments.read(),
-            segment_allocs: self.driver.segment_allocs.load(Relaxed),
-            segment_frees: self.driver.segment_frees.load(Relaxed),
-            maps: self.driver.maps.load(Relaxed),
-            unmaps: self.driver.unmaps.load(Relaxed),
-            creates: self.driver.creates.load(Relaxed),
-            releases: self.driver.releases.load(Relaxed),
+            driver_calls,
             alloc_retries: self.retries.load(Relaxed),
             ooms: self.ooms.load(Relaxed),
             move_failures: self.move_failures.load(Relaxed),
@@ -408,14 +390,10 @@ pub struct Snapshot {
     pub reserved_bytes: Counter,
     /// Reserved but not allocated: cache slack and fragmentation.
     pub cached_bytes: u64,
+    /// Plain segments held.
     pub segments: Counter,
-    pub segment_allocs: u64,
-    pub segment_frees: u64,
-    pub maps: u64,
-    pub unmaps: u64,
-    /// Physical chunks created / released (remap mode).
-    pub creates: u64,
-    pub releases: u64,
+    /// Every driver call the allocator made, by name.
+    pub driver_calls: DriverCalls,
     pub alloc_retries: u64,
     pub ooms: u64,
     /// Driver failures absorbed while moving free memory before growing (the allocation then
@@ -433,10 +411,7 @@ pub struct SnapshotDiff {
     pub active_bytes: i64,
     pub allocations: u64,
     pub frees: u64,
-    pub segment_allocs: u64,
-    pub segment_frees: u64,
-    pub maps: u64,
-    pub unmaps: u64,
+    pub driver_calls: DriverCalls,
 }
 
 fn delta(later: u64, earlier: u64) -> i64 {
@@ -465,10 +440,7 @@ impl Snapshot {
             active_bytes: delta(self.active_bytes.current, earlier.active_bytes.current),
             allocations: self.all.total_allocations - earlier.all.total_allocations,
             frees: self.all.total_frees - earlier.all.total_frees,
-            segment_allocs: self.segment_allocs - earlier.segment_allocs,
-            segment_frees: self.segment_frees - earlier.segment_frees,
-            maps: self.maps - earlier.maps,
-            unmaps: self.unmaps - earlier.unmaps,
+            driver_calls: self.driver_calls.since(&earlier.driver_calls),
         }
     }
 }
@@ -484,7 +456,7 @@ mod tests {
         l.shard(0).on_alloc(Tag::Activation, 1000, 1000);
         l.shard(0).on_free(Tag::Activation, 1000, 1000, false);
         l.shard(1).on_alloc(Tag::Activation, 512, 512);
-        let a = l.snapshot().per_tag[Tag::Activation].allocated_bytes;
+        let a = l.snapshot(DriverCalls::default()).per_tag[Tag::Activation].allocated_bytes;
         assert_eq!(
             a,
             Counter {
@@ -494,7 +466,9 @@ mod tests {
         );
         l.reset_peaks();
         assert_eq!(
-            l.snapshot().per_tag[Tag::Activation].allocated_bytes.peak,
+            l.snapshot(DriverCalls::default()).per_tag[Tag::Activation]
+                .allocated_bytes
+                .peak,
             512
         );
     }
@@ -505,7 +479,7 @@ mod tests {
         l.shard(0).on_alloc(Tag::Weights, 1024, 1000);
         l.shard(1).on_alloc(Tag::Activation, 4096, 4000);
         l.shard(1).on_free(Tag::Activation, 4096, 4000, false);
-        let s = l.snapshot();
+        let s = l.snapshot(DriverCalls::default());
         assert_eq!(
             s.all.allocated_bytes,
             Counter {
@@ -525,21 +499,29 @@ mod tests {
         assert_eq!(s.all.total_frees, 1);
         l.reset_tag_peaks(Tag::Activation);
         assert_eq!(
-            l.snapshot().per_tag[Tag::Activation].allocated_bytes.peak,
+            l.snapshot(DriverCalls::default()).per_tag[Tag::Activation]
+                .allocated_bytes
+                .peak,
             0
         );
-        assert_eq!(l.snapshot().all.allocated_bytes.peak, 5120);
+        assert_eq!(
+            l.snapshot(DriverCalls::default()).all.allocated_bytes.peak,
+            5120
+        );
         l.reset_peaks();
-        assert_eq!(l.snapshot().all.allocated_bytes.peak, 1024);
+        assert_eq!(
+            l.snapshot(DriverCalls::default()).all.allocated_bytes.peak,
+            1024
+        );
     }
 
     #[test]
     fn diff_and_serde_round_trip() {
         let l = Ledger::default();
-        let before = l.snapshot();
+        let before = l.snapshot(DriverCalls::default());
         l.on_reserve(2 << 20, true);
         l.shard(0).on_alloc(Tag::KvCache, 512, 100);
-        let after = l.snapshot();
+        let after = l.snapshot(DriverCalls::default());
         let d = after.diff(&before);
         assert_eq!(d.allocated_bytes[Tag::KvCache], 512);
         assert_eq!(d.reserved_bytes, 2 << 20);

@@ -37,8 +37,8 @@ pub mod stats;
 pub mod tag;
 pub mod units;
 
-pub use allocator::{Allocation, Allocator, Config, Limit, SegmentMode};
+pub use allocator::{Allocation, Allocator, Config, Limit, PoolStats, SegmentMode};
 pub use driver::{DevicePtr, Driver, StreamId};
-pub use error::{Error, OomReport, Result};
+pub use error::{Error, OomCause, OomReport, Result};
 pub use ledger::{Counter, PerTag, Snapshot, TagStats};
 pub use tag::Tag;

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use vram_ledger::allocator::rules;
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
+use vram_ledger::driver::DriverCall;
 use vram_ledger::replay;
 use vram_ledger::units::{Bytes, GIB, MIB};
 use vram_ledger::{report, Allocator, Config, SegmentMode, StreamId, Tag};
@@ -301,13 +302,9 @@ fn replay_table(r: &replay::ReplayResult) -> String {
         d.memory_allocations(),
         t.memory_allocations(),
     );
-    s += &row("maps", d.maps, t.maps);
-    s += &row(
-        "memory frees",
-        d.segment_frees + d.releases,
-        t.segment_frees + t.releases,
-    );
-    s += &row("unmaps", d.unmaps, t.unmaps);
+    s += &row("maps", d[DriverCall::Map], t[DriverCall::Map]);
+    s += &row("memory frees", d.memory_frees(), t.memory_frees());
+    s += &row("unmaps", d[DriverCall::Unmap], t[DriverCall::Unmap]);
     s += &format!("  {:<28} {:>14}\n", "out of memory", r.ooms);
     for t in Tag::ALL {
         let p = r.per_tag[t];

@@ -6,6 +6,12 @@ use crate::units::Bytes;
 
 /// A table of the ledger: per tag current and peak, then allocator-wide figures.
 pub fn ledger_table(s: &Snapshot) -> String {
+    let calls: Vec<String> = s
+        .driver_calls
+        .nonzero()
+        .map(|(c, n)| format!("{n} {c}"))
+        .collect();
+    let calls = calls.join(", ");
     let mut out = String::new();
     out.push_str(&format!(
         "{:<12} {:>14} {:>14} {:>12} {:>12}\n",
@@ -31,15 +37,12 @@ pub fn ledger_table(s: &Snapshot) -> String {
         s.all.total_allocations
     ));
     out.push_str(&format!(
-        "reserved {} (peak {}), cached {}, segments {}; driver calls: {} segment allocs, {} frees, {} maps, {} unmaps; {} retries, {} OOMs\n",
+        "reserved {} (peak {}), cached {}, segments {}; driver calls: {}; {} retries, {} OOMs\n",
         Bytes(s.reserved_bytes.current),
         Bytes(s.reserved_bytes.peak),
         Bytes(s.cached_bytes),
         s.segments.current,
-        s.segment_allocs,
-        s.segment_frees,
-        s.maps,
-        s.unmaps,
+        calls,
         s.alloc_retries,
         s.ooms
     ));

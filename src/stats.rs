@@ -2,20 +2,21 @@
 //! `torch.cuda.memory_stats()` keep working under vram-ledger, plus per-tag keys.
 //!
 //! The `.all` keys come from the ledger (current, peak, allocated = total count or bytes ever
-//! allocated, freed). The `small_pool`/`large_pool` keys are computed from the allocator's
-//! blocks when asked: current values only (their peak is reported as the current value, and
-//! their allocated/freed totals as 0), since the ledger does not split by pool.
+//! allocated, freed). The `small_pool`/`large_pool` keys come from [`Allocator::pool_stats`],
+//! a walk of the blocks when asked: current values only (their peak is reported as the
+//! current value, and their allocated/freed totals as 0), since the ledger does not split by
+//! pool. Device allocations and frees are the driver calls that obtain or return memory.
 
 use std::collections::BTreeMap;
 
 use crate::driver::Driver;
-use crate::invariants::DumpState;
-use crate::{Allocator, Tag};
+use crate::driver::DriverCall;
+use crate::{Allocator, PoolStats, Tag};
 
 /// Statistics of one allocator, keyed as `torch.cuda.memory_stats()` keys them.
 pub fn memory_stats<D: Driver>(a: &Allocator<D>) -> BTreeMap<String, u64> {
     let s = a.snapshot();
-    let dump = a.dump();
+    let calls = s.driver_calls;
     let mut m = BTreeMap::new();
     let mut put = |stat: &str, pool: &str, current: u64, peak: u64, allocated: u64, freed: u64| {
         m.insert(format!("{stat}.{pool}.current"), current);
@@ -70,109 +71,51 @@ pub fn memory_stats<D: Driver>(a: &Allocator<D>) -> BTreeMap<String, u64> {
         "all",
         s.segments.current,
         s.segments.peak,
-        s.segment_allocs,
-        s.segment_frees,
+        calls[DriverCall::AllocSegment],
+        calls[DriverCall::FreeSegment],
     );
 
     // Per pool, and the split-but-inactive blocks, from the blocks themselves.
-    #[derive(Default)]
-    struct Pool {
-        allocations: u64,
-        allocated: u64,
-        requested: u64,
-        active: u64,
-        active_bytes: u64,
-        inactive_split: u64,
-        inactive_split_bytes: u64,
-        segments: u64,
-        reserved: u64,
-    }
-    let mut pools = [Pool::default(), Pool::default()];
-    let mut active_all = 0;
-    let mut inactive_all = (0, 0);
-    for seg in &dump.segments {
-        let split = seg.blocks.len() > 1;
-        for b in &seg.blocks {
-            let p = &mut pools[seg.pool as usize];
-            match b.state {
-                DumpState::Allocated => {
-                    p.allocations += 1;
-                    p.allocated += b.size;
-                    p.requested += b.requested;
-                    p.active += 1;
-                    p.active_bytes += b.size;
-                    active_all += 1;
-                }
-                DumpState::Pending => {
-                    p.active += 1;
-                    p.active_bytes += b.size;
-                    active_all += 1;
-                }
-                DumpState::Free if split => {
-                    p.inactive_split += 1;
-                    p.inactive_split_bytes += b.size;
-                    inactive_all.0 += 1;
-                    inactive_all.1 += b.size;
-                }
-                _ => {}
-            }
-        }
-        pools[seg.pool as usize].segments += 1;
-        pools[seg.pool as usize].reserved += seg.mapped.iter().map(|m| m.1).sum::<u64>();
-    }
-    put("active", "all", active_all, active_all, 0, 0);
+    let pools = a.pool_stats();
+    let mut all = PoolStats::default();
+    pools.iter().for_each(|p| all.add(p));
+    put("active", "all", all.active, all.active, 0, 0);
     put(
         "inactive_split",
         "all",
-        inactive_all.0,
-        inactive_all.0,
+        all.inactive_split,
+        all.inactive_split,
         0,
         0,
     );
     put(
         "inactive_split_bytes",
         "all",
-        inactive_all.1,
-        inactive_all.1,
+        all.inactive_split_bytes,
+        all.inactive_split_bytes,
         0,
         0,
     );
     for (name, p) in [("small_pool", &pools[0]), ("large_pool", &pools[1])] {
-        put("allocation", name, p.allocations, p.allocations, 0, 0);
-        put("allocated_bytes", name, p.allocated, p.allocated, 0, 0);
-        put("requested_bytes", name, p.requested, p.requested, 0, 0);
-        put("active", name, p.active, p.active, 0, 0);
-        put("active_bytes", name, p.active_bytes, p.active_bytes, 0, 0);
-        put(
-            "inactive_split",
-            name,
-            p.inactive_split,
-            p.inactive_split,
-            0,
-            0,
-        );
-        put(
-            "inactive_split_bytes",
-            name,
-            p.inactive_split_bytes,
-            p.inactive_split_bytes,
-            0,
-            0,
-        );
-        put("segment", name, p.segments, p.segments, 0, 0);
-        put("reserved_bytes", name, p.reserved, p.reserved, 0, 0);
+        for (stat, v) in [
+            ("allocation", p.allocations),
+            ("allocated_bytes", p.allocated_bytes),
+            ("requested_bytes", p.requested_bytes),
+            ("active", p.active),
+            ("active_bytes", p.active_bytes),
+            ("inactive_split", p.inactive_split),
+            ("inactive_split_bytes", p.inactive_split_bytes),
+            ("segment", p.segments),
+            ("reserved_bytes", p.reserved_bytes),
+        ] {
+            put(stat, name, v, v, 0, 0);
+        }
     }
     m.insert("num_alloc_retries".into(), s.alloc_retries);
     m.insert("num_ooms".into(), s.ooms);
     m.insert("num_sync_all_streams".into(), 0);
-    m.insert(
-        "num_device_alloc".into(),
-        s.segment_allocs + s.creates.max(s.maps),
-    );
-    m.insert(
-        "num_device_free".into(),
-        s.segment_frees + s.releases.max(s.unmaps),
-    );
+    m.insert("num_device_alloc".into(), calls.memory_allocations());
+    m.insert("num_device_free".into(), calls.memory_frees());
     m.insert("oversize_allocations.current".into(), 0);
     m.insert("oversize_segments.current".into(), 0);
     for t in Tag::ALL {

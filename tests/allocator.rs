@@ -5,7 +5,7 @@ use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{Allocator, Config, Error, Limit, SegmentMode, Tag};
+use vram_ledger::{Allocator, Config, Error, Limit, OomCause, SegmentMode, Tag};
 
 const S0: StreamId = StreamId::DEFAULT;
 const S1: StreamId = StreamId(0x1000);
@@ -44,7 +44,7 @@ fn small_requests_share_a_2mib_segment() {
     );
     let s = a.snapshot();
     assert_eq!(s.reserved_bytes.current, 2 * MIB);
-    assert_eq!(s.segment_allocs, 1);
+    assert_eq!(s.driver_calls[DriverCall::AllocSegment], 1);
     assert_eq!(s.all.requested_bytes.current, 800);
     check(&a);
 }
@@ -138,7 +138,7 @@ fn streams_do_not_share_cached_blocks() {
     a.free(x.ptr).unwrap();
     let y = a.allocate(4096, S1).unwrap();
     assert_ne!(y.ptr, x.ptr);
-    assert_eq!(a.snapshot().segment_allocs, 2);
+    assert_eq!(a.snapshot().driver_calls[DriverCall::AllocSegment], 2);
     let z = a.allocate(4096, S0).unwrap();
     assert_eq!(z.ptr, x.ptr, "reused at once on its own stream");
     check(&a);
@@ -289,7 +289,16 @@ fn limit_in_bytes_and_fraction() {
         panic!("{err}")
     };
     assert_eq!(r.limit, Some(64 * MIB));
-    assert!(r.cause.contains("limit"), "{}", r.cause);
+    // The cause is the attempt made after the cache was released: 40 MiB held, 40 more wanted.
+    assert_eq!(
+        r.cause,
+        OomCause::Limit {
+            wanted: 40 * MIB,
+            held: 40 * MIB,
+            limit: 64 * MIB
+        }
+    );
+    assert!(r.to_string().contains("limit of 64.00 MiB"), "{r}");
     a.free(x.ptr).unwrap();
     a.set_limit(Some(Limit::Fraction(0.5))).unwrap();
     assert_eq!(a.limit(), Some(40 * GIB));
@@ -331,7 +340,7 @@ fn expandable_maps_pages_on_demand_and_unmaps_on_empty_cache() {
     assert_eq!(y.ptr, x.ptr + 30 * MIB, "one growing segment");
     let s = a.snapshot();
     assert_eq!(s.reserved_bytes.current, 60 * MIB);
-    assert_eq!(s.maps, 3, "three 20 MiB pages");
+    assert_eq!(s.driver_calls[DriverCall::Map], 3, "three 20 MiB pages");
     assert_eq!(a.driver().held_bytes(), 60 * MIB);
     check(&a);
     a.free(x.ptr).unwrap();
@@ -461,4 +470,36 @@ fn many_threads_allocate_and_free_concurrently() {
     a.empty_cache().unwrap();
     assert_eq!(a.driver().held_bytes(), 0);
     check(&a);
+}
+
+#[test]
+fn a_panic_inside_a_shard_poisons_only_that_shard() {
+    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    let (s1, s2) = (StreamId(0x10), StreamId(0x20));
+    assert_ne!(a.shard_of(s1), a.shard_of(s2));
+    let kept = a.allocate(4096, s1).unwrap();
+    // The panic strikes while s1's shard is growing, with its lock held.
+    a.driver().panic_nth(DriverCall::AllocSegment, 1);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.allocate(30 * MIB, s1)));
+    assert!(r.is_err(), "the injected panic propagates to the caller");
+    let shard = a.shard_of(s1);
+    for err in [
+        a.allocate(4096, s1).unwrap_err(),
+        a.free_on(kept.ptr, s1).unwrap_err(),
+        a.record_stream(kept.ptr, s2).unwrap_err(),
+    ] {
+        assert!(
+            matches!(err, Error::Poisoned { shard: s } if s == shard),
+            "{err}"
+        );
+        assert!(err.to_string().contains("panic"), "{err}");
+    }
+    // Other streams' shards are untouched.
+    let other = a.allocate(4096, s2).unwrap();
+    a.free(other.ptr).unwrap();
+    assert!(
+        a.empty_cache().is_err(),
+        "the poisoned shard cannot be emptied"
+    );
+    assert!(a.dump().problems.iter().any(|p| p.contains("panic")));
 }

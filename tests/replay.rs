@@ -6,6 +6,7 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_pickle::{HashableValue, Value};
+use vram_ledger::driver::DriverCall;
 use vram_ledger::replay::{self, ReplayOptions, ReplayResult};
 use vram_ledger::SegmentMode;
 use vram_ledger::Tag;
@@ -32,7 +33,8 @@ fn replay_native_reproduces_pytorch_exactly() {
         let r = run(trace, SegmentMode::Native);
         assert_eq!(r.peak_reserved, r.torch_peak_reserved, "{trace}");
         assert_eq!(
-            r.driver_calls.segment_allocs, r.torch_driver_calls.segment_allocs,
+            r.driver_calls[DriverCall::AllocSegment],
+            r.torch_driver_calls[DriverCall::AllocSegment],
             "{trace}"
         );
     }
@@ -42,7 +44,7 @@ fn replay_native_reproduces_pytorch_exactly() {
         "{}",
         r.fragmentation_ratio
     );
-    assert_eq!(r.torch_driver_calls.segment_allocs, 154);
+    assert_eq!(r.torch_driver_calls[DriverCall::AllocSegment], 154);
 }
 
 #[test]
@@ -78,7 +80,7 @@ fn replay_remap_meets_the_fragmentation_goal_within_twice_pytorchs_calls() {
             r.driver_calls
         );
         assert!(
-            r.driver_calls.maps <= 2 * torch,
+            r.driver_calls[DriverCall::Map] <= 2 * torch,
             "{trace}: {:?} vs {torch}",
             r.driver_calls
         );

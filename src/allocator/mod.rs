@@ -1,86 +1,45 @@
-//! The caching allocator: PyTorch's size classes and best fit, per-stream shards, an
-//! expandable (virtual-memory) mode, and an exact tagged ledger.
+//! The caching allocator: PyTorch's size classes and best fit, per-stream shards, virtual-
+//! memory modes, and an exact tagged ledger.
 //!
-//! Invariants kept across this module (see `shard.rs` for the per-shard ones):
-//! - A stream's blocks live in exactly one shard (chosen by hashing the stream), so a cached
-//!   allocation or free takes one lock and never allocates on the heap.
-//! - `committed` ≥ reserved bytes at every instant, and equals it at quiescence: growth first
-//!   commits against the limit, then calls the driver, then uncommits what it did not get.
-//! - Cross-shard work (releasing the cache, dumps) takes shard locks one at a time, in index
-//!   order, never while holding another, so it cannot deadlock with allocation.
+//! This file is the policy above the shards: which shard's lock a call takes, when pending
+//! events are polled, and what happens when a shard cannot grow (release every shard's
+//! cache, retry once, then report out of memory with the whole breakdown). What a shard does
+//! with its blocks and segments lives in `shard/`; what all shards share in `core.rs`.
+//!
+//! Invariants kept across this module (see `shard/mod.rs` for the per-shard ones):
+//! - A stream's blocks live in exactly one shard (dealt by the stream table, `streams.rs`),
+//!   so a cached allocation or free takes one lock and never allocates on the heap.
+//! - Cross-shard work (releasing the cache, dumps, statistics) takes shard locks one at a
+//!   time, in index order, never while holding another, so it cannot deadlock with allocation.
+//! - A shard whose operation panicked is poisoned: every later call that needs it gets
+//!   [`Error::Poisoned`], never its half-updated state.
 
 pub(crate) mod block;
 mod config;
+mod core;
 pub(crate) mod free_index;
+mod planted;
 pub mod rules;
-pub(crate) mod shard;
+mod shard;
 mod spin;
 mod streams;
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 
 use crossbeam::utils::CachePadded;
 
 pub use self::config::{Config, Limit, SegmentMode, UnknownMode, DEFAULT_REMAP_PIECE};
+pub use self::core::Allocation;
+use self::core::Core;
+pub use self::shard::PoolStats;
 use self::shard::{GrowError, Shard};
-use self::spin::SpinLock;
+use self::spin::{SpinGuard, SpinLock};
 use self::streams::{StreamTable, SHARDS};
+use crate::driver::counting::DriverCalls;
 use crate::driver::{DevicePtr, Driver, StreamId};
-use crate::error::{Error, OomReport, Result};
+use crate::error::{Error, OomCause, OomReport, Result};
 use crate::ledger::{Ledger, PerTag, Snapshot};
 use crate::tag::Tag;
-use crate::units::Bytes;
-
-/// One live allocation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Allocation {
-    /// Device address; 0 for a zero-byte request.
-    pub ptr: DevicePtr,
-    /// Bytes reserved for it (the rounded size, plus any unsplit tail).
-    pub size: u64,
-    /// Bytes asked for.
-    pub requested: u64,
-    pub stream: StreamId,
-    pub tag: Tag,
-}
-
-/// What the shards share: the driver, the ledger, settings.
-pub(crate) struct Core<D> {
-    pub(crate) driver: D,
-    pub(crate) ledger: Ledger,
-    pub(crate) expandable: bool,
-    pub(crate) compact: bool,
-    pub(crate) remap: bool,
-    /// Remap mode: the largest piece of the large pool mapped by one `cuMemMap`.
-    pub(crate) remap_piece: u64,
-    pub(crate) max_split: u64,
-    pub(crate) granularity: u64,
-    pub(crate) device_total: u64,
-    limit: AtomicU64,
-    committed: AtomicU64,
-}
-
-impl<D: Driver> Core<D> {
-    /// Count `bytes` against the limit before asking the driver for them.
-    pub(crate) fn commit(&self, bytes: u64) -> std::result::Result<(), String> {
-        let limit = self.limit.load(Relaxed);
-        let before = self.committed.fetch_add(bytes, Relaxed);
-        if before + bytes > limit {
-            self.committed.fetch_sub(bytes, Relaxed);
-            return Err(format!(
-                "{} more would exceed the allocator's limit of {} ({} held)",
-                Bytes(bytes),
-                Bytes(limit),
-                Bytes(before)
-            ));
-        }
-        Ok(())
-    }
-
-    pub(crate) fn uncommit(&self, bytes: u64) {
-        self.committed.fetch_sub(bytes, Relaxed);
-    }
-}
 
 /// A caching allocator for one device.
 pub struct Allocator<D: Driver> {
@@ -91,30 +50,10 @@ pub struct Allocator<D: Driver> {
 
 impl<D: Driver> Allocator<D> {
     /// An allocator over `driver`. Asks the driver once for the device's total memory (for a
-    /// fractional limit and the expandable reservations).
+    /// fractional limit and the virtual reservations).
     pub fn new(driver: D, config: Config) -> Result<Self> {
-        let total = driver.mem_info()?.total;
-        let granularity = driver.granularity();
-        let core = Core {
-            granularity,
-            driver,
-            ledger: Ledger::new(SHARDS),
-            expandable: config.mode != SegmentMode::Native,
-            compact: config.mode == SegmentMode::Compact,
-            remap: config.mode == SegmentMode::Remap,
-            remap_piece: config
-                .remap_piece
-                .unwrap_or(DEFAULT_REMAP_PIECE)
-                .max(1)
-                .div_ceil(granularity)
-                * granularity,
-            max_split: config.max_split_size.unwrap_or(u64::MAX),
-            device_total: total,
-            limit: AtomicU64::new(u64::MAX),
-            committed: AtomicU64::new(0),
-        };
         let a = Allocator {
-            core,
+            core: Core::new(driver, &config, Ledger::new(SHARDS))?,
             streams: StreamTable::default(),
             shards: (0..SHARDS)
                 .map(|id| CachePadded::new(SpinLock::new(Shard::new(id))))
@@ -124,26 +63,27 @@ impl<D: Driver> Allocator<D> {
         Ok(a)
     }
 
+    /// The driver the allocator was built on.
     pub fn driver(&self) -> &D {
-        &self.core.driver
+        self.core.driver.inner()
     }
 
     pub fn ledger(&self) -> &Ledger {
         &self.core.ledger
     }
 
+    /// Every driver call the allocator has made, by name.
+    pub fn driver_calls(&self) -> DriverCalls {
+        self.core.driver.calls()
+    }
+
     /// Every counter, now.
     pub fn snapshot(&self) -> Snapshot {
-        self.core.ledger.snapshot()
+        self.core.ledger.snapshot(self.driver_calls())
     }
 
     pub fn mode(&self) -> SegmentMode {
-        match (self.core.expandable, self.core.compact, self.core.remap) {
-            (false, ..) => SegmentMode::Native,
-            (true, true, _) => SegmentMode::Compact,
-            (true, _, true) => SegmentMode::Remap,
-            _ => SegmentMode::Expandable,
-        }
+        self.core.mode
     }
 
     /// The device's total memory, as the driver reported it at creation.
@@ -182,8 +122,10 @@ impl<D: Driver> Allocator<D> {
     }
 
     #[inline]
-    fn shard(&self, stream: StreamId) -> &SpinLock<Shard> {
-        &self.shards[self.streams.shard(stream)]
+    fn lock(&self, shard: usize) -> Result<SpinGuard<'_, Shard>> {
+        self.shards[shard]
+            .lock()
+            .map_err(|_| Error::Poisoned { shard })
     }
 
     /// Allocate `size` bytes for use on `stream`, tagged with this thread's current tag.
@@ -215,7 +157,7 @@ impl<D: Driver> Allocator<D> {
         }
         let rounded = rules::round_size(size);
         let cause = {
-            let mut sh = self.shard(stream).lock();
+            let mut sh = self.lock(self.streams.shard(stream))?;
             // Completed events are polled here, except while the stream captures a graph
             // (querying an event would invalidate the capture).
             if !sh.pending.is_empty() && !self.core.driver.is_capturing(stream) {
@@ -245,6 +187,9 @@ impl<D: Driver> Allocator<D> {
         Ok(sh.take(&self.core, id, rounded, size, tag))
     }
 
+    /// The slow end of an allocation: release every shard's cache, try once more, and report
+    /// out of memory with the cause of the last attempt (the one made with the cache
+    /// released, which is what the caller can act on).
     #[cold]
     fn retry_after_release(
         &self,
@@ -252,25 +197,22 @@ impl<D: Driver> Allocator<D> {
         rounded: u64,
         size: u64,
         tag: Tag,
-        cause: String,
+        first: OomCause,
     ) -> Result<Allocation> {
         self.core.ledger.retries.fetch_add(1, Relaxed);
-        tracing::debug!(
-            size,
-            "allocation missed the cache and the driver; releasing the cache and retrying"
-        );
+        tracing::debug!(size, cause = %first, "allocation missed the cache and the driver; releasing the cache and retrying");
         if let Err(e) = self.empty_cache() {
             tracing::warn!(error = %e, "releasing the cache before a retry failed");
         }
         let cause = {
-            let mut sh = self.shard(stream).lock();
+            let mut sh = self.lock(self.streams.shard(stream))?;
             if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {
                 return Ok(a);
             }
             match self.grow_and_take(&mut sh, stream, rounded, size, tag) {
                 Ok(a) => return Ok(a),
                 Err(GrowError::Driver(e)) => return Err(e.into()),
-                Err(GrowError::Memory(c)) => c.max(cause),
+                Err(GrowError::Memory(c)) => c,
             }
         };
         self.core.ledger.ooms.fetch_add(1, Relaxed);
@@ -279,12 +221,12 @@ impl<D: Driver> Allocator<D> {
         Err(Error::OutOfMemory(Box::new(report)))
     }
 
-    fn oom_report(&self, requested: u64, rounded: u64, cause: String) -> OomReport {
+    fn oom_report(&self, requested: u64, rounded: u64, cause: OomCause) -> OomReport {
         let info = self.core.driver.mem_info().unwrap_or_default();
         let usage = self.core.driver.process_usage().ok().flatten();
         let snap = self.snapshot();
         let reserved = snap.reserved_bytes.current;
-        let needed = if self.core.expandable {
+        let needed = if self.core.is_virtual() {
             rounded.div_ceil(self.core.granularity) * self.core.granularity
         } else {
             rules::segment_size(rounded)
@@ -315,19 +257,28 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// Run `op` on each shard in turn until one knows `ptr`. `op` must change nothing and
-    /// return `UnknownPointer` when its shard does not hold the pointer.
+    /// return `UnknownPointer` when its shard does not hold the pointer. A poisoned shard is
+    /// passed over: if the pointer is nowhere else, the error says which shard was poisoned.
     fn in_owning_shard(
         &self,
         ptr: DevicePtr,
         mut op: impl FnMut(&mut Shard) -> Result<()>,
     ) -> Result<()> {
-        for s in self.shards.iter() {
-            match op(&mut s.lock()) {
+        let mut poisoned = None;
+        for i in 0..self.shards.len() {
+            let r = match self.lock(i) {
+                Ok(mut sh) => op(&mut sh),
+                Err(e) => {
+                    poisoned.get_or_insert(e);
+                    continue;
+                }
+            };
+            match r {
                 Err(Error::UnknownPointer(_)) => continue,
                 done => return done,
             }
         }
-        Err(Error::UnknownPointer(ptr))
+        Err(poisoned.unwrap_or(Error::UnknownPointer(ptr)))
     }
 
     /// Free an allocation made on `stream`: one lock. Falls back to a search of every shard when
@@ -339,7 +290,9 @@ impl<D: Driver> Allocator<D> {
         }
         // An unknown pointer changes nothing in the shard, so trying it there first is safe.
         // The guard must be gone before the fallback locks every shard, this one included.
-        let first = self.shard(stream).lock().free(&self.core, ptr);
+        let first = self
+            .lock(self.streams.shard(stream))
+            .and_then(|mut sh| sh.free(&self.core, ptr));
         match first {
             Err(Error::UnknownPointer(_)) => self.free(ptr),
             done => done,
@@ -357,33 +310,56 @@ impl<D: Driver> Allocator<D> {
     /// be released stays cached and accounted.
     pub fn empty_cache(&self) -> Result<()> {
         let mut first = None;
-        for s in self.shards.iter() {
-            if let Err(e) = s.lock().release_cached(&self.core) {
+        for i in 0..self.shards.len() {
+            if let Err(e) = self
+                .lock(i)
+                .and_then(|mut sh| sh.release_cached(&self.core))
+            {
                 first.get_or_insert(e);
             }
         }
         first.map_or(Ok(()), Err)
     }
 
-    /// Live allocations, over all streams.
+    /// Live allocations, over all streams (poisoned shards are not counted).
     pub fn live_allocations(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().live_count()).sum()
+        (0..self.shards.len())
+            .filter_map(|i| self.lock(i).ok().map(|sh| sh.live_count()))
+            .sum()
+    }
+
+    /// Per-pool figures (small, large) now, as `memory_stats` reports them. Walks every
+    /// block, one shard at a time; not for the hot path.
+    pub fn pool_stats(&self) -> [PoolStats; 2] {
+        let mut pools = [PoolStats::default(); 2];
+        for i in 0..self.shards.len() {
+            if let Ok(sh) = self.lock(i) {
+                sh.pool_stats(&mut pools);
+            }
+        }
+        pools
     }
 
     /// A copy of the allocator's whole state, for the invariant checker.
     pub fn dump(&self) -> crate::invariants::StateDump {
         let mut dump = crate::invariants::StateDump::default();
-        for (i, s) in self.shards.iter().enumerate() {
-            let sh = s.lock();
+        for i in 0..self.shards.len() {
+            let sh = match self.lock(i) {
+                Ok(sh) => sh,
+                Err(e) => {
+                    dump.problems.push(e.to_string());
+                    continue;
+                }
+            };
             if sh.id != i {
                 dump.problems
                     .push(format!("shard {i} writes the counters of shard {}", sh.id));
             }
             sh.self_check(&mut dump.problems);
-            crate::invariants::dump_shard(&sh, &mut dump);
+            sh.dump_into(&mut dump);
         }
         dump.ledger = self.snapshot();
-        dump.committed = self.core.committed.load(Relaxed);
+        dump.committed = self.core.committed();
         dump
     }
 }

@@ -7,6 +7,11 @@
 //!
 //! Invariant: `data` is only reached through a guard, and at most one guard exists at a time
 //! (the swap from false to true is the only way to make one).
+//!
+//! Poisoning: a guard dropped while its thread panics marks the lock poisoned, and every later
+//! `lock` refuses, since the data may be half-updated. The check is a load of a flag on the
+//! cache line the lock just took, and `thread::panicking` is a load of a global that only
+//! changes while some thread panics: neither costs the uncontended path a shared write.
 
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
@@ -14,8 +19,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 pub(crate) struct SpinLock<T> {
     locked: AtomicBool,
+    poisoned: AtomicBool,
     data: UnsafeCell<T>,
 }
+
+/// The lock's data was being changed when a thread panicked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Poisoned;
 
 // SAFETY: the lock hands out at most one guard at a time, so `T` is only ever reached from one
 // thread at a time; sending it between threads needs `T: Send`.
@@ -30,16 +40,22 @@ impl<T> SpinLock<T> {
     pub(crate) fn new(data: T) -> Self {
         SpinLock {
             locked: AtomicBool::new(false),
+            poisoned: AtomicBool::new(false),
             data: UnsafeCell::new(data),
         }
     }
 
+    /// Take the lock; refused once a panic poisoned it.
     #[inline]
-    pub(crate) fn lock(&self) -> SpinGuard<'_, T> {
+    pub(crate) fn lock(&self) -> Result<SpinGuard<'_, T>, Poisoned> {
         if self.locked.swap(true, Ordering::Acquire) {
             self.lock_contended();
         }
-        SpinGuard { lock: self }
+        if self.poisoned.load(Ordering::Relaxed) {
+            self.locked.store(false, Ordering::Release);
+            return Err(Poisoned);
+        }
+        Ok(SpinGuard { lock: self })
     }
 
     #[cold]
@@ -82,6 +98,9 @@ impl<T> DerefMut for SpinGuard<'_, T> {
 impl<T> Drop for SpinGuard<'_, T> {
     #[inline]
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.lock.poisoned.store(true, Ordering::Relaxed);
+        }
         self.lock.locked.store(false, Ordering::Release);
     }
 }
@@ -100,7 +119,7 @@ mod tests {
                 std::thread::spawn(move || {
                     for _ in 0..20_000 {
                         // A read-modify-write split in two: lost updates would show a race.
-                        let mut g = l.lock();
+                        let mut g = l.lock().unwrap();
                         let v = *g;
                         std::hint::black_box(&v);
                         *g = v + 1;
@@ -111,6 +130,22 @@ mod tests {
         for h in hs {
             h.join().unwrap();
         }
-        assert_eq!(*l.lock(), 160_000);
+        assert_eq!(*l.lock().unwrap(), 160_000);
+    }
+
+    #[test]
+    fn a_panic_under_the_lock_poisons_it() {
+        let l = Arc::new(SpinLock::new(0u64));
+        let l2 = l.clone();
+        let r = std::thread::spawn(move || {
+            let mut g = l2.lock().unwrap();
+            *g = 1;
+            panic!("half-way through");
+        })
+        .join();
+        assert!(r.is_err());
+        assert!(l.lock().is_err());
+        // Refusing must not leave the lock held.
+        assert!(l.lock().is_err());
     }
 }

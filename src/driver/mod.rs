@@ -10,8 +10,10 @@
 //! `cuMemAddressFree`; streams and events are `cuEventRecord`/`cuEventQuery`/
 //! `cuEventSynchronize`/`cuStreamSynchronize`. Handles are plain integers (device pointers,
 //! generic allocation handles, event pointers) so that the allocator can store them in its
-//! tables without lifetimes or heap allocation.
+//! tables without lifetimes or heap allocation. [`counting::Counting`] wraps any driver and
+//! counts the calls made through it.
 
+pub mod counting;
 pub mod cuda;
 pub mod nvml;
 pub mod sim;

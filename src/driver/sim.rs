@@ -17,11 +17,11 @@
 //! sharing one GPU.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::counting::CallCounters;
 use super::{
     DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId, MemInfo,
     PhysHandle, StreamId,
@@ -219,13 +219,15 @@ struct Fault {
     at: u64,
     /// Keep failing from `at` on.
     sticky: bool,
+    /// Panic instead of returning an error (a bug below the allocator, or in a callback).
+    panic: bool,
 }
 
 /// One simulated process's view of a [`SimDevice`], implementing [`Driver`].
 pub struct SimDriver {
     device: Arc<SimDevice>,
     pid: u32,
-    counts: [AtomicU64; DriverCall::ALL.len()],
+    counts: CallCounters,
     faults: Mutex<Vec<Fault>>,
 }
 
@@ -252,7 +254,7 @@ impl SimDriver {
 
     /// How many times `call` was made.
     pub fn calls(&self, call: DriverCall) -> u64 {
-        self.counts[call.index()].load(Ordering::Relaxed)
+        self.counts.get(call)
     }
 
     /// Fail the `n`th call of `call` from now (n = 1: the next one).
@@ -263,6 +265,7 @@ impl SimDriver {
             call,
             at,
             sticky: false,
+            panic: false,
         });
     }
 
@@ -274,6 +277,19 @@ impl SimDriver {
             call,
             at,
             sticky: true,
+            panic: false,
+        });
+    }
+
+    /// Panic in the `n`th call of `call` from now, to test what a panic leaves behind.
+    pub fn panic_nth(&self, call: DriverCall, n: u64) {
+        assert!(n >= 1);
+        let at = self.calls(call) + n;
+        self.faults.lock().push(Fault {
+            call,
+            at,
+            sticky: false,
+            panic: true,
         });
     }
 
@@ -345,12 +361,16 @@ impl SimDriver {
     }
 
     fn count(&self, call: DriverCall) -> DriverResult<()> {
-        let n = self.counts[call.index()].fetch_add(1, Ordering::Relaxed) + 1;
+        let n = self.counts.bump(call);
         let faults = self.faults.lock();
         let hit = faults
             .iter()
-            .any(|f| f.call == call && (n == f.at || (f.sticky && n >= f.at)));
-        if hit {
+            .find(|f| f.call == call && (n == f.at || (f.sticky && n >= f.at)));
+        if let Some(f) = hit {
+            if f.panic {
+                drop(faults);
+                panic!("injected panic in {call} call #{n}");
+            }
             return Err(DriverError::new(
                 call,
                 DriverErrorKind::Injected,

@@ -11,8 +11,9 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::trace::{Action, Trace};
+use crate::driver::counting::DriverCalls;
 use crate::driver::sim::{SimConfig, SimDriver};
-use crate::driver::StreamId;
+use crate::driver::{DriverCall, StreamId};
 use crate::ledger::PerTag;
 use crate::tag::Tag;
 use crate::{Allocator, Config, Error, SegmentMode};
@@ -51,27 +52,6 @@ pub struct Point {
     pub torch_reserved: u64,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct DriverCalls {
-    /// Plain segments (`cuMemAlloc`) and their frees.
-    pub segment_allocs: u64,
-    pub segment_frees: u64,
-    /// Virtual-memory maps and unmaps (`cuMemMap`, `cuMemUnmap`).
-    pub maps: u64,
-    pub unmaps: u64,
-    /// Physical allocations by `cuMemCreate` and their releases. In the expandable and compact
-    /// modes every map creates its own; in remap mode one chunk serves many maps.
-    pub creates: u64,
-    pub releases: u64,
-}
-
-impl DriverCalls {
-    /// Calls that obtain device memory from the driver (segments and physical allocations).
-    pub fn memory_allocations(&self) -> u64 {
-        self.segment_allocs + self.creates
-    }
-}
-
 #[derive(Clone, Debug, Serialize)]
 pub struct ReplayResult {
     pub mode: SegmentMode,
@@ -85,8 +65,11 @@ pub struct ReplayResult {
     pub fragmentation_ratio: f64,
     pub torch_peak_reserved: u64,
     pub torch_fragmentation_ratio: f64,
+    /// Every driver call our allocator made, by name.
     pub driver_calls: DriverCalls,
-    /// PyTorch's segment allocations (or maps, for an expandable trace) in the trace.
+    /// The driver calls PyTorch's recorded segment events imply: a `cuMemAlloc` or `cuMemFree`
+    /// per segment event; for an expandable trace a `cuMemCreate`, `cuMemMap` and
+    /// `cuMemSetAccess` per mapped page and a `cuMemUnmap` and `cuMemRelease` per unmapped one.
     pub torch_driver_calls: DriverCalls,
     pub ooms: u64,
     pub per_tag: PerTag<TagPeak>,
@@ -183,20 +166,25 @@ pub fn replay_on(
                 torch_reserved += e.size;
                 torch_peak = torch_peak.max(torch_reserved);
                 if e.action == Action::SegmentAlloc {
-                    torch.segment_allocs += 1;
+                    torch.add(DriverCall::AllocSegment, 1);
                 } else {
                     // PyTorch's expandable segments create one handle per mapped page.
-                    torch.maps += 1;
-                    torch.creates += 1;
+                    for call in [
+                        DriverCall::CreatePhysical,
+                        DriverCall::Map,
+                        DriverCall::SetAccess,
+                    ] {
+                        torch.add(call, 1);
+                    }
                 }
             }
             Action::SegmentFree | Action::SegmentUnmap => {
                 torch_reserved = torch_reserved.saturating_sub(e.size);
                 if e.action == Action::SegmentFree {
-                    torch.segment_frees += 1;
+                    torch.add(DriverCall::FreeSegment, 1);
                 } else {
-                    torch.unmaps += 1;
-                    torch.releases += 1;
+                    torch.add(DriverCall::Unmap, 1);
+                    torch.add(DriverCall::ReleasePhysical, 1);
                 }
             }
             Action::FreeCompleted | Action::Oom => {}
@@ -252,14 +240,7 @@ pub fn replay_on(
         fragmentation_ratio: ratio(snap.reserved_bytes.peak),
         torch_peak_reserved: torch_peak,
         torch_fragmentation_ratio: ratio(torch_peak),
-        driver_calls: DriverCalls {
-            segment_allocs: snap.segment_allocs,
-            segment_frees: snap.segment_frees,
-            maps: snap.maps,
-            unmaps: snap.unmaps,
-            creates: snap.creates,
-            releases: snap.releases,
-        },
+        driver_calls: snap.driver_calls,
         torch_driver_calls: torch,
         ooms,
         per_tag: PerTag(std::array::from_fn(|i| TagPeak {

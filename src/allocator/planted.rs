@@ -1,0 +1,58 @@
+//! Bugs planted on purpose, to show that the property tests catch them.
+//!
+//! Built only with the `planted-bugs` feature, and then active only when the environment
+//! variable `VRAM_LEDGER_PLANT` names one of them (`split_off_by_512`, `missed_merge`,
+//! `segment_count`, `remap_spare`). Without the feature, [`active`] is the constant `false` and
+//! every planted branch compiles away, so the cached path costs what it did.
+
+/// A planted bug.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bug {
+    /// A split leaves the free tail starting 512 bytes too early (it overlaps the allocation).
+    SplitOffBy512,
+    /// A freed block is not merged with a free successor.
+    MissedMerge,
+    /// Freeing a plain segment forgets to lower the segment count.
+    SegmentCount,
+    /// Remap mode: giving spare pieces back to the driver forgets the last one (a leak).
+    RemapSpare,
+}
+
+#[cfg_attr(not(feature = "planted-bugs"), allow(dead_code))]
+impl Bug {
+    pub const ALL: [Bug; 4] = [
+        Bug::SplitOffBy512,
+        Bug::MissedMerge,
+        Bug::SegmentCount,
+        Bug::RemapSpare,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Bug::SplitOffBy512 => "split_off_by_512",
+            Bug::MissedMerge => "missed_merge",
+            Bug::SegmentCount => "segment_count",
+            Bug::RemapSpare => "remap_spare",
+        }
+    }
+}
+
+/// Whether `bug` is planted in this run.
+#[cfg(feature = "planted-bugs")]
+pub(crate) fn active(bug: Bug) -> bool {
+    static PLANTED: std::sync::OnceLock<Option<Bug>> = std::sync::OnceLock::new();
+    *PLANTED.get_or_init(|| {
+        let name = std::env::var("VRAM_LEDGER_PLANT").ok()?;
+        let bug = Bug::ALL.into_iter().find(|b| b.name() == name);
+        if bug.is_none() {
+            panic!("VRAM_LEDGER_PLANT={name:?} names no planted bug");
+        }
+        bug
+    }) == Some(bug)
+}
+
+#[cfg(not(feature = "planted-bugs"))]
+#[inline(always)]
+pub(crate) const fn active(_bug: Bug) -> bool {
+    false
+}

@@ -1,0 +1,61 @@
+//! Plain segments: one `cuMemAlloc` per segment, sized by PyTorch's rules, freed whole by
+//! `empty_cache` once its only block is free.
+//!
+//! Invariant: a plain segment is counted in the ledger's segment gauge and its bytes in
+//! reserved bytes exactly while the driver holds it.
+
+use super::{GrowError, Segment, SegmentKind, Shard};
+use crate::allocator::block::{BlockId, BlockState, NIL};
+use crate::allocator::core::Core;
+use crate::allocator::planted::{self, Bug};
+use crate::allocator::rules;
+use crate::driver::{Driver, StreamId};
+use crate::error::Result;
+
+impl Shard {
+    pub(super) fn grow_plain<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        stream: StreamId,
+        rounded: u64,
+    ) -> std::result::Result<BlockId, GrowError> {
+        let pool = rules::pool_for(rounded);
+        let size = rules::segment_size(rounded);
+        core.commit(size)?;
+        let base = match core.driver.alloc_segment(size, stream) {
+            Ok(p) => p,
+            Err(e) => {
+                core.uncommit(size);
+                return Err(e.into());
+            }
+        };
+        core.ledger.on_reserve(size, true);
+        let seg = Segment {
+            base,
+            size,
+            stream,
+            pool,
+            first: NIL,
+            kind: SegmentKind::Plain,
+        };
+        Ok(self.add_segment(seg, BlockState::Free).1)
+    }
+
+    /// Free segment `seg` if its only block is free.
+    pub(super) fn free_plain<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {
+        let s = self.segments.get(seg);
+        let b = &self.blocks[s.first];
+        if b.state != BlockState::Free || b.next != NIL {
+            return Ok(());
+        }
+        let (base, size, first) = (s.base, s.size, s.first);
+        core.driver.free_segment(base, size)?;
+        self.index_remove(first);
+        self.blocks.remove(first);
+        self.segments.remove(seg);
+        core.ledger
+            .on_unreserve(size, !planted::active(Bug::SegmentCount));
+        core.uncommit(size);
+        Ok(())
+    }
+}

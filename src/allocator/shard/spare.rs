@@ -1,0 +1,134 @@
+//! Remap mode's spare pieces: physical memory held but not mapped, waiting to be mapped
+//! where a request needs it.
+//!
+//! Invariants:
+//! - A piece is one `cuMemCreate` handle, mapped whole or not at all (CUDA maps no partial
+//!   handle); it is either in `spare` or the handle of exactly one pooled mapping.
+//! - Spare bytes count as reserved: they were reserved when created and are unreserved only
+//!   when released to the driver.
+
+use super::vmm::Mapping;
+use super::{GrowError, Shard};
+use crate::allocator::core::Core;
+use crate::allocator::planted::{self, Bug};
+use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
+use crate::error::Result;
+
+/// A physical handle held but not mapped.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Spare {
+    pub handle: PhysHandle,
+    pub bytes: u64,
+}
+
+impl Shard {
+    /// Physical memory held but not mapped.
+    pub(crate) fn spare_bytes(&self) -> u64 {
+        self.spare.iter().map(|p| p.bytes).sum()
+    }
+
+    /// Map at least `bytes` (at most `room`) from `start`, one whole handle per map call:
+    /// spare pieces first (the smallest that covers what is left, else the largest that
+    /// fits), then new pieces of at most `piece` bytes. Returns the bytes mapped (a prefix)
+    /// and the error that stopped it; a piece that could not be mapped stays spare.
+    pub(super) fn map_spare<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        seg: u32,
+        start: DevicePtr,
+        bytes: u64,
+        room: u64,
+        piece: u64,
+    ) -> (u64, Option<GrowError>) {
+        let g = core.granularity;
+        let mut done = 0;
+        while done < bytes {
+            let (left, fits) = (bytes - done, room - done);
+            let covering = self
+                .spare
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.bytes >= left && p.bytes <= fits)
+                .min_by_key(|(_, p)| p.bytes);
+            let largest = || {
+                self.spare
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, p)| p.bytes <= fits)
+                    .max_by_key(|(_, p)| p.bytes)
+            };
+            let p = match covering.or_else(largest).map(|(i, _)| i) {
+                Some(i) => self.spare.swap_remove(i),
+                None => match create_piece(core, piece.min(left.div_ceil(g) * g)) {
+                    Ok(p) => p,
+                    Err(e) => return (done, Some(e)),
+                },
+            };
+            let va = start + done;
+            if let Err(e) = map_piece(&core.driver, va, p.bytes, p.handle) {
+                self.spare.push(p);
+                return (done, Some(e.into()));
+            }
+            let m = Mapping {
+                bytes: p.bytes,
+                handle: p.handle,
+                released: false,
+                pooled: true,
+            };
+            self.segments.get_mut(seg).virt_mut().mappings.insert(va, m);
+            done += p.bytes;
+        }
+        (done, None)
+    }
+
+    /// Give the spare pieces back to the driver.
+    pub(super) fn release_spare<D: Driver>(&mut self, core: &Core<D>) -> Result<()> {
+        let keep = usize::from(planted::active(Bug::RemapSpare));
+        while self.spare.len() > keep {
+            let p = self.spare.pop().expect("more than `keep` pieces");
+            if let Err(e) = core.driver.release_physical(p.handle) {
+                self.spare.push(p);
+                return Err(e.into());
+            }
+            core.ledger.on_unreserve(p.bytes, false);
+            core.uncommit(p.bytes);
+        }
+        Ok(())
+    }
+}
+
+/// A new piece of `size` bytes, committed against the limit and reserved.
+fn create_piece<D: Driver>(core: &Core<D>, size: u64) -> std::result::Result<Spare, GrowError> {
+    core.commit(size)?;
+    match core.driver.create_physical(size) {
+        Ok(handle) => {
+            core.ledger.on_reserve(size, false);
+            Ok(Spare {
+                handle,
+                bytes: size,
+            })
+        }
+        Err(e) => {
+            core.uncommit(size);
+            Err(e.into())
+        }
+    }
+}
+
+/// Map an existing handle of `bytes` at `va` and enable it; on failure undo the mapping (the
+/// handle stays, spare).
+fn map_piece<D: Driver>(
+    driver: &D,
+    va: DevicePtr,
+    bytes: u64,
+    handle: PhysHandle,
+) -> std::result::Result<(), DriverError> {
+    driver.map(va, bytes, handle)?;
+    if let Err(e) = driver.set_access(va, bytes) {
+        if let Err(e2) = driver.unmap(va, bytes) {
+            tracing::error!(error = %e2, "could not undo a mapping whose access could not be set");
+        }
+        return Err(e);
+    }
+    Ok(())
+}

@@ -1,0 +1,469 @@
+//! Virtual segments (the expandable, compact and remap modes): one address reservation per
+//! (stream, pool), physical memory mapped into it on demand and unmapped where it lies wholly
+//! inside free blocks.
+//!
+//! Invariants:
+//! - Every mapping starts at `base + k * unit` and is a multiple of `unit` long; CUDA maps
+//!   whole handles only, so each mapping is one handle (`map_one`) or one spare piece.
+//! - A mapping is either fully mapped, accessible and recorded in `mappings`, or not mapped
+//!   at all: a failure part-way through growth undoes the chunk it was on and keeps the
+//!   chunks before it, mapped and accounted.
+//! - `unmapped` holds exactly the `Unmapped` blocks of the segment, keyed by address.
+//! - A segment's stream is synchronised before anything in it is unmapped.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{GrowError, Segment, SegmentKind, Shard};
+use crate::allocator::block::{BlockId, BlockState, NIL};
+use crate::allocator::config::SegmentMode;
+use crate::allocator::core::Core;
+use crate::allocator::rules::{self, PoolKind};
+use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle, StreamId};
+use crate::error::{OomCause, Result};
+
+/// The physical side of a virtual segment.
+#[derive(Debug)]
+pub(crate) struct VirtualMap {
+    /// Mappings start at multiples of this and are multiples of it long.
+    pub unit: u64,
+    /// One mapping per `unit` (PyTorch's expandable segments), or one per growth, sized to the
+    /// request (the compact mode).
+    pub per_unit: bool,
+    pub mappings: BTreeMap<DevicePtr, Mapping>,
+    /// Unmapped blocks by address, for growth.
+    pub unmapped: BTreeSet<(DevicePtr, BlockId)>,
+}
+
+/// One `cuMemMap`.
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    pub bytes: u64,
+    pub handle: PhysHandle,
+    /// The handle was released but the unmap failed: the mapping still holds the memory.
+    pub released: bool,
+    /// Remap mode: unmapping keeps the handle as a spare piece (to be mapped again where it
+    /// is needed) instead of releasing it.
+    pub pooled: bool,
+}
+
+impl Shard {
+    /// The reservation of (`stream`, `pool`), made on first use.
+    fn reservation<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        stream: StreamId,
+        pool: PoolKind,
+    ) -> std::result::Result<u32, GrowError> {
+        if let Some(&(_, _, seg)) = self
+            .reservations
+            .iter()
+            .find(|(s, p, _)| *s == stream && *p == pool)
+        {
+            return Ok(seg);
+        }
+        let (unit, per_unit) = match core.mode {
+            SegmentMode::Compact => (core.granularity, false),
+            SegmentMode::Remap => (core.granularity, true),
+            _ => (rules::expandable_page(pool, core.granularity), true),
+        };
+        // Address space for 9/8 of the device, as PyTorch reserves: enough to map every byte
+        // of the device even with holes left by earlier unmaps.
+        let size = (core.device_total + core.device_total / 8).div_ceil(unit) * unit;
+        let base = core.driver.reserve_va(size).map_err(GrowError::Driver)?;
+        let seg = Segment {
+            base,
+            size,
+            stream,
+            pool,
+            first: NIL,
+            kind: SegmentKind::Virtual(VirtualMap {
+                unit,
+                per_unit,
+                mappings: BTreeMap::new(),
+                unmapped: BTreeSet::new(),
+            }),
+        };
+        let (seg, first) = self.add_segment(seg, BlockState::Unmapped);
+        self.segments
+            .get_mut(seg)
+            .virt_mut()
+            .unmapped
+            .insert((base, first));
+        self.reservations.push((stream, pool, seg));
+        Ok(seg)
+    }
+
+    pub(super) fn grow_virtual<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        stream: StreamId,
+        rounded: u64,
+    ) -> std::result::Result<BlockId, GrowError> {
+        let pool = rules::pool_for(rounded);
+        let seg = self.reservation(core, stream, pool)?;
+        // Move memory rather than add it: free mappings of this shard are unmapped first, so
+        // that reserved bytes follow live bytes (compact: their memory goes back to the
+        // driver; remap: their pieces become spare, to be mapped here). A failure here only
+        // means that less is moved.
+        let want = match core.mode {
+            SegmentMode::Remap => {
+                let g = core.granularity;
+                (rounded.div_ceil(g) * g).saturating_sub(self.spare_bytes())
+            }
+            SegmentMode::Compact => rounded,
+            _ => 0,
+        };
+        if want > 0 {
+            if let Err(e) = self.release_for_growth(core, want) {
+                core.ledger
+                    .move_failures
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::debug!(error = %e, "could not release free mappings before growing");
+            }
+        }
+        let v = self.segments.get(seg).virt();
+        let (unit, per_unit) = (v.unit, v.per_unit);
+        // The lowest unmapped range that, with the free blocks on either side, holds the
+        // request: low addresses first keeps the mapped memory compact.
+        let free_size = |id: BlockId| {
+            if id != NIL && self.blocks[id].state == BlockState::Free {
+                self.blocks[id].size
+            } else {
+                0
+            }
+        };
+        let mut choice = None;
+        for &(_, u) in &v.unmapped {
+            let b = &self.blocks[u];
+            let before = free_size(b.prev);
+            if before + b.size + free_size(b.next) >= rounded {
+                // Remap mode grows the large pool by at least a large segment's worth, as
+                // PyTorch's segments do: small requests then do not each cost a map.
+                let floor = if core.mode == SegmentMode::Remap && pool == PoolKind::Large {
+                    rules::LARGE_BUFFER
+                } else {
+                    0
+                };
+                let need = rounded.saturating_sub(before).max(floor).div_ceil(unit) * unit;
+                choice = Some((u, need.min(b.size)));
+                break;
+            }
+        }
+        let Some((u, bytes)) = choice else {
+            return Err(GrowError::Memory(OomCause::AddressSpace));
+        };
+        let (start, room) = (self.blocks[u].addr, self.blocks[u].size);
+        let (mapped, err) = if core.mode == SegmentMode::Remap {
+            let piece = match pool {
+                PoolKind::Small => core.granularity,
+                PoolKind::Large => core.remap_piece,
+            };
+            self.map_spare(core, seg, start, bytes, room, piece)
+        } else {
+            core.commit(bytes)?;
+            let chunk = if per_unit { unit } else { bytes };
+            let (mapped, err) = self.map_chunks(core, seg, start, bytes, chunk);
+            core.uncommit(bytes - mapped);
+            if mapped > 0 {
+                core.ledger.on_reserve(mapped, false);
+            }
+            (mapped, err.map(GrowError::from))
+        };
+        if mapped == 0 {
+            return Err(err.expect("nothing mapped means an error"));
+        }
+        // The mapped front of the unmapped block becomes a free block, merged with its
+        // neighbours; by the choice above the merged block holds the request.
+        let id = self.split_front(u, mapped, seg);
+        let id = self.insert_free(id);
+        if let Some(e) = err {
+            // What was mapped stays, cached and accounted.
+            return Err(e);
+        }
+        if self.blocks[id].size < rounded {
+            return Err(GrowError::Memory(OomCause::NotContiguous));
+        }
+        self.index_remove(id);
+        Ok(id)
+    }
+
+    /// Map `bytes` from `start` in mappings of `chunk` bytes; returns the bytes mapped (a
+    /// prefix: a chunk is either fully mapped, accessible and recorded, or not mapped at all)
+    /// and the error that stopped it.
+    fn map_chunks<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        seg: u32,
+        start: DevicePtr,
+        bytes: u64,
+        chunk: u64,
+    ) -> (u64, Option<DriverError>) {
+        let mut done = 0;
+        while done < bytes {
+            let va = start + done;
+            match map_one(&core.driver, va, chunk) {
+                Ok(handle) => {
+                    let m = Mapping {
+                        bytes: chunk,
+                        handle,
+                        released: false,
+                        pooled: false,
+                    };
+                    self.segments.get_mut(seg).virt_mut().mappings.insert(va, m);
+                    done += chunk;
+                }
+                Err(e) => return (done, Some(e)),
+            }
+        }
+        (done, None)
+    }
+
+    /// Compact and remap modes: before growing by about `want` bytes, unmap that much free
+    /// memory from this shard's virtual segments.
+    fn release_for_growth<D: Driver>(&mut self, core: &Core<D>, want: u64) -> Result<()> {
+        let segs: Vec<u32> = self.reservations.iter().map(|&(_, _, seg)| seg).collect();
+        let mut left = want;
+        for seg in segs {
+            if left == 0 {
+                break;
+            }
+            left = left.saturating_sub(self.release_free_mappings(core, seg, left)?);
+        }
+        Ok(())
+    }
+
+    /// Unmap mappings that lie wholly inside free blocks of `seg`, until at least `budget`
+    /// bytes are unmapped (or all of them). The segment's stream is synchronised first: the
+    /// device may still be reading memory freed on it. Returns the bytes unmapped; on an error,
+    /// what was unmapped before it is accounted and the rest stays mapped.
+    fn release_free_mappings<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        seg: u32,
+        budget: u64,
+    ) -> Result<u64> {
+        // Runs of contiguous mappings inside each free block.
+        let mut runs: Vec<(BlockId, Vec<DevicePtr>)> = Vec::new();
+        let s = self.segments.get(seg);
+        let mappings = &s.virt().mappings;
+        let mut id = s.first;
+        while id != NIL {
+            let b = &self.blocks[id];
+            if b.state == BlockState::Free {
+                let inside: Vec<DevicePtr> = mappings
+                    .range(b.addr..b.end())
+                    .filter(|(&va, m)| va + m.bytes <= b.end())
+                    .map(|(&va, _)| va)
+                    .collect();
+                if !inside.is_empty() {
+                    runs.push((id, inside));
+                }
+            }
+            id = b.next;
+        }
+        if runs.is_empty() {
+            return Ok(0);
+        }
+        core.driver.sync_stream(s.stream)?;
+        let mut released = 0;
+        for (block, vas) in runs {
+            // `cur` is the free block that still holds the mappings not yet unmapped.
+            let mut cur = Some(block);
+            let mut i = 0;
+            while i < vas.len() && released < budget {
+                let lo = vas[i];
+                let mut hi = lo;
+                let mut failed = None;
+                let mut freed = 0;
+                while i < vas.len() && vas[i] == hi && released + (hi - lo) < budget {
+                    match self.unmap_mapping(core, seg, hi) {
+                        Ok((bytes, gone)) => {
+                            hi += bytes;
+                            freed += gone;
+                        }
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                    i += 1;
+                }
+                if hi > lo {
+                    let id = cur.expect("mappings left means a block holds them");
+                    cur = self.carve_unmapped(id, lo, hi, seg);
+                    core.ledger.on_unreserve(freed, false);
+                    core.uncommit(freed);
+                    released += hi - lo;
+                }
+                if let Some(e) = failed {
+                    return Err(e.into());
+                }
+            }
+            if released >= budget {
+                break;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Unmap the mapping at `va` and release its physical memory (or, in remap mode, keep the
+    /// piece as spare); returns its size and the bytes given back to the driver.
+    fn unmap_mapping<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        seg: u32,
+        va: DevicePtr,
+    ) -> std::result::Result<(u64, u64), DriverError> {
+        let mappings = &mut self.segments.get_mut(seg).virt_mut().mappings;
+        let m = mappings
+            .get_mut(&va)
+            .expect("a free block's mapping exists");
+        if m.pooled {
+            let (bytes, handle) = (m.bytes, m.handle);
+            core.driver.unmap(va, bytes)?;
+            mappings.remove(&va);
+            self.spare.push(super::Spare { handle, bytes });
+            return Ok((bytes, 0));
+        }
+        // Release first: if that fails nothing changed; a released handle stays alive until
+        // its mapping goes, so a failed unmap afterwards still leaves a consistent mapping.
+        if !m.released {
+            core.driver.release_physical(m.handle)?;
+            m.released = true;
+        }
+        core.driver.unmap(va, m.bytes)?;
+        let bytes = m.bytes;
+        mappings.remove(&va);
+        Ok((bytes, bytes))
+    }
+
+    /// Turn `[lo, hi)` of free block `id` (in the index) into an unmapped block, keeping any
+    /// free head and tail, and merging with unmapped neighbours; returns the free tail, if any.
+    fn carve_unmapped(
+        &mut self,
+        id: BlockId,
+        lo: DevicePtr,
+        hi: DevicePtr,
+        seg: u32,
+    ) -> Option<BlockId> {
+        self.index_remove(id);
+        let (addr, end) = (self.blocks[id].addr, self.blocks[id].end());
+        // Head stays in `id`; the middle and tail become new blocks.
+        let mut mid = id;
+        if lo > addr {
+            mid = self.insert_after(id, lo, hi - lo, seg, BlockState::Unmapped);
+            self.blocks[id].size = lo - addr;
+            self.index_insert(id);
+        } else {
+            self.blocks[id].size = hi - lo;
+            self.blocks[id].state = BlockState::Unmapped;
+        }
+        let tail = (hi < end).then(|| {
+            let tail = self.insert_after(mid, hi, end - hi, seg, BlockState::Free);
+            self.index_insert(tail);
+            tail
+        });
+        // Merge with unmapped neighbours.
+        let mut m = mid;
+        let prev = self.blocks[m].prev;
+        if prev != NIL && self.blocks[prev].state == BlockState::Unmapped {
+            let key = (self.blocks[prev].addr, prev);
+            self.segments.get_mut(seg).virt_mut().unmapped.remove(&key);
+            self.absorb_next(prev);
+            m = prev;
+        }
+        let next = self.blocks[m].next;
+        if next != NIL && self.blocks[next].state == BlockState::Unmapped {
+            let key = (self.blocks[next].addr, next);
+            self.segments.get_mut(seg).virt_mut().unmapped.remove(&key);
+            self.absorb_next(m);
+        }
+        let key = (self.blocks[m].addr, m);
+        self.segments.get_mut(seg).virt_mut().unmapped.insert(key);
+        tail
+    }
+
+    /// Split `bytes` off the front of unmapped block `u` as a new free block (returned, not in
+    /// the index); `bytes` may be all of `u`, in which case `u` itself is returned.
+    fn split_front(&mut self, u: BlockId, bytes: u64, seg: u32) -> BlockId {
+        let (addr, size, prev) = (
+            self.blocks[u].addr,
+            self.blocks[u].size,
+            self.blocks[u].prev,
+        );
+        let unmapped = &mut self.segments.get_mut(seg).virt_mut().unmapped;
+        unmapped.remove(&(addr, u));
+        if bytes == size {
+            return u;
+        }
+        unmapped.insert((addr + bytes, u));
+        let b = &mut self.blocks[u];
+        b.addr += bytes;
+        b.size -= bytes;
+        // The new front takes `u`'s place in the list: `u` moves up by `bytes`.
+        let fid = if prev == NIL {
+            let (stream, pool) = (b.stream, b.pool);
+            let fid = self.blocks.insert(crate::allocator::block::Block {
+                next: u,
+                ..crate::allocator::block::Block::new(
+                    addr,
+                    bytes,
+                    seg,
+                    BlockState::Free,
+                    stream,
+                    pool,
+                )
+            });
+            self.segments.get_mut(seg).first = fid;
+            fid
+        } else {
+            self.insert_after(prev, addr, bytes, seg, BlockState::Free)
+        };
+        self.blocks[u].prev = fid;
+        fid
+    }
+
+    /// Unmap every free mapping of `seg`, and give its reservation back once nothing in it is
+    /// mapped.
+    pub(super) fn shrink_virtual<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {
+        self.release_free_mappings(core, seg, u64::MAX)?;
+        let s = self.segments.get(seg);
+        let b = &self.blocks[s.first];
+        if b.state != BlockState::Unmapped || b.next != NIL {
+            return Ok(());
+        }
+        let (base, size, first, stream, pool) = (s.base, s.size, s.first, s.stream, s.pool);
+        core.driver.release_va(base, size)?;
+        self.blocks.remove(first);
+        self.segments.remove(seg);
+        self.reservations
+            .retain(|&(st, p, _)| !(st == stream && p == pool));
+        Ok(())
+    }
+}
+
+/// Create physical memory of `bytes` and map it at `va`; on failure undo what this did.
+fn map_one<D: Driver>(
+    driver: &D,
+    va: DevicePtr,
+    bytes: u64,
+) -> std::result::Result<PhysHandle, DriverError> {
+    let h = driver.create_physical(bytes)?;
+    if let Err(e) = driver.map(va, bytes, h) {
+        if let Err(e2) = driver.release_physical(h) {
+            tracing::error!(error = %e2, "could not release a physical handle after a failed map");
+        }
+        return Err(e);
+    }
+    if let Err(e) = driver.set_access(va, bytes) {
+        // Release then unmap: the memory goes when the mapping does.
+        let undo = driver
+            .release_physical(h)
+            .and_then(|()| driver.unmap(va, bytes));
+        if let Err(e2) = undo {
+            tracing::error!(error = %e2, "could not undo a mapping whose access could not be set");
+        }
+        return Err(e);
+    }
+    Ok(h)
+}
