@@ -388,12 +388,16 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
                     exit.device_wide_non_allocator() - self.entry.device_wide_non_allocator();
                 if grown > granule as i64 {
                     warnings.push(format!(
-                        "Device free memory fell by {} more than the allocator's growth during profiling; if another                          process allocated meanwhile, it is charged to this engine and the KV budget may be short by up to that much.",
+                        "Device free memory fell by {} more than the allocator's growth during profiling; if another \
+                         process allocated meanwhile, it is charged to this engine and the KV budget may be short by \
+                         up to that much.",
                         Bytes(grown as u64)
                     ));
                 }
                 warnings.push(
-                    "This process's usage is not visible to the driver (NVML): memory outside the allocator is measured                      device-wide since the baseline, and what predates the baseline (the CUDA context) is not counted."
+                    "This process's usage is not visible to the driver (NVML): memory outside the allocator is \
+                     measured device-wide since the baseline, and what predates the baseline (the CUDA context) is \
+                     not counted."
                         .to_string(),
                 );
                 (delta.max(0) as u64, 0, None)

@@ -25,77 +25,41 @@ pub fn memory_stats<D: Driver>(a: &Allocator<D>) -> BTreeMap<String, u64> {
         m.insert(format!("{stat}.{pool}.freed"), freed);
     };
     let all = &s.all;
-    let (allocated_total, freed_total) = (all.total_allocations, all.total_frees);
-    put(
-        "allocation",
-        "all",
-        all.allocations.current,
-        all.allocations.peak,
-        allocated_total,
-        freed_total,
-    );
-    put(
-        "allocated_bytes",
-        "all",
-        all.allocated_bytes.current,
-        all.allocated_bytes.peak,
-        0,
-        0,
-    );
-    put(
-        "requested_bytes",
-        "all",
-        all.requested_bytes.current,
-        all.requested_bytes.peak,
-        0,
-        0,
-    );
-    put(
-        "active_bytes",
-        "all",
-        s.active_bytes.current,
-        s.active_bytes.peak,
-        0,
-        0,
-    );
-    put(
-        "reserved_bytes",
-        "all",
-        s.reserved_bytes.current,
-        s.reserved_bytes.peak,
-        0,
-        0,
-    );
-    put(
-        "segment",
-        "all",
-        s.segments.current,
-        s.segments.peak,
-        calls[DriverCall::AllocSegment],
-        calls[DriverCall::FreeSegment],
-    );
+    // (stat, current and peak, total allocated, total freed); totals PyTorch keeps and the
+    // ledger does not are 0.
+    let totals = [
+        (
+            "allocation",
+            all.allocations,
+            all.total_allocations,
+            all.total_frees,
+        ),
+        ("allocated_bytes", all.allocated_bytes, 0, 0),
+        ("requested_bytes", all.requested_bytes, 0, 0),
+        ("active_bytes", s.active_bytes, 0, 0),
+        ("reserved_bytes", s.reserved_bytes, 0, 0),
+        (
+            "segment",
+            s.segments,
+            calls[DriverCall::AllocSegment],
+            calls[DriverCall::FreeSegment],
+        ),
+    ];
+    for (stat, c, allocated, freed) in totals {
+        put(stat, "all", c.current, c.peak, allocated, freed);
+    }
 
     // Per pool, and the split-but-inactive blocks, from the blocks themselves.
     let pools = a.pool_stats();
     let mut all = PoolStats::default();
     pools.iter().for_each(|p| all.add(p));
-    put("active", "all", all.active, all.active, 0, 0);
-    put(
-        "inactive_split",
-        "all",
-        all.inactive_split,
-        all.inactive_split,
-        0,
-        0,
-    );
-    put(
-        "inactive_split_bytes",
-        "all",
-        all.inactive_split_bytes,
-        all.inactive_split_bytes,
-        0,
-        0,
-    );
+    for (stat, v) in [
+        ("active", all.active),
+        ("inactive_split", all.inactive_split),
+        ("inactive_split_bytes", all.inactive_split_bytes),
+    ] {
+        put(stat, "all", v, v, 0, 0);
+    }
     for (name, p) in [("small_pool", &pools[0]), ("large_pool", &pools[1])] {
         for (stat, v) in [
             ("allocation", p.allocations),
@@ -120,34 +84,17 @@ pub fn memory_stats<D: Driver>(a: &Allocator<D>) -> BTreeMap<String, u64> {
     m.insert("oversize_segments.current".into(), 0);
     for t in Tag::ALL {
         let x = &s.per_tag[t];
-        m.insert(
-            format!("tag.{}.allocated_bytes.current", t.name()),
-            x.allocated_bytes.current,
-        );
-        m.insert(
-            format!("tag.{}.allocated_bytes.peak", t.name()),
-            x.allocated_bytes.peak,
-        );
-        m.insert(
-            format!("tag.{}.requested_bytes.current", t.name()),
-            x.requested_bytes.current,
-        );
-        m.insert(
-            format!("tag.{}.requested_bytes.peak", t.name()),
-            x.requested_bytes.peak,
-        );
-        m.insert(
-            format!("tag.{}.allocation.current", t.name()),
-            x.allocations.current,
-        );
-        m.insert(
-            format!("tag.{}.allocation.peak", t.name()),
-            x.allocations.peak,
-        );
-        m.insert(
-            format!("tag.{}.allocation.allocated", t.name()),
-            x.total_allocations,
-        );
+        for (key, v) in [
+            ("allocated_bytes.current", x.allocated_bytes.current),
+            ("allocated_bytes.peak", x.allocated_bytes.peak),
+            ("requested_bytes.current", x.requested_bytes.current),
+            ("requested_bytes.peak", x.requested_bytes.peak),
+            ("allocation.current", x.allocations.current),
+            ("allocation.peak", x.allocations.peak),
+            ("allocation.allocated", x.total_allocations),
+        ] {
+            m.insert(format!("tag.{}.{key}", t.name()), v);
+        }
     }
     m.insert("cached_bytes.all.current".into(), s.cached_bytes);
     m

@@ -163,28 +163,38 @@ impl<D: Driver> Allocator<D> {
             if !sh.pending.is_empty() && !self.core.driver.is_capturing(stream) {
                 sh.process_pending(&self.core, false)?;
             }
-            if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {
-                return Ok(a);
-            }
-            match self.grow_and_take(&mut sh, stream, rounded, size, tag) {
+            match self.attempt(&mut sh, stream, rounded, size, tag)? {
                 Ok(a) => return Ok(a),
-                Err(GrowError::Driver(e)) => return Err(e.into()),
-                Err(GrowError::Memory(cause)) => cause,
+                Err(cause) => cause,
             }
         };
         self.retry_after_release(stream, rounded, size, tag, cause)
     }
 
-    fn grow_and_take(
+    /// Serve a request from the shard's cache, else from new memory. `Ok(Err(cause))` when
+    /// the memory is not there (worth releasing the cache and retrying).
+    #[inline]
+    fn attempt(
         &self,
         sh: &mut Shard,
         stream: StreamId,
         rounded: u64,
         size: u64,
         tag: Tag,
-    ) -> std::result::Result<Allocation, GrowError> {
-        let id = sh.grow(&self.core, stream, rounded)?;
-        Ok(sh.take(&self.core, id, rounded, size, tag))
+    ) -> Result<std::result::Result<Allocation, OomCause>> {
+        if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {
+            return Ok(Ok(a));
+        }
+        let grown = if self.core.is_virtual() {
+            sh.grow_virtual(&self.core, stream, rounded)
+        } else {
+            sh.grow_plain(&self.core, stream, rounded)
+        };
+        match grown {
+            Ok(id) => Ok(Ok(sh.take(&self.core, id, rounded, size, tag))),
+            Err(GrowError::Memory(cause)) => Ok(Err(cause)),
+            Err(GrowError::Driver(e)) => Err(e.into()),
+        }
     }
 
     /// The slow end of an allocation: release every shard's cache, try once more, and report
@@ -204,17 +214,12 @@ impl<D: Driver> Allocator<D> {
         if let Err(e) = self.empty_cache() {
             tracing::warn!(error = %e, "releasing the cache before a retry failed");
         }
-        let cause = {
-            let mut sh = self.lock(self.streams.shard(stream))?;
-            if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {
-                return Ok(a);
-            }
-            match self.grow_and_take(&mut sh, stream, rounded, size, tag) {
-                Ok(a) => return Ok(a),
-                Err(GrowError::Driver(e)) => return Err(e.into()),
-                Err(GrowError::Memory(c)) => c,
-            }
+        let mut sh = self.lock(self.streams.shard(stream))?;
+        let cause = match self.attempt(&mut sh, stream, rounded, size, tag)? {
+            Ok(a) => return Ok(a),
+            Err(cause) => cause,
         };
+        drop(sh);
         self.core.ledger.ooms.fetch_add(1, Relaxed);
         let report = self.oom_report(size, rounded, cause);
         tracing::warn!("{report}");

@@ -472,21 +472,6 @@ impl Shard {
         Ok(())
     }
 
-    /// Get memory from the driver for a request that the cache cannot serve; returns a free
-    /// block (out of the index) that holds at least `rounded` bytes and may serve it.
-    pub(crate) fn grow<D: Driver>(
-        &mut self,
-        core: &Core<D>,
-        stream: StreamId,
-        rounded: u64,
-    ) -> std::result::Result<BlockId, GrowError> {
-        if core.is_virtual() {
-            self.grow_virtual(core, stream, rounded)
-        } else {
-            self.grow_plain(core, stream, rounded)
-        }
-    }
-
     /// Give every unused byte of this shard back to the driver: wait for pending events, free
     /// whole free plain segments, unmap free mappings of virtual segments (and release a
     /// reservation once nothing in it is mapped), release spare pieces. Returns the first

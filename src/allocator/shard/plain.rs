@@ -13,7 +13,9 @@ use crate::driver::{Driver, StreamId};
 use crate::error::Result;
 
 impl Shard {
-    pub(super) fn grow_plain<D: Driver>(
+    /// Get memory from the driver for a request that the cache cannot serve; returns a free
+    /// block (out of the index) that holds at least `rounded` bytes and may serve it.
+    pub(crate) fn grow_plain<D: Driver>(
         &mut self,
         core: &Core<D>,
         stream: StreamId,

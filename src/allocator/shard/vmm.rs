@@ -93,7 +93,9 @@ impl Shard {
         Ok(seg)
     }
 
-    pub(super) fn grow_virtual<D: Driver>(
+    /// Get memory from the driver for a request that the cache cannot serve; returns a free
+    /// block (out of the index) that holds at least `rounded` bytes and may serve it.
+    pub(crate) fn grow_virtual<D: Driver>(
         &mut self,
         core: &Core<D>,
         stream: StreamId,

@@ -21,7 +21,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::counting::CallCounters;
+mod faults;
+
+use self::faults::{Fault, Faults};
 use super::{
     DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId, MemInfo,
     PhysHandle, StreamId,
@@ -168,8 +170,7 @@ impl SimDevice {
         Ok(SimDriver {
             device: Arc::clone(self),
             pid,
-            counts: Default::default(),
-            faults: Mutex::new(Vec::new()),
+            faults: Faults::default(),
         })
     }
 
@@ -212,23 +213,11 @@ impl SimDevice {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
-struct Fault {
-    call: DriverCall,
-    /// Fail when the call count of this kind reaches `at` (1-based, absolute).
-    at: u64,
-    /// Keep failing from `at` on.
-    sticky: bool,
-    /// Panic instead of returning an error (a bug below the allocator, or in a callback).
-    panic: bool,
-}
-
 /// One simulated process's view of a [`SimDevice`], implementing [`Driver`].
 pub struct SimDriver {
     device: Arc<SimDevice>,
     pid: u32,
-    counts: CallCounters,
-    faults: Mutex<Vec<Fault>>,
+    faults: Faults,
 }
 
 impl SimDriver {
@@ -254,47 +243,26 @@ impl SimDriver {
 
     /// How many times `call` was made.
     pub fn calls(&self, call: DriverCall) -> u64 {
-        self.counts.get(call)
+        self.faults.calls(call)
     }
 
     /// Fail the `n`th call of `call` from now (n = 1: the next one).
     pub fn fail_nth(&self, call: DriverCall, n: u64) {
-        assert!(n >= 1);
-        let at = self.calls(call) + n;
-        self.faults.lock().push(Fault {
-            call,
-            at,
-            sticky: false,
-            panic: false,
-        });
+        self.faults.plant(call, n, Fault::Once);
     }
 
     /// Fail every call of `call` from the `n`th from now on.
     pub fn fail_from(&self, call: DriverCall, n: u64) {
-        assert!(n >= 1);
-        let at = self.calls(call) + n;
-        self.faults.lock().push(Fault {
-            call,
-            at,
-            sticky: true,
-            panic: false,
-        });
+        self.faults.plant(call, n, Fault::FromThen);
     }
 
     /// Panic in the `n`th call of `call` from now, to test what a panic leaves behind.
     pub fn panic_nth(&self, call: DriverCall, n: u64) {
-        assert!(n >= 1);
-        let at = self.calls(call) + n;
-        self.faults.lock().push(Fault {
-            call,
-            at,
-            sticky: false,
-            panic: true,
-        });
+        self.faults.plant(call, n, Fault::Panic);
     }
 
     pub fn clear_faults(&self) {
-        self.faults.lock().clear();
+        self.faults.clear();
     }
 
     /// Allocate memory behind the allocator's back (a library calling cudaMalloc directly).
@@ -361,23 +329,7 @@ impl SimDriver {
     }
 
     fn count(&self, call: DriverCall) -> DriverResult<()> {
-        let n = self.counts.bump(call);
-        let faults = self.faults.lock();
-        let hit = faults
-            .iter()
-            .find(|f| f.call == call && (n == f.at || (f.sticky && n >= f.at)));
-        if let Some(f) = hit {
-            if f.panic {
-                drop(faults);
-                panic!("injected panic in {call} call #{n}");
-            }
-            return Err(DriverError::new(
-                call,
-                DriverErrorKind::Injected,
-                format!("injected fault on call #{n}"),
-            ));
-        }
-        Ok(())
+        self.faults.count(call)
     }
 
     fn check_room(&self, st: &DeviceState, bytes: u64, call: DriverCall) -> DriverResult<()> {

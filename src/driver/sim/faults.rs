@@ -1,0 +1,63 @@
+//! Fault injection for the simulated driver: every call is counted by kind, and a planted
+//! fault makes the Nth call of a kind fail (once, or from then on) or panic.
+//!
+//! Invariant: a call is counted before any fault or validation applies, so "the Nth call"
+//! means the Nth call made, whatever happened to the calls before it.
+
+use parking_lot::Mutex;
+
+use crate::driver::counting::CallCounters;
+use crate::driver::{DriverCall, DriverError, DriverErrorKind, DriverResult};
+
+/// What a planted fault does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Fault {
+    /// The one call fails.
+    Once,
+    /// That call and every later one of its kind fail.
+    FromThen,
+    /// The one call panics (a bug below the allocator, or in a callback).
+    Panic,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Faults {
+    counts: CallCounters,
+    /// (call, the absolute call number it strikes at, what it does).
+    planted: Mutex<Vec<(DriverCall, u64, Fault)>>,
+}
+
+impl Faults {
+    pub(super) fn calls(&self, call: DriverCall) -> u64 {
+        self.counts.get(call)
+    }
+
+    /// Strike the `n`th call of `call` from now (n = 1: the next one).
+    pub(super) fn plant(&self, call: DriverCall, n: u64, fault: Fault) {
+        assert!(n >= 1, "calls are counted from 1");
+        let at = self.calls(call) + n;
+        self.planted.lock().push((call, at, fault));
+    }
+
+    pub(super) fn clear(&self) {
+        self.planted.lock().clear();
+    }
+
+    /// Count a call of `call` and say whether a planted fault strikes it.
+    pub(super) fn count(&self, call: DriverCall) -> DriverResult<()> {
+        let n = self.counts.bump(call);
+        let hit = self.planted.lock().iter().find_map(|&(c, at, f)| {
+            let strikes = c == call && (n == at || (f == Fault::FromThen && n > at));
+            strikes.then_some(f)
+        });
+        match hit {
+            None => Ok(()),
+            Some(Fault::Panic) => panic!("injected panic in {call} call #{n}"),
+            Some(_) => Err(DriverError::new(
+                call,
+                DriverErrorKind::Injected,
+                format!("injected fault on call #{n}"),
+            )),
+        }
+    }
+}
