@@ -5,7 +5,7 @@
 mod common;
 
 use common::{allocator, gpu};
-use vram_ledger::cuda::stream_id;
+use vram_ledger::devices::stream_id;
 use vram_ledger::driver::Driver;
 use vram_ledger::SegmentMode;
 
