@@ -2,19 +2,20 @@
 //! ledger afterwards. Runs on device 0; says so and exits when there is no GPU.
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
-use vram_ledger::cuda::{self, DeviceBuffer};
+use vram_ledger::devices::{self, DeviceBuffer};
+use vram_ledger::driver::cuda::probe;
 use vram_ledger::kernels::PatternKernels;
 use vram_ledger::{report, tag, Tag};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    if cuda::device_count() == 0 {
-        println!("cudarc_engine: no CUDA device here; nothing to run");
+    if let Some(why) = probe().skip_reason()? {
+        println!("cudarc_engine: skipped: {why}");
         return Ok(());
     }
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
     let kernels = PatternKernels::load(&ctx)?;
-    let alloc = cuda::allocator(0)?;
+    let alloc = devices::allocator(0)?;
 
     // Weights, tagged by a scope.
     let weights: Vec<DeviceBuffer<f32>> = {

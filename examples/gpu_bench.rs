@@ -8,7 +8,8 @@ use std::time::Instant;
 
 use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
-use vram_ledger::cuda::stream_id;
+use vram_ledger::devices::stream_id;
+use vram_ledger::driver::cuda::probe;
 use vram_ledger::driver::cuda::CudaDriver;
 use vram_ledger::{Allocator, Config, StreamId, Tag};
 
@@ -35,8 +36,8 @@ fn mixed_sizes() -> Vec<u64> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    if vram_ledger::cuda::device_count() == 0 {
-        println!("gpu_bench: no CUDA device here; nothing to measure");
+    if let Some(why) = probe().skip_reason()? {
+        println!("gpu_bench: skipped: {why}");
         return Ok(());
     }
     let ctx = CudaContext::new(0)?;

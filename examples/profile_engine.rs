@@ -11,7 +11,8 @@
 use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext, DevicePtrMut};
-use vram_ledger::cuda::{self, DeviceBuffer};
+use vram_ledger::devices::{self, DeviceBuffer};
+use vram_ledger::driver::cuda::probe;
 use vram_ledger::driver::Driver;
 use vram_ledger::kernels::PatternKernels;
 use vram_ledger::profile::{ProfileOptions, Profiler};
@@ -63,7 +64,7 @@ fn engine(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
     let kernels = PatternKernels::load(&ctx)?;
-    let alloc = cuda::allocator(0)?;
+    let alloc = devices::allocator(0)?;
     let profiler = Profiler::new(&alloc)?;
     let baseline = profiler.baseline().clone();
 
@@ -142,9 +143,16 @@ fn engine(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if cuda::device_count() == 0 {
-        println!("profile_engine: no CUDA device here; nothing to run");
-        return;
+    match probe().skip_reason() {
+        Ok(None) => {}
+        Ok(Some(why)) => {
+            println!("profile_engine: skipped: {why}");
+            return;
+        }
+        Err(e) => {
+            eprintln!("profile_engine: {e}");
+            std::process::exit(1);
+        }
     }
     let r = match args.get(1).map(String::as_str) {
         Some("hold") => hold(&args),

@@ -4,7 +4,10 @@
 # cdylib and the Python package.
 #
 #   scripts/gpu-bundle.sh [OUT]        (default: gpu-bundle/)
-#   OUT/run-all.sh LOGDIR              (on the GPU machine)
+#   OUT/run-all.sh LOGDIR              (on the GPU machine; needs bash and python3, not Rust)
+#
+# run-all.sh runs every step even after a failure, memchecks every GPU test binary, prints
+# which steps failed and exits 1 if any did.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-gpu-bundle}"
@@ -46,28 +49,69 @@ cat > "$out/run-all.sh" <<'RUN'
 #!/usr/bin/env bash
 # Run every test and benchmark of the bundle; logs go to $1 (default ./logs). Set
 # SKIP_CPU_TESTS=1 to run only what needs the GPU.
+#
+# Every step runs even when an earlier one failed; the script ends with a summary of the
+# failed steps and exits 1 if there is any. compute-sanitizer's memcheck runs over every GPU
+# test binary and fails its step on any error or leak (MEMCHECK_TIMEOUT seconds each).
 here="$(cd "$(dirname "$0")" && pwd)"
 logs="$(mkdir -p "${1:-logs}" && cd "${1:-logs}" && pwd)"
 export VRAM_LEDGER_LIB="$here/libvram_ledger.so" VRAM_LEDGER_BIN="$here/bin/vram-ledger" PYTHONPATH="$here/python"
 cd "$here"
-status=0
+failed=()
+
+# step NAME COMMAND...: run COMMAND (its own redirections, or its output into $logs/NAME.log)
+# and remember NAME if it exits non-zero.
+step() {
+    local name=$1
+    shift
+    "$@" >"$logs/$name.log" 2>&1
+    local rc=$?
+    if [ "$rc" -ne 0 ]; then
+        failed+=("$name (exit $rc, see $logs/$name.log)")
+        echo "FAILED: $name (exit $rc)"
+    fi
+    return 0
+}
+
+gpu_tests=()
 for t in tests/*; do
     [ -f "$t" ] || continue
     name=$(basename "$t")
-    case "$name" in gpu_*) ;; *) [ -n "${SKIP_CPU_TESTS:-}" ] && continue ;; esac
-    "$t" --test-threads=1 --show-output >"$logs/test-$name.log" 2>&1 || { status=1; echo "FAILED: $name"; }
-    grep -E "^test result" "$logs/test-$name.log" | sed "s/^/$name: /"
+    case "$name" in gpu_*) gpu_tests+=("$t") ;; *) [ -n "${SKIP_CPU_TESTS:-}" ] && continue ;; esac
+    step "test-$name" "$t" --test-threads=1 --show-output
+    grep -E "^test result|skipped:" "$logs/test-$name.log" | sed "s/^/$name: /"
 done
+[ ${#gpu_tests[@]} -gt 0 ] || failed+=("no GPU test binary in $here/tests")
+
 if command -v compute-sanitizer >/dev/null; then
-    timeout 300 compute-sanitizer --tool memcheck --leak-check full tests/gpu_alloc --test-threads=1 >"$logs/memcheck.log" 2>&1
-    echo "memcheck: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$logs/memcheck.log" | tr '\n' ' ')"
+    for t in "${gpu_tests[@]}"; do
+        name=$(basename "$t")
+        step "memcheck-$name" timeout "${MEMCHECK_TIMEOUT:-900}" \
+            compute-sanitizer --tool memcheck --leak-check full --error-exitcode 1 "$t" --test-threads=1
+        echo "memcheck $name: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$logs/memcheck-$name.log" | tr '\n' ' ')"
+    done
+else
+    echo "memcheck: not run: compute-sanitizer is not on PATH"
 fi
-bin/gpu_bench >"$logs/gpu-bench.jsonl" 2>&1 || status=1
-python3 scripts/torch_alloc_bench.py >>"$logs/gpu-bench.jsonl" 2>"$logs/torch-bench.err" || status=1
-scripts/h200_profile.sh "$logs/profile" >"$logs/profile.txt" 2>&1 || status=1
-python3 tests/python/h200_torch.py >"$logs/torch.jsonl" 2>"$logs/torch.err" || status=1
-bin/alloc-bench --bench --warm-up-time 1 --measurement-time 3 >"$logs/cpu-bench.log" 2>&1 || status=1
-exit $status
+
+gpu_bench() { bin/gpu_bench >"$logs/gpu-bench.jsonl"; }
+torch_bench() { python3 scripts/torch_alloc_bench.py >>"$logs/gpu-bench.jsonl"; }
+profile() { scripts/h200_profile.sh "$logs/profile" >"$logs/profile.txt"; }
+torch_tests() { python3 tests/python/h200_torch.py >"$logs/torch.jsonl"; }
+step gpu-bench gpu_bench
+step torch-bench torch_bench
+step profile profile
+step torch torch_tests
+step cpu-bench bin/alloc-bench --bench --warm-up-time 1 --measurement-time 3
+
+echo
+if [ ${#failed[@]} -eq 0 ]; then
+    echo "all steps passed"
+    exit 0
+fi
+echo "${#failed[@]} step(s) failed:"
+printf '  %s\n' "${failed[@]}"
+exit 1
 RUN
 chmod +x "$out/run-all.sh"
 du -sh "$out"

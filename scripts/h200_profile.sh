@@ -3,24 +3,46 @@
 #  1. A holds 70% of the GPU with raw cuMemAlloc; B starts at utilization 0.2.
 #  2. Three engines started together at 0.3 each.
 # Writes one JSON per engine to $1 and prints a table.
+#
+# Exits 1 when any engine fails (each PID is waited on and its status checked), when the
+# holder fails before it is stopped, or when the table cannot be made; the table is printed
+# from whatever finished either way.
 set -u
 out="${1:-profile-out}"
 mkdir -p "$out"
 bin="$(dirname "$0")/../bin/profile_engine"
+failures=0
+fail() {
+    echo "FAILED: $*" >&2
+    failures=$((failures + 1))
+}
 
 rm -f "$out/ready"
 "$bin" hold 0.7 60 "$out/ready" > "$out/hold.log" 2>&1 &
 holder=$!
-for _ in $(seq 600); do [ -f "$out/ready" ] && break; sleep 0.1; done
-"$bin" engine 0.2 8 6 256 "$out/seed.json" > "$out/seed.log" 2>&1 || echo "seed engine failed: $(tail -3 "$out/seed.log")"
-kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
+for _ in $(seq 600); do
+    [ -f "$out/ready" ] && break
+    kill -0 "$holder" 2>/dev/null || break
+    sleep 0.1
+done
+[ -f "$out/ready" ] || fail "the holder never became ready: $(tail -3 "$out/hold.log")"
+"$bin" engine 0.2 8 6 256 "$out/seed.json" > "$out/seed.log" 2>&1 \
+    || fail "seed engine (exit $?): $(tail -3 "$out/seed.log")"
+# Stopped by us, the holder's status is the signal's; only an exit of its own is checked.
+if kill "$holder" 2>/dev/null; then
+    wait "$holder" 2>/dev/null
+else
+    wait "$holder" || fail "holder (exit $?): $(tail -3 "$out/hold.log")"
+fi
 
 pids=()
 for i in 1 2 3; do
     "$bin" engine 0.3 $((4 * i)) $((2 + i)) $((128 * i)) "$out/together-$i.json" > "$out/together-$i.log" 2>&1 &
     pids+=($!)
 done
-for p in "${pids[@]}"; do wait "$p" || echo "an engine failed"; done
+for i in 1 2 3; do
+    wait "${pids[$((i - 1))]}" || fail "engine together-$i (exit $?): $(tail -3 "$out/together-$i.log")"
+done
 
 python3 - "$out" <<'PY'
 import json, sys, glob, os
@@ -31,3 +53,5 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
     print(f"{os.path.basename(f)[:-5]:<12} {r['requested']/G:>9.2f}G {r['kv_budget']/G:>9.2f}G {r['device_wide_kv_budget']/G:>11.2f}G "
           f"{r['ground_truth_budget']/G:>9.2f}G {100*r['error_ours']:>8.3f}% {100*r['error_device_wide']:>11.2f}% {str(r['within_request']):>9}")
 PY
+[ $? -eq 0 ] || fail "the table could not be made"
+[ "$failures" -eq 0 ] || { echo "$failures failure(s)" >&2; exit 1; }

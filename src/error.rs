@@ -125,6 +125,15 @@ pub enum Error {
     #[error("no device with ordinal {ordinal}: {available} device(s) available")]
     NoSuchDevice { ordinal: usize, available: usize },
 
+    #[error(
+        "device {ordinal} is a {active} device, not a {wanted} one (VRAM_LEDGER_DRIVER chooses)"
+    )]
+    WrongBackend {
+        ordinal: usize,
+        wanted: &'static str,
+        active: &'static str,
+    },
+
     #[error(transparent)]
     Driver(#[from] DriverError),
 

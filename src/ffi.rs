@@ -2,7 +2,12 @@
 //! tags, statistics and profiling.
 //!
 //! Invariants:
-//! - No panic crosses the boundary: every entry point runs under `catch_unwind`.
+//! - No panic crosses the boundary: every entry point runs under `catch_unwind`, and so does
+//!   recording its error message (a panic there leaves a static message instead).
+//! - Entry points that read or trust a caller's pointer (a C string, a stream) are `unsafe`,
+//!   with what the caller guarantees under `# Safety`; those taking only numbers are safe.
+//! - Device state comes from [`crate::devices`], the registry the Rust API uses too: a device
+//!   used from Rust and from C has one allocator and one ledger.
 //! - Every failure is a return value (NULL, -1, or nothing for `void` functions) plus a
 //!   readable message from `vram_ledger_last_error()` on the failing thread; the allocator
 //!   keeps working.
@@ -16,6 +21,7 @@
 //! fails with an illegal address, which ends the CUDA context. A `torch.cuda.MemPool` backed by
 //! this library does check, and turns NULL into `torch.OutOfMemoryError`.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_double, c_int, c_void, CStr, CString};
@@ -24,40 +30,64 @@ use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 
+use crate::devices::{self, Device};
 use crate::driver::cuda::CudaDriver;
 use crate::driver::sim::SimDriver;
-use crate::driver::Driver;
 use crate::driver::StreamId;
-use crate::profile::{Margin, ProfileOptions, ProfileScope, Profiler};
+use crate::profile::{Margin, ProfileOptions, ProfileScope};
 use crate::stats::memory_stats;
-use crate::{cuda, Allocator, Config, Limit, SegmentMode, Tag};
+use crate::{Config, Limit, SegmentMode, Tag};
 
 thread_local! {
-    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    static LAST_ERROR: RefCell<Cow<'static, CStr>> = const { RefCell::new(Cow::Borrowed(c"")) };
     static TAG_STACK: RefCell<Vec<Tag>> = const { RefCell::new(Vec::new()) };
 }
 
-fn set_error(msg: impl Into<String>) {
-    let msg = msg.into();
-    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+/// What the last error reads when the real message could not be recorded.
+const UNRECORDED: &CStr = c"internal error: the message of a failure could not be recorded";
+
+/// Record this thread's last error. Never panics: when the thread-local is gone (thread exit)
+/// or borrowed (a caller still reading the previous message), the message is dropped.
+fn set_error(msg: Cow<'static, CStr>) {
+    let _ = LAST_ERROR.try_with(|e| {
+        if let Ok(mut e) = e.try_borrow_mut() {
+            *e = msg;
+        }
+    });
 }
 
-/// Run `f`, turning errors and panics into `on_err` and a last-error message.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("unknown panic")
+}
+
+/// Run `f`, turning errors and panics into `on_err` and a last-error message. Building and
+/// storing the message runs under `catch_unwind` too: a panic there (an allocation failure,
+/// say) leaves the static [`UNRECORDED`] message instead, and never unwinds into C.
 fn guard<T>(on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(msg)) => {
-            set_error(msg);
-            on_err
-        }
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
-            set_error(format!("internal error (caught at the C boundary): {what}"));
+    let run = || {
+        let msg = match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(Ok(v)) => return Some(v),
+            Ok(Err(msg)) => msg,
+            Err(panic) => format!(
+                "internal error (caught at the C boundary): {}",
+                panic_message(&*panic)
+            ),
+        };
+        let c = CString::new(msg.replace('\0', " ")).unwrap_or_else(|_| UNRECORDED.into());
+        set_error(Cow::Owned(c));
+        None
+    };
+    match catch_unwind(AssertUnwindSafe(run)) {
+        Ok(Some(v)) => v,
+        Ok(None) => on_err,
+        Err(payload) => {
+            // Dropping a payload runs foreign code that may panic again: leak it instead.
+            std::mem::forget(payload);
+            set_error(Cow::Borrowed(UNRECORDED));
             on_err
         }
     }
@@ -67,94 +97,36 @@ fn device_index(device: c_int) -> Result<usize, String> {
     usize::try_from(device).map_err(|_| format!("device {device} is not a device ordinal"))
 }
 
-/// A device's allocator and profiler, created at the device's first use and kept for the life
-/// of the process (so that the hot path borrows them without reference counting).
-struct Dev<D: Driver> {
-    alloc: &'static Allocator<D>,
-    profiler: Profiler<'static, D>,
-}
-
-/// The real device, or (with `VRAM_LEDGER_DRIVER=sim`) a simulated one: the whole C ABI then
-/// runs on machines without a GPU, for tests and fuzzing.
-enum DeviceState {
-    Cuda(Dev<CudaDriver>),
-    Sim(Dev<SimDriver>),
-}
-
 enum Scope {
     Cuda(ProfileScope<'static, 'static, CudaDriver>),
     Sim(ProfileScope<'static, 'static, SimDriver>),
 }
 
-/// Run `$body` with `$d` bound to the device's `Dev`, whichever driver it has.
+/// Run `$body` with `$d` bound to the device's `PerDevice`, whichever backend it is on.
 macro_rules! on_device {
-    ($state:expr, $d:ident => $body:expr) => {
-        match $state {
-            DeviceState::Cuda($d) => $body,
-            DeviceState::Sim($d) => $body,
+    ($device:expr, $d:ident => $body:expr) => {
+        match $device {
+            Device::Cuda($d) => $body,
+            Device::Sim($d) => $body,
         }
     };
 }
 
-static DEVICES: OnceLock<Box<[OnceLock<&'static DeviceState>]>> = OnceLock::new();
 static SCOPES: OnceLock<Mutex<HashMap<usize, Scope>>> = OnceLock::new();
 
-fn simulated() -> bool {
-    static SIM: OnceLock<bool> = OnceLock::new();
-    *SIM.get_or_init(|| std::env::var("VRAM_LEDGER_DRIVER").is_ok_and(|v| v == "sim"))
-}
-
-fn device_count() -> usize {
-    if simulated() {
-        std::env::var("VRAM_LEDGER_SIM_DEVICES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1)
-    } else {
-        cuda::device_count()
-    }
-}
-
-fn dev<D: Driver>(alloc: &'static Allocator<D>) -> Result<Dev<D>, String> {
-    Ok(Dev {
-        alloc,
-        profiler: Profiler::new(alloc).map_err(|e| e.to_string())?,
-    })
-}
-
-/// The device's state. Its first use takes the profiling baseline: PyTorch has created the
-/// CUDA context by then, and nothing has been allocated through us yet.
+/// The device's state, from the registry the Rust API shares.
 #[inline]
-fn state(device: c_int) -> Result<&'static DeviceState, String> {
-    let d = device_index(device)?;
-    let slots = DEVICES.get_or_init(|| (0..device_count()).map(|_| OnceLock::new()).collect());
-    let slot = slots.get(d).ok_or_else(|| {
-        crate::Error::NoSuchDevice {
-            ordinal: d,
-            available: slots.len(),
-        }
-        .to_string()
-    })?;
-    if let Some(s) = slot.get() {
-        return Ok(s);
-    }
-    let made = if simulated() {
-        let a = Allocator::new(SimDriver::new(), cuda::configured()).map_err(|e| e.to_string())?;
-        DeviceState::Sim(dev(Box::leak(Box::new(a)))?)
-    } else {
-        // The registry keeps its Arc; this state borrows the allocator for the process's life.
-        let a: &'static Allocator<CudaDriver> =
-            Box::leak(Box::new(cuda::allocator(d).map_err(|e| e.to_string())?));
-        DeviceState::Cuda(dev(a)?)
-    };
-    Ok(slot.get_or_init(|| Box::leak(Box::new(made))))
+fn state(device: c_int) -> Result<&'static Device, String> {
+    devices::device(device_index(device)?).map_err(|e| e.to_string())
 }
 
-fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, String> {
+/// # Safety
+/// `p` is NULL or points to a NUL-terminated string that stays valid and unchanged for `'a`.
+unsafe fn c_str<'a>(p: *const c_char, what: &str) -> Result<&'a str, String> {
     if p.is_null() {
         return Err(format!("{what} is NULL"));
     }
-    // SAFETY: the caller passes a NUL-terminated string (checked for NULL above).
+    // SAFETY: not NULL (checked above); NUL-terminated and live by this function's contract.
     unsafe { CStr::from_ptr(p) }
         .to_str()
         .map_err(|_| format!("{what} is not UTF-8"))
@@ -169,15 +141,22 @@ fn into_c_string(s: String) -> *mut c_char {
 
 /// `void* alloc(ssize_t size, int device, cudaStream_t stream)`. Size 0 returns NULL (as
 /// PyTorch's own allocator does), which is not an error.
+///
+/// # Safety
+/// On the CUDA backend `stream` is NULL (the legacy default stream) or a live `cudaStream_t` of
+/// `device`'s primary context, which stays alive while memory allocated on it is in use: the
+/// allocator hands it to the driver (capture queries, and events when the memory is freed).
+/// The simulated backend only compares it.
 #[no_mangle]
-pub extern "C" fn vram_ledger_malloc(
+pub unsafe extern "C" fn vram_ledger_malloc(
     size: isize,
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
     guard(std::ptr::null_mut(), || {
         let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
-        let r = on_device!(state(device)?, d => d.alloc.allocate(size, StreamId(stream as u64)));
+        let r =
+            on_device!(state(device)?, d => d.allocator().allocate(size, StreamId(stream as u64)));
         match r {
             Ok(x) => Ok(x.ptr as *mut c_void),
             Err(e) => {
@@ -191,17 +170,22 @@ pub extern "C" fn vram_ledger_malloc(
     })
 }
 
-/// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`.
+/// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`. `ptr` is looked up,
+/// never dereferenced: NULL is ignored, and a pointer this library did not allocate is an error.
+///
+/// # Safety
+/// `stream` is as for [`vram_ledger_malloc`]. Work that uses `ptr` is queued on `stream`, or on
+/// a stream passed to [`vram_ledger_record_stream`] for it: the memory is reused once that work
+/// completes, and the driver is handed those streams to find out when.
 #[no_mangle]
-pub extern "C" fn vram_ledger_free(
+pub unsafe extern "C" fn vram_ledger_free(
     ptr: *mut c_void,
     _size: isize,
     device: c_int,
     stream: *mut c_void,
 ) {
     guard((), || {
-        let r =
-            on_device!(state(device)?, d => d.alloc.free_on(ptr as u64, StreamId(stream as u64)));
+        let r = on_device!(state(device)?, d => d.allocator().free_on(ptr as u64, StreamId(stream as u64)));
         r.map_err(|e| {
             tracing::error!(device, "free failed: {e}");
             e.to_string()
@@ -221,13 +205,8 @@ pub extern "C" fn vram_ledger_init(device: c_int) {
 #[no_mangle]
 pub extern "C" fn vram_ledger_reset() {
     guard((), || {
-        for s in DEVICES
-            .get()
-            .into_iter()
-            .flat_map(|d| d.iter())
-            .filter_map(OnceLock::get)
-        {
-            on_device!(s, d => d.alloc.empty_cache()).map_err(|e| e.to_string())?;
+        for s in devices::created() {
+            on_device!(s, d => d.allocator().empty_cache()).map_err(|e| e.to_string())?;
         }
         Ok(())
     });
@@ -238,22 +217,23 @@ pub extern "C" fn vram_ledger_reset() {
 pub extern "C" fn vram_ledger_memory_fraction(fraction: c_double, device: c_int) {
     guard((), || {
         let limit = Some(Limit::Fraction(fraction));
-        on_device!(state(device)?, d => d.alloc.set_limit(limit)).map_err(|e| e.to_string())
+        on_device!(state(device)?, d => d.allocator().set_limit(limit)).map_err(|e| e.to_string())
     });
 }
 
-/// `void record_stream(void* ptr, cudaStream_t stream)`.
+/// `void record_stream(void* ptr, cudaStream_t stream)`: `ptr`'s memory is not reused before
+/// the work queued on `stream` so far completes. `ptr` is looked up, never dereferenced.
+///
+/// # Safety
+/// On the CUDA backend `stream` is a live `cudaStream_t` of the context of the device that
+/// `ptr` belongs to, alive until `ptr` is freed: the allocator records an event on it then.
 #[no_mangle]
-pub extern "C" fn vram_ledger_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+pub unsafe extern "C" fn vram_ledger_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     guard((), || {
         let mut last = String::from("no device has been used");
-        for s in DEVICES
-            .get()
-            .into_iter()
-            .flat_map(|d| d.iter())
-            .filter_map(OnceLock::get)
-        {
-            match on_device!(s, d => d.alloc.record_stream(ptr as u64, StreamId(stream as u64))) {
+        for s in devices::created() {
+            match on_device!(s, d => d.allocator().record_stream(ptr as u64, StreamId(stream as u64)))
+            {
                 Ok(()) => return Ok(()),
                 Err(e) => last = e.to_string(),
             }
@@ -267,11 +247,17 @@ pub extern "C" fn vram_ledger_record_stream(ptr: *mut c_void, stream: *mut c_voi
 
 /// Choose the segment mode ("native", "expandable", "compact" or "remap") of allocators not yet
 /// created.
+///
+/// # Safety
+/// `mode` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
 #[no_mangle]
-pub extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
+pub unsafe extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
     guard(-1, || {
-        let mode: SegmentMode = c_str(mode, "mode")?.parse().map_err(|e| format!("{e}"))?;
-        cuda::configure(Config {
+        // SAFETY: `mode` is NULL or NUL-terminated, by this function's contract.
+        let mode: SegmentMode = unsafe { c_str(mode, "mode") }?
+            .parse()
+            .map_err(|e| format!("{e}"))?;
+        devices::configure(Config {
             mode,
             ..Default::default()
         });
@@ -280,10 +266,14 @@ pub extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
 }
 
 /// Set this thread's tag (weights, activation, kv_cache or kv, untracked).
+///
+/// # Safety
+/// `name` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
 #[no_mangle]
-pub extern "C" fn vram_ledger_set_tag(name: *const c_char) -> c_int {
+pub unsafe extern "C" fn vram_ledger_set_tag(name: *const c_char) -> c_int {
     guard(-1, || {
-        let tag: Tag = c_str(name, "tag name")?
+        // SAFETY: `name` is NULL or NUL-terminated, by this function's contract.
+        let tag: Tag = unsafe { c_str(name, "tag name") }?
             .parse()
             .map_err(|e: crate::tag::UnknownTag| e.to_string())?;
         crate::tag::set_current(tag);
@@ -292,10 +282,14 @@ pub extern "C" fn vram_ledger_set_tag(name: *const c_char) -> c_int {
 }
 
 /// Make `name` this thread's tag until the matching `vram_ledger_pop_tag`.
+///
+/// # Safety
+/// `name` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
 #[no_mangle]
-pub extern "C" fn vram_ledger_push_tag(name: *const c_char) -> c_int {
+pub unsafe extern "C" fn vram_ledger_push_tag(name: *const c_char) -> c_int {
     guard(-1, || {
-        let tag: Tag = c_str(name, "tag name")?
+        // SAFETY: `name` is NULL or NUL-terminated, by this function's contract.
+        let tag: Tag = unsafe { c_str(name, "tag name") }?
             .parse()
             .map_err(|e: crate::tag::UnknownTag| e.to_string())?;
         let previous = crate::tag::set_current(tag);
@@ -318,19 +312,20 @@ pub extern "C" fn vram_ledger_pop_tag() -> c_int {
 /// This thread's tag, as a static string (never NULL).
 #[no_mangle]
 pub extern "C" fn vram_ledger_current_tag() -> *const c_char {
-    match Tag::current() {
-        Tag::Weights => c"weights".as_ptr(),
-        Tag::Activation => c"activation".as_ptr(),
-        Tag::KvCache => c"kv_cache".as_ptr(),
-        Tag::Untracked => c"untracked".as_ptr(),
-    }
+    let name = |t: Tag| match t {
+        Tag::Weights => c"weights",
+        Tag::Activation => c"activation",
+        Tag::KvCache => c"kv_cache",
+        Tag::Untracked => c"untracked",
+    };
+    guard(c"untracked".as_ptr(), || Ok(name(Tag::current()).as_ptr()))
 }
 
 /// The ledger snapshot as JSON (free with `vram_ledger_string_free`), or NULL.
 #[no_mangle]
 pub extern "C" fn vram_ledger_stats_json(device: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {
-        let snap = on_device!(state(device)?, d => d.alloc.snapshot());
+        let snap = on_device!(state(device)?, d => d.allocator().snapshot());
         Ok(into_c_string(
             serde_json::to_string(&snap).map_err(|e| e.to_string())?,
         ))
@@ -341,7 +336,7 @@ pub extern "C" fn vram_ledger_stats_json(device: c_int) -> *mut c_char {
 #[no_mangle]
 pub extern "C" fn vram_ledger_memory_stats_json(device: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {
-        let stats = on_device!(state(device)?, d => memory_stats(d.alloc));
+        let stats = on_device!(state(device)?, d => memory_stats(d.allocator()));
         Ok(into_c_string(
             serde_json::to_string(&stats).map_err(|e| e.to_string())?,
         ))
@@ -351,7 +346,7 @@ pub extern "C" fn vram_ledger_memory_stats_json(device: c_int) -> *mut c_char {
 #[no_mangle]
 pub extern "C" fn vram_ledger_reset_peaks(device: c_int) -> c_int {
     guard(-1, || {
-        on_device!(state(device)?, d => d.alloc.ledger().reset_peaks());
+        on_device!(state(device)?, d => d.allocator().ledger().reset_peaks());
         Ok(0)
     })
 }
@@ -359,7 +354,7 @@ pub extern "C" fn vram_ledger_reset_peaks(device: c_int) -> c_int {
 #[no_mangle]
 pub extern "C" fn vram_ledger_empty_cache(device: c_int) -> c_int {
     guard(-1, || {
-        on_device!(state(device)?, d => d.alloc.empty_cache())
+        on_device!(state(device)?, d => d.allocator().empty_cache())
             .map(|()| 0)
             .map_err(|e| e.to_string())
     })
@@ -381,13 +376,20 @@ pub extern "C" fn vram_ledger_profile_begin(
             margin,
             ..Default::default()
         };
+        let no_baseline = |e: &str| format!("device {d} has no profiling baseline: {e}");
         let scope = match state(device)? {
-            DeviceState::Cuda(dev) => {
-                Scope::Cuda(dev.profiler.begin(options).map_err(|e| e.to_string())?)
-            }
-            DeviceState::Sim(dev) => {
-                Scope::Sim(dev.profiler.begin(options).map_err(|e| e.to_string())?)
-            }
+            Device::Cuda(dev) => Scope::Cuda(
+                dev.profiler()
+                    .map_err(no_baseline)?
+                    .begin(options)
+                    .map_err(|e| e.to_string())?,
+            ),
+            Device::Sim(dev) => Scope::Sim(
+                dev.profiler()
+                    .map_err(no_baseline)?
+                    .begin(options)
+                    .map_err(|e| e.to_string())?,
+            ),
         };
         let scopes = SCOPES.get_or_init(Default::default);
         if scopes.lock().insert(d, scope).is_some() {
@@ -422,10 +424,13 @@ pub extern "C" fn vram_ledger_profile_end(device: c_int) -> *mut c_char {
     })
 }
 
-/// The message of the last failure on this thread ("" if none). Valid until the next failure.
+/// The message of the last failure on this thread ("" if none). Valid until the next failure
+/// on this thread. Never NULL.
 #[no_mangle]
 pub extern "C" fn vram_ledger_last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|e| e.try_borrow().map_or(UNRECORDED.as_ptr(), |e| e.as_ptr()))
+        .unwrap_or(UNRECORDED.as_ptr())
 }
 
 /// Free a string returned by this library. NULL is ignored.
@@ -440,8 +445,62 @@ pub unsafe extern "C" fn vram_ledger_string_free(s: *mut c_char) {
     }
 }
 
-/// The number of CUDA devices (0 without a driver).
+/// The number of this process's devices: CUDA devices (0 without a driver or a device), or
+/// with `VRAM_LEDGER_DRIVER=sim` simulated ones.
 #[no_mangle]
 pub extern "C" fn vram_ledger_device_count() -> c_int {
-    guard(0, || Ok(device_count() as c_int))
+    guard(0, || {
+        Ok(c_int::try_from(devices::count()).unwrap_or(c_int::MAX))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last_error() -> String {
+        // SAFETY: never NULL, and valid until the next failure on this thread.
+        unsafe { CStr::from_ptr(vram_ledger_last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn a_panic_becomes_the_error_value_and_a_readable_message() {
+        assert_eq!(
+            guard(-1, || -> Result<i32, String> { panic!("boom {}", 7) }),
+            -1
+        );
+        assert_eq!(
+            last_error(),
+            "internal error (caught at the C boundary): boom 7"
+        );
+        let p = guard(std::ptr::null_mut::<c_char>(), || {
+            std::panic::panic_any(42u8)
+        });
+        assert!(p.is_null());
+        assert!(last_error().ends_with("unknown panic"), "{}", last_error());
+    }
+
+    #[test]
+    fn an_error_message_with_a_nul_is_kept_readable() {
+        assert_eq!(guard(-1, || Err("a\0b".to_string())), -1);
+        assert_eq!(last_error(), "a b");
+    }
+
+    #[test]
+    fn recording_while_the_message_is_borrowed_does_not_unwind() {
+        assert_eq!(guard(-1, || Err("first".to_string())), -1);
+        // A caller still holding the previous message: recording the next one must neither
+        // panic across the boundary nor free the string being read.
+        let r = LAST_ERROR.with(|e| {
+            let held = e.borrow();
+            let r = guard(-1, || Err("second".to_string()));
+            assert_eq!(held.to_str().unwrap(), "first");
+            r
+        });
+        assert_eq!(r, -1);
+        assert_eq!(guard(-1, || Err("third".to_string())), -1);
+        assert_eq!(last_error(), "third");
+    }
 }

@@ -23,7 +23,7 @@
 //! ```
 
 pub mod allocator;
-pub mod cuda;
+pub mod devices;
 pub mod driver;
 pub mod error;
 pub mod ffi;

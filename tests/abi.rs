@@ -1,6 +1,9 @@
 //! The C ABI under abuse, on simulated devices (VRAM_LEDGER_DRIVER=sim): every bad call gets an
 //! error code or NULL and a readable last error, and the allocator keeps working. Each test uses
 //! its own device, so that parallel tests do not share a ledger.
+//!
+//! The simulated backend hands streams to no driver, so any stream value (NULL here) meets the
+//! entry points' safety contracts; strings are Rust `CString`s or NUL-terminated literals.
 
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::ptr::null_mut;
@@ -37,17 +40,33 @@ fn allocated(device: i32) -> u64 {
 
 const S: *mut c_void = null_mut();
 
+fn malloc(size: isize, device: i32) -> *mut c_void {
+    // SAFETY: a NULL stream is the default stream, and a simulated device drives no stream.
+    unsafe { vram_ledger_malloc(size, device, S) }
+}
+
+fn free(p: *mut c_void, size: isize, device: i32) {
+    // SAFETY: as for `malloc`; `p` is only looked up.
+    unsafe { vram_ledger_free(p, size, device, S) }
+}
+
+fn push_tag(name: &str) -> i32 {
+    let name = CString::new(name).unwrap();
+    // SAFETY: a NUL-terminated string that outlives the call.
+    unsafe { vram_ledger_push_tag(name.as_ptr()) }
+}
+
 #[test]
 fn abi_allocate_and_free_round_trip() {
     setup();
     assert!(vram_ledger_device_count() == 8);
-    let p = vram_ledger_malloc(1000, 0, S);
+    let p = malloc(1000, 0);
     assert!(!p.is_null(), "{}", last_error());
     assert_eq!(allocated(0), 1024);
-    vram_ledger_free(p, 1000, 0, S);
+    free(p, 1000, 0);
     assert_eq!(allocated(0), 0);
     // Size 0 is NULL without being an error.
-    assert!(vram_ledger_malloc(0, 0, S).is_null());
+    assert!(malloc(0, 0).is_null());
     let stats = json(vram_ledger_memory_stats_json(0));
     assert_eq!(stats["allocation.all.allocated"], 1);
 }
@@ -56,37 +75,37 @@ fn abi_allocate_and_free_round_trip() {
 fn abi_free_of_unknown_pointers_and_double_free() {
     setup();
     let before = json(vram_ledger_stats_json(1));
-    vram_ledger_free(0xdead_b000 as *mut c_void, 512, 1, S);
+    free(0xdead_b000 as *mut c_void, 512, 1);
     assert!(
         last_error().contains("not allocated by this allocator"),
         "{}",
         last_error()
     );
     assert_eq!(json(vram_ledger_stats_json(1)), before, "nothing changed");
-    let p = vram_ledger_malloc(4096, 1, S);
-    vram_ledger_free(p, 4096, 1, S);
-    vram_ledger_free(p, 4096, 1, S);
+    let p = malloc(4096, 1);
+    free(p, 4096, 1);
+    free(p, 4096, 1);
     assert!(last_error().contains("already freed"), "{}", last_error());
     // NULL is a no-op, as PyTorch frees NULL for zero-sized tensors.
-    vram_ledger_free(null_mut(), 0, 1, S);
-    let q = vram_ledger_malloc(4096, 1, S);
+    free(null_mut(), 0, 1);
+    let q = malloc(4096, 1);
     assert_eq!(q, p, "the allocator keeps working, and reuses the block");
-    vram_ledger_free(q, 4096, 1, S);
+    free(q, 4096, 1);
 }
 
 #[test]
 fn abi_negative_and_absurd_sizes() {
     setup();
-    assert!(vram_ledger_malloc(-1, 2, S).is_null());
+    assert!(malloc(-1, 2).is_null());
     assert!(
         last_error().contains("negative size -1"),
         "{}",
         last_error()
     );
-    assert!(vram_ledger_malloc(isize::MAX, 2, S).is_null());
+    assert!(malloc(isize::MAX, 2).is_null());
     assert!(last_error().contains("absurd"), "{}", last_error());
     assert!(
-        vram_ledger_malloc(1 << 50, 2, S).is_null(),
+        malloc(1 << 50, 2).is_null(),
         "1 PiB does not fit a simulated 80 GiB device"
     );
     assert!(
@@ -95,21 +114,21 @@ fn abi_negative_and_absurd_sizes() {
         last_error()
     );
     assert_eq!(allocated(2), 0);
-    let p = vram_ledger_malloc(1 << 20, 2, S);
+    let p = malloc(1 << 20, 2);
     assert!(!p.is_null());
-    vram_ledger_free(p, 1 << 20, 2, S);
+    free(p, 1 << 20, 2);
 }
 
 #[test]
 fn abi_wrong_device_ordinals() {
     setup();
-    assert!(vram_ledger_malloc(512, 8, S).is_null());
+    assert!(malloc(512, 8).is_null());
     assert!(
         last_error().contains("no device with ordinal 8: 8 device(s) available"),
         "{}",
         last_error()
     );
-    assert!(vram_ledger_malloc(512, -1, S).is_null());
+    assert!(malloc(512, -1).is_null());
     assert!(
         last_error().contains("not a device ordinal"),
         "{}",
@@ -130,16 +149,17 @@ fn abi_tags_by_name() {
             .unwrap()
             .to_owned()
     };
-    assert_eq!(vram_ledger_set_tag(name("weight").as_ptr()), -1);
+    // SAFETY (all three calls): NULL, or NUL-terminated strings that outlive the call.
+    assert_eq!(unsafe { vram_ledger_set_tag(name("weight").as_ptr()) }, -1);
     assert!(
         last_error().contains("unknown tag \"weight\""),
         "{}",
         last_error()
     );
-    assert_eq!(vram_ledger_set_tag(null_mut()), -1);
+    assert_eq!(unsafe { vram_ledger_set_tag(null_mut()) }, -1);
     assert!(last_error().contains("NULL"));
-    assert_eq!(vram_ledger_push_tag(name("kv").as_ptr()), 0);
-    let p = vram_ledger_malloc(3000, 3, S);
+    assert_eq!(push_tag("kv"), 0);
+    let p = malloc(3000, 3);
     assert_eq!(current(), "kv_cache");
     assert_eq!(vram_ledger_pop_tag(), 0);
     assert_eq!(current(), "untracked");
@@ -147,16 +167,20 @@ fn abi_tags_by_name() {
     let s = json(vram_ledger_stats_json(3));
     assert_eq!(s["per_tag"]["kv_cache"]["allocated_bytes"]["current"], 3072);
     let bad = [0xffu8, 0];
-    assert_eq!(vram_ledger_set_tag(bad.as_ptr() as *const c_char), -1);
+    // SAFETY: NUL-terminated, and alive for the call.
+    assert_eq!(
+        unsafe { vram_ledger_set_tag(bad.as_ptr() as *const c_char) },
+        -1
+    );
     assert!(last_error().contains("UTF-8"));
-    vram_ledger_free(p, 3000, 3, S);
+    free(p, 3000, 3);
 }
 
 #[test]
 fn abi_memory_fraction_and_configure() {
     setup();
     vram_ledger_memory_fraction(0.0001, 4);
-    assert!(vram_ledger_malloc(100 << 20, 4, S).is_null());
+    assert!(malloc(100 << 20, 4).is_null());
     assert!(last_error().contains("limit"), "{}", last_error());
     vram_ledger_memory_fraction(2.0, 4);
     assert!(
@@ -165,16 +189,16 @@ fn abi_memory_fraction_and_configure() {
         last_error()
     );
     vram_ledger_memory_fraction(1.0, 4);
-    let p = vram_ledger_malloc(100 << 20, 4, S);
+    let p = malloc(100 << 20, 4);
     assert!(!p.is_null(), "{}", last_error());
-    vram_ledger_free(p, 100 << 20, 4, S);
-    assert_eq!(
-        vram_ledger_configure(CString::new("warp").unwrap().as_ptr()),
-        -1
-    );
+    free(p, 100 << 20, 4);
+    let warp = CString::new("warp").unwrap();
+    // SAFETY: a NUL-terminated string that outlives the call, then NULL.
+    assert_eq!(unsafe { vram_ledger_configure(warp.as_ptr()) }, -1);
     assert!(last_error().contains("unknown segment mode"));
-    assert_eq!(vram_ledger_configure(null_mut()), -1);
-    vram_ledger_record_stream(0x1234 as *mut c_void, S);
+    assert_eq!(unsafe { vram_ledger_configure(null_mut()) }, -1);
+    // SAFETY: a simulated device drives no stream; the pointer is only looked up.
+    unsafe { vram_ledger_record_stream(0x1234 as *mut c_void, S) };
     assert!(
         last_error().contains("not allocated by this allocator"),
         "{}",
@@ -190,16 +214,13 @@ fn abi_profiling_scope() {
     assert!(last_error().contains("no profiling scope is open"));
     assert_eq!(vram_ledger_profile_begin(5, 1.5, 0), -1);
     assert!(last_error().contains("utilization"));
-    assert_eq!(
-        vram_ledger_push_tag(CString::new("weights").unwrap().as_ptr()),
-        0
-    );
-    let w = vram_ledger_malloc(1 << 30, 5, S);
+    assert_eq!(push_tag("weights"), 0);
+    let w = malloc(1 << 30, 5);
     vram_ledger_pop_tag();
     assert_eq!(vram_ledger_profile_begin(5, 0.5, -1), 0, "{}", last_error());
-    vram_ledger_push_tag(CString::new("activation").unwrap().as_ptr());
-    let a = vram_ledger_malloc(2 << 30, 5, S);
-    vram_ledger_free(a, 2 << 30, 5, S);
+    push_tag("activation");
+    let a = malloc(2 << 30, 5);
+    free(a, 2 << 30, 5);
     vram_ledger_pop_tag();
     let r = json(vram_ledger_profile_end(5));
     assert_eq!(r["weights"], 1u64 << 30);
@@ -209,5 +230,27 @@ fn abi_profiling_scope() {
         .as_str()
         .unwrap()
         .starts_with("Available KV cache memory"));
-    vram_ledger_free(w, 1 << 30, 5, S);
+    free(w, 1 << 30, 5);
+}
+
+#[test]
+fn abi_and_the_rust_api_share_one_allocator_per_device() {
+    setup();
+    assert_eq!(vram_ledger::devices::count(), 8);
+    let p = malloc(5000, 6);
+    assert!(!p.is_null(), "{}", last_error());
+    let a = vram_ledger::devices::sim_allocator(6).unwrap();
+    assert_eq!(
+        a.snapshot().all.allocated_bytes.current,
+        allocated(6),
+        "the Rust API sees what the C ABI allocated"
+    );
+    a.free(p as u64).unwrap();
+    assert_eq!(allocated(6), 0, "and the C ABI sees what it freed");
+    free(p, 5000, 6);
+    assert!(last_error().contains("already freed"), "{}", last_error());
+    assert!(matches!(
+        vram_ledger::devices::allocator(6),
+        Err(vram_ledger::Error::WrongBackend { .. })
+    ));
 }

@@ -6,7 +6,7 @@ mod common;
 
 use common::{allocator, gpu, Rng};
 use cudarc::driver::DevicePtr;
-use vram_ledger::cuda::{stream_id, DeviceBuffer};
+use vram_ledger::devices::{stream_id, DeviceBuffer};
 use vram_ledger::{Allocation, SegmentMode, Tag};
 
 fn random_sequence(mode: SegmentMode) {

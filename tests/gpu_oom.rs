@@ -4,7 +4,7 @@
 mod common;
 
 use common::{allocator, gpu};
-use vram_ledger::cuda::stream_id;
+use vram_ledger::devices::stream_id;
 use vram_ledger::{Error, SegmentMode, Tag};
 
 #[test]

@@ -1,8 +1,12 @@
-"""The pure-Python parts, against the real library, on a machine without a GPU."""
+"""The pure-Python parts, against the real library, on a machine without a GPU. Tests that need
+a device run in a child process on simulated ones (VRAM_LEDGER_DRIVER=sim), since the library
+chooses its backend once per process."""
 
+import json
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -97,9 +101,153 @@ def test_the_c_abi_survives_abuse():
     assert lib.vram_ledger_set_tag(None) == -1
     assert "NULL" in vl._last_error()
     assert lib.vram_ledger_configure(b"warp") == -1
-    assert "unknown mode" in vl._last_error()
+    assert "unknown segment mode" in vl._last_error()
     assert not lib.vram_ledger_malloc(-5, 0, None)
     assert "negative size" in vl._last_error()
     assert not lib.vram_ledger_profile_end(0)
-    lib.vram_ledger_free(None, 0, 0, None)  # no allocation: an error, not a crash
+    assert "no profiling scope is open" in vl._last_error()
+    # A pointer this library never returned: refused with a message of its own, not a crash.
+    lib.vram_ledger_free(0xDEAD000, 0, 0, None)
+    err = vl._last_error()
+    if lib.vram_ledger_device_count() > 0:
+        assert "not allocated by this allocator" in err, err
+    else:
+        assert "no CUDA" in err or "no device with ordinal 0" in err, err
     lib.vram_ledger_string_free(None)
+
+
+SIM = {"VRAM_LEDGER_DRIVER": "sim", "VRAM_LEDGER_SIM_DEVICES": "2"}
+
+
+def run_on_sim(code: str) -> dict:
+    """Run `code` in a fresh interpreter on two simulated devices; it prints one JSON object."""
+    package = str(Path(vl.__file__).resolve().parent.parent)
+    env = {**os.environ, **SIM, "PYTHONPATH": os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")]))}
+    env["VRAM_LEDGER_LIB"] = vl.library_path()
+    prelude = "import json, sys, types\nimport vram_ledger as vl\nlib = vl._lib()\n"
+    out = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_tag_body_error_is_not_replaced_by_a_failing_clean_up(caplog):
+    lib = vl._lib()
+    with pytest.raises(KeyError, match="from the body") as info:
+        with vl.tag("weights"):
+            # Popped here, the block's own pop on the way out fails.
+            assert lib.vram_ledger_pop_tag() == 0
+            raise KeyError("from the body")
+    assert "restoring the previous tag also failed" in caplog.text
+    assert "without a matching push_tag" in caplog.text
+    if sys.version_info >= (3, 11):
+        assert any("without a matching push_tag" in n for n in info.value.__notes__)
+    assert vl.current_tag() == "untracked"
+
+
+def test_a_tag_clean_up_failure_raises_when_the_body_succeeded():
+    with pytest.raises(vl.VramLedgerError, match="without a matching push_tag"):
+        with vl.tag("weights"):
+            assert vl._lib().vram_ledger_pop_tag() == 0
+    assert vl.current_tag() == "untracked"
+
+
+def test_a_tag_is_restored_when_the_body_raises():
+    with pytest.raises(KeyError):
+        with vl.tag("weights"):
+            raise KeyError("x")
+    assert vl.current_tag() == "untracked"
+    assert vl._lib().vram_ledger_pop_tag() == -1, "the block popped what it pushed, once"
+
+
+def test_a_profile_body_error_is_not_replaced_by_a_failing_clean_up():
+    r = run_on_sim(
+        """
+        seen = {}
+        try:
+            with vl.profile(0.5, device=0):
+                # Closed here, the block's own close on the way out fails.
+                lib.vram_ledger_string_free(lib.vram_ledger_profile_end(0))
+                raise KeyError("from the body")
+        except KeyError as e:
+            seen["body"] = str(e)
+            seen["notes"] = getattr(e, "__notes__", [])
+        except Exception as e:
+            seen["other"] = repr(e)
+        print(json.dumps(seen))
+        """
+    )
+    assert r.get("body") == "'from the body'", r
+    if sys.version_info >= (3, 11):
+        assert any("closing the profiling scope also failed" in n and "no profiling scope is open" in n for n in r["notes"]), r
+
+
+def test_a_profile_clean_up_failure_raises_when_the_body_succeeded():
+    r = run_on_sim(
+        """
+        seen = {}
+        try:
+            with vl.profile(0.5, device=0):
+                lib.vram_ledger_string_free(lib.vram_ledger_profile_end(0))
+        except vl.VramLedgerError as e:
+            seen["raised"] = str(e)
+        print(json.dumps(seen))
+        """
+    )
+    assert "no profiling scope is open" in r.get("raised", ""), r
+
+
+def test_a_profile_closes_its_scope_when_the_body_raises_and_reports_when_it_does_not():
+    r = run_on_sim(
+        """
+        seen = {}
+        try:
+            with vl.profile(0.5, device=1):
+                raise KeyError("x")
+        except KeyError:
+            seen["closed"] = not lib.vram_ledger_profile_end(1)
+        with vl.profile(0.5, device=1) as p:
+            pass
+        seen["kv_budget"] = p.kv_budget
+        print(json.dumps(seen))
+        """
+    )
+    assert r["closed"], "the scope was closed by the block, so closing again fails"
+    assert r["kv_budget"] > 0
+
+
+def test_install_checks_cuda_before_configuring_anything():
+    r = run_on_sim(
+        """
+        torch = types.ModuleType("torch")
+        torch.cuda = types.SimpleNamespace(is_initialized=lambda: True)
+        sys.modules["torch"] = torch
+        seen = {}
+        try:
+            vl.install(mode="expandable")
+        except vl.VramLedgerError as e:
+            seen["refused"] = str(e)
+        # A refused install leaves the default (native) mode: no mapping on device 0.
+        p = lib.vram_ledger_malloc(1 << 20, 0, None)
+        lib.vram_ledger_free(p, 1 << 20, 0, None)
+        seen["maps_after_refusal"] = vl.stats(0)["maps"]
+        # The same request once configured does map, so the check above can tell.
+        assert lib.vram_ledger_configure(b"expandable") == 0
+        p = lib.vram_ledger_malloc(1 << 20, 1, None)
+        lib.vram_ledger_free(p, 1 << 20, 1, None)
+        seen["maps_when_configured"] = vl.stats(1)["maps"]
+        print(json.dumps(seen))
+        """
+    )
+    assert "before any CUDA use" in r.get("refused", ""), r
+    assert r["maps_after_refusal"] == 0, r
+    assert r["maps_when_configured"] > 0, r
+
+
+def test_freeing_null_is_not_an_error_on_a_device():
+    r = run_on_sim(
+        """
+        lib.vram_ledger_free(None, 0, 0, None)
+        print(json.dumps({"error": vl._last_error(), "devices": lib.vram_ledger_device_count()}))
+        """
+    )
+    assert r == {"error": "", "devices": 2}

@@ -8,6 +8,10 @@
         dummy_forward(model)
     kv_bytes = p.result["kv_budget"]
 
+`tag()` and `profile()` never hide an exception raised in their block: if cleaning up after
+it fails too, that failure is logged (logger "vram_ledger") and attached to it as a note; after
+a block that succeeded, a failed clean-up raises. `install()` changes nothing when it refuses.
+
 Tags are per thread. Autograd runs the backward pass on its own threads, which carry no tag:
 their allocations are counted as "untracked" (set a tag inside a hook to change that).
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -70,6 +75,8 @@ def library_path() -> str:
     tried = ", ".join(str(c) for c in _candidates())
     raise VramLedgerError(f"libvram_ledger.so not found (tried: {tried}); build it with `cargo build --release` or set VRAM_LEDGER_LIB")
 
+
+_LOG = logging.getLogger("vram_ledger")
 
 _LIB: Optional[ctypes.CDLL] = None
 _LOCK = threading.Lock()
@@ -151,14 +158,15 @@ def install(mode: Optional[str] = None) -> Any:
     memory-fraction and record_stream hooks. Must run before any CUDA use; permanent."""
     if "allocator" in _INSTALLED:
         return _INSTALLED["allocator"]
-    if mode is not None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-        _check(_lib().vram_ledger_configure(mode.encode()))
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
     import torch
 
+    # Checked before anything is configured: a refused install leaves the library as it was.
     if torch.cuda.is_initialized():
         raise VramLedgerError("install() must run before any CUDA use (CUDA is already initialised in this process)")
+    if mode is not None:
+        _check(_lib().vram_ledger_configure(mode.encode()))
     lib = _lib()
     alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc", "vram_ledger_free")
     raw = alloc.allocator()
@@ -215,8 +223,22 @@ def tag(name: str) -> Iterator[None]:
     _check(_lib().vram_ledger_push_tag(name.encode()))
     try:
         yield
-    finally:
-        _check(_lib().vram_ledger_pop_tag())
+    except BaseException as body_error:
+        _clean_up_after(body_error, "restoring the previous tag", lambda: _check(_lib().vram_ledger_pop_tag()))
+        raise
+    _check(_lib().vram_ledger_pop_tag())
+
+
+def _clean_up_after(body_error: BaseException, what: str, clean_up: Any) -> None:
+    """Run a context manager's clean-up after its body raised. A failure here must not replace
+    the body's exception (the one the user needs): it is logged and attached to it as a note."""
+    try:
+        clean_up()
+    except Exception as e:
+        note = f"vram_ledger: {what} also failed: {type(e).__name__}: {e}"
+        _LOG.error(note)
+        if hasattr(body_error, "add_note"):  # Python 3.11+
+            body_error.add_note(note)
 
 
 def current_tag() -> str:
@@ -275,7 +297,16 @@ def profile(utilization: float, device: Optional[int] = None, margin_bytes: int 
     p = Profile()
     try:
         yield p
-    finally:
+    except BaseException as body_error:
+        _clean_up_after(body_error, "closing the profiling scope", lambda: _end_profile(d, p))
+        raise
+    _end_profile(d, p)
+
+
+def _end_profile(d: int, p: Profile) -> None:
+    """Close the scope even when synchronising fails, so that the device is not left with a
+    scope open."""
+    try:
         try:
             import torch
 
@@ -283,6 +314,7 @@ def profile(utilization: float, device: Optional[int] = None, margin_bytes: int 
                 torch.cuda.synchronize(d)
         except ImportError:
             pass
+    finally:
         r = _json(_lib().vram_ledger_profile_end(d))
         p.report = r.pop("report", [])
         p.result = r

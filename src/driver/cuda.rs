@@ -7,7 +7,11 @@
 //! - Calls that allocate, map or free run in relaxed stream-capture mode, so that an engine
 //!   capturing a CUDA graph on this thread may still grow the pool.
 //! - Events are created without timing and pooled; a destroyed event goes back to the pool.
-//! - A non-success `CUresult` becomes a typed [`DriverError`], never a panic.
+//! - A non-success `CUresult` becomes a typed [`DriverError`], never a panic, naming the call
+//!   that failed (a primitive, or one of the set-up calls in [`DriverCall::SETUP`]) and keeping
+//!   the driver's name and description of the code.
+//! - [`probe`] is the one place that tells "no driver" and "no device" (nothing to run on)
+//!   from a driver that loads and fails (a broken install, reported as such).
 
 use std::ffi::CStr;
 
@@ -24,6 +28,11 @@ fn check(call: DriverCall, r: CUresult) -> DriverResult<()> {
     if r == CUresult::CUDA_SUCCESS {
         return Ok(());
     }
+    Err(error(call, r, describe(r)))
+}
+
+/// The typed error of a failed `CUresult` (not `CUDA_SUCCESS`).
+fn error(call: DriverCall, r: CUresult, detail: String) -> DriverError {
     let kind = match r {
         CUresult::CUDA_ERROR_OUT_OF_MEMORY => DriverErrorKind::OutOfMemory,
         CUresult::CUDA_ERROR_INVALID_VALUE | CUresult::CUDA_ERROR_INVALID_HANDLE => {
@@ -34,40 +43,113 @@ fn check(call: DriverCall, r: CUresult) -> DriverResult<()> {
         | CUresult::CUDA_ERROR_NOT_INITIALIZED => DriverErrorKind::NoDevice,
         other => DriverErrorKind::Other(other as i32),
     };
-    let mut name: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: cuGetErrorName writes a pointer to a static string, or leaves it null.
-    let name = unsafe {
-        if sys::cuGetErrorName(r, &mut name) == CUresult::CUDA_SUCCESS && !name.is_null() {
+    DriverError::new(call, kind, detail)
+}
+
+/// The driver's name and description of `r` ("CUDA_ERROR_NO_DEVICE: no CUDA-capable device
+/// is detected"), so that an error says why and not only which code.
+fn describe(r: CUresult) -> String {
+    let (mut name, mut text): (*const std::ffi::c_char, *const std::ffi::c_char) =
+        (std::ptr::null(), std::ptr::null());
+    // SAFETY: both calls write a pointer to a static string, or leave it null.
+    unsafe {
+        let name = if sys::cuGetErrorName(r, &mut name) == CUresult::CUDA_SUCCESS && !name.is_null()
+        {
             CStr::from_ptr(name).to_string_lossy().into_owned()
         } else {
             format!("CUresult {}", r as i32)
+        };
+        if sys::cuGetErrorString(r, &mut text) == CUresult::CUDA_SUCCESS && !text.is_null() {
+            format!("{name}: {}", CStr::from_ptr(text).to_string_lossy())
+        } else {
+            name
         }
-    };
-    Err(DriverError::new(call, kind, name))
+    }
 }
 
-/// Whether a CUDA driver can be loaded and reports at least one device.
-pub fn available() -> bool {
-    device_count().is_ok_and(|n| n > 0)
+/// What this machine offers the CUDA backend. Only the first two of "no driver" and "no device"
+/// mean that there is no GPU to use; a driver that loads and then fails is broken, and callers
+/// (tests above all) must not mistake it for an absent GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// The driver loads and reports this many devices (at least one).
+    Available(usize),
+    /// The driver library (libcuda.so) cannot be loaded.
+    NoDriver(String),
+    /// The driver loads and has no device: `CUDA_ERROR_NO_DEVICE`, or a count of zero.
+    NoDevice(String),
+    /// The driver loads and fails in any other way.
+    Failed(DriverError),
 }
 
-/// The number of CUDA devices; an error when there is no driver.
-pub fn device_count() -> DriverResult<usize> {
+impl Probe {
+    /// What a program that needs a GPU does: `Ok(None)` run, `Ok(Some(why))` skip saying why
+    /// (no driver, no device), `Err` fail (the driver is there and broken).
+    pub fn skip_reason(self) -> Result<Option<String>, DriverError> {
+        match self {
+            Probe::Available(_) => Ok(None),
+            Probe::NoDriver(why) | Probe::NoDevice(why) => Ok(Some(why)),
+            Probe::Failed(e) => Err(e),
+        }
+    }
+}
+
+/// Load the driver, initialise it and count its devices.
+pub fn probe() -> Probe {
     // SAFETY: probing for the library has no side effects beyond loading it.
     if !unsafe { sys::is_culib_present() } {
-        return Err(DriverError::new(
-            DriverCall::MemInfo,
-            DriverErrorKind::NoDevice,
-            "no CUDA driver library (libcuda.so) found",
-        ));
+        return Probe::NoDriver("no CUDA driver library (libcuda.so) could be loaded".into());
     }
     let mut n = 0;
-    // SAFETY: plain driver API calls with valid out-pointers.
-    unsafe {
-        check(DriverCall::MemInfo, sys::cuInit(0))?;
-        check(DriverCall::MemInfo, sys::cuDeviceGetCount(&mut n))?;
+    // SAFETY: plain driver API calls with a valid out-pointer; the count only once initialised.
+    let init = unsafe { sys::cuInit(0) };
+    let count = if init == CUresult::CUDA_SUCCESS {
+        // SAFETY: as above.
+        unsafe { sys::cuDeviceGetCount(&mut n) }
+    } else {
+        init
+    };
+    classify(init, count, n, describe)
+}
+
+/// [`probe`]'s verdict on what `cuInit` and `cuDeviceGetCount` returned.
+fn classify(
+    init: CUresult,
+    count: CUresult,
+    n: i32,
+    describe: impl Fn(CUresult) -> String,
+) -> Probe {
+    for (call, r) in [(DriverCall::Init, init), (DriverCall::DeviceCount, count)] {
+        match r {
+            CUresult::CUDA_SUCCESS => {}
+            CUresult::CUDA_ERROR_NO_DEVICE => return Probe::NoDevice(describe(r)),
+            _ => return Probe::Failed(error(call, r, describe(r))),
+        }
     }
-    Ok(n as usize)
+    match usize::try_from(n) {
+        Ok(0) => Probe::NoDevice("the CUDA driver reports 0 devices".into()),
+        Ok(n) => Probe::Available(n),
+        Err(_) => Probe::Failed(DriverError::new(
+            DriverCall::DeviceCount,
+            DriverErrorKind::Other(-1),
+            format!("cuDeviceGetCount reported {n} devices"),
+        )),
+    }
+}
+
+/// The number of devices of the CUDA backend: 0 when there is no device, an error (with the
+/// driver's cause) when there is no driver library or the driver fails.
+pub fn device_count() -> DriverResult<usize> {
+    match probe() {
+        Probe::Available(n) => Ok(n),
+        Probe::NoDevice(_) => Ok(0),
+        Probe::NoDriver(why) => Err(DriverError::new(
+            DriverCall::Init,
+            DriverErrorKind::NoDevice,
+            why,
+        )),
+        Probe::Failed(e) => Err(e),
+    }
 }
 
 /// One CUDA device, through its primary context.
@@ -92,34 +174,44 @@ impl CudaDriver {
         let count = device_count()?;
         if ordinal >= count {
             return Err(DriverError::new(
-                DriverCall::MemInfo,
+                DriverCall::DeviceGet,
                 DriverErrorKind::NoDevice,
                 format!("no CUDA device {ordinal}: {count} device(s)"),
             ));
         }
         let mut device = 0;
         let mut ctx = std::ptr::null_mut();
-        let mut uuid = sys::CUuuid { bytes: [0; 16] };
         // SAFETY: valid out-pointers; the retained context is released in Drop.
         unsafe {
             check(
-                DriverCall::MemInfo,
+                DriverCall::DeviceGet,
                 sys::cuDeviceGet(&mut device, ordinal as i32),
             )?;
             check(
-                DriverCall::MemInfo,
+                DriverCall::PrimaryContext,
                 sys::cuDevicePrimaryCtxRetain(&mut ctx, device),
             )?;
-            check(DriverCall::MemInfo, sys::cuCtxSetCurrent(ctx))?;
-            check(
-                DriverCall::MemInfo,
-                sys::cuDeviceGetUuid_v2(&mut uuid, device),
-            )?;
         }
+        // Built as soon as the context is retained, so that a later failure releases it.
+        let mut d = CudaDriver {
+            ordinal,
+            device,
+            ctx,
+            granularity: 0,
+            uuid: String::new(),
+            nvml: Err("not opened".into()),
+            events: Mutex::new(Vec::new()),
+        };
+        d.current(DriverCall::PrimaryContext)?;
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: valid out-pointer.
+        check(DriverCall::DeviceUuid, unsafe {
+            sys::cuDeviceGetUuid_v2(&mut uuid, device)
+        })?;
         let b = uuid.bytes.map(|x| x as u8);
         let hex =
             |r: std::ops::Range<usize>| b[r].iter().map(|x| format!("{x:02x}")).collect::<String>();
-        let uuid = format!(
+        d.uuid = format!(
             "GPU-{}-{}-{}-{}-{}",
             hex(0..4),
             hex(4..6),
@@ -127,28 +219,17 @@ impl CudaDriver {
             hex(8..10),
             hex(10..16)
         );
-        let mut d = CudaDriver {
-            ordinal,
-            device,
-            ctx,
-            granularity: 0,
-            nvml: Nvml::open(&uuid),
-            uuid,
-            events: Mutex::new(Vec::new()),
-        };
+        d.nvml = Nvml::open(&d.uuid);
         let prop = d.prop();
         let mut g = 0usize;
         // SAFETY: valid property and out-pointer.
-        unsafe {
-            check(
-                DriverCall::CreatePhysical,
-                sys::cuMemGetAllocationGranularity(
-                    &mut g,
-                    &prop,
-                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-                ),
-            )?;
-        }
+        check(DriverCall::Granularity, unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        })?;
         d.granularity = g as u64;
         if let Err(e) = &d.nvml {
             tracing::info!(device = ordinal, "per-process usage unavailable: {e}");
@@ -387,12 +468,78 @@ impl Driver for CudaDriver {
         // SAFETY: valid out-pointer; on error we report "not capturing" and the caller's next
         // driver call reports the real problem.
         let r = unsafe {
-            if self.current(DriverCall::QueryEvent).is_err() {
+            if self.current(DriverCall::PrimaryContext).is_err() {
                 return false;
             }
             sys::cuStreamIsCapturing(stream(s), &mut status)
         };
         r == CUresult::CUDA_SUCCESS
             && status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(r: CUresult) -> String {
+        format!("{r:?}")
+    }
+
+    #[test]
+    fn only_a_missing_device_is_a_reason_to_skip() {
+        use CUresult::*;
+        assert_eq!(
+            classify(CUDA_SUCCESS, CUDA_SUCCESS, 2, name),
+            Probe::Available(2)
+        );
+        assert!(matches!(
+            classify(CUDA_ERROR_NO_DEVICE, CUDA_ERROR_NO_DEVICE, 0, name),
+            Probe::NoDevice(why) if why == "CUDA_ERROR_NO_DEVICE"
+        ));
+        assert!(matches!(
+            classify(CUDA_SUCCESS, CUDA_SUCCESS, 0, name),
+            Probe::NoDevice(_)
+        ));
+        // A driver that loads and fails is broken, not absent: it names the call and the code.
+        for (init, count, call) in [
+            (
+                CUDA_ERROR_SYSTEM_DRIVER_MISMATCH,
+                CUDA_SUCCESS,
+                DriverCall::Init,
+            ),
+            (CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS, DriverCall::Init),
+            (CUDA_ERROR_UNKNOWN, CUDA_SUCCESS, DriverCall::Init),
+            (
+                CUDA_SUCCESS,
+                CUDA_ERROR_INVALID_VALUE,
+                DriverCall::DeviceCount,
+            ),
+        ] {
+            match classify(init, count, 1, name) {
+                Probe::Failed(e) => {
+                    assert_eq!(e.call, call);
+                    assert_eq!(
+                        e.detail,
+                        name(if init == CUDA_SUCCESS { count } else { init })
+                    );
+                }
+                other => panic!("{init:?}/{count:?}: {other:?}"),
+            }
+        }
+        assert!(classify(CUDA_SUCCESS, CUDA_SUCCESS, -1, name)
+            .skip_reason()
+            .is_err());
+    }
+
+    #[test]
+    fn set_up_calls_are_not_primitives() {
+        for call in DriverCall::SETUP {
+            assert!(!call.is_primitive(), "{call}");
+            assert!(!DriverCall::ALL.contains(&call), "{call}");
+        }
+        for (i, call) in DriverCall::ALL.into_iter().enumerate() {
+            assert_eq!(call.index(), i, "{call}");
+        }
     }
 }

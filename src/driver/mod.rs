@@ -49,7 +49,10 @@ pub struct MemInfo {
     pub total: u64,
 }
 
-/// Every driver primitive, for call counting and fault injection.
+/// A driver call, named in every [`DriverError`]. The first sixteen are the allocator's
+/// primitives ([`DriverCall::ALL`]: counted and faulted by the simulated driver); the rest
+/// ([`DriverCall::SETUP`]) are the CUDA backend's one-off set-up of a device, which no allocator
+/// path makes and no simulated device counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DriverCall {
@@ -69,6 +72,13 @@ pub enum DriverCall {
     WaitEvent,
     DestroyEvent,
     SyncStream,
+    // Set-up calls: after the primitives, so that a primitive's discriminant is its index.
+    Init,
+    DeviceCount,
+    DeviceGet,
+    PrimaryContext,
+    DeviceUuid,
+    Granularity,
 }
 
 impl DriverCall {
@@ -91,8 +101,28 @@ impl DriverCall {
         DriverCall::SyncStream,
     ];
 
-    /// Position in [`DriverCall::ALL`], for per-kind counter arrays.
+    /// The CUDA backend's set-up calls, none of which is in [`DriverCall::ALL`].
+    pub const SETUP: [DriverCall; 6] = [
+        DriverCall::Init,
+        DriverCall::DeviceCount,
+        DriverCall::DeviceGet,
+        DriverCall::PrimaryContext,
+        DriverCall::DeviceUuid,
+        DriverCall::Granularity,
+    ];
+
+    /// Whether this is one of the allocator's primitives ([`DriverCall::ALL`]).
+    pub const fn is_primitive(self) -> bool {
+        (self as usize) < Self::ALL.len()
+    }
+
+    /// Position in [`DriverCall::ALL`], for per-primitive arrays sized by `ALL.len()`. A set-up
+    /// call has none: asking panics here, with its name, instead of indexing past such an array.
     pub const fn index(self) -> usize {
+        assert!(
+            self.is_primitive(),
+            "a set-up driver call has no index in DriverCall::ALL"
+        );
         self as usize
     }
 
@@ -114,6 +144,12 @@ impl DriverCall {
             DriverCall::WaitEvent => "wait_event",
             DriverCall::DestroyEvent => "destroy_event",
             DriverCall::SyncStream => "sync_stream",
+            DriverCall::Init => "init",
+            DriverCall::DeviceCount => "device_count",
+            DriverCall::DeviceGet => "device_get",
+            DriverCall::PrimaryContext => "primary_context",
+            DriverCall::DeviceUuid => "device_uuid",
+            DriverCall::Granularity => "granularity",
         }
     }
 }

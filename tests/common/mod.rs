@@ -1,5 +1,6 @@
-//! Shared set-up of the GPU tests: they run on a real device when one is there, and otherwise
-//! say that they were skipped and pass.
+//! Shared set-up of the GPU tests: they run on a real device when one is there; with no driver
+//! library or no device they print "skipped: <why>" and pass; with a driver that loads and
+//! fails they fail, so that a broken install never reads as "no GPU here".
 
 #![allow(dead_code)]
 
@@ -16,14 +17,15 @@ pub struct Gpu {
     pub kernels: PatternKernels,
 }
 
-/// The GPU, or `None` after printing why the test is skipped.
+/// The GPU, or `None` after printing why the test is skipped. Panics on a broken driver.
 pub fn gpu(test: &str) -> Option<Gpu> {
-    if !cuda::available() {
-        let why = cuda::device_count()
-            .err()
-            .map_or("no CUDA device".to_string(), |e| e.to_string());
-        println!("{test}: skipped: {why}");
-        return None;
+    match cuda::probe().skip_reason() {
+        Ok(None) => {}
+        Ok(Some(why)) => {
+            println!("{test}: skipped: {why}");
+            return None;
+        }
+        Err(e) => panic!("{test}: the CUDA driver loads but fails: {e}"),
     }
     let ctx = CudaContext::new(0).expect("a CUDA context on device 0");
     let stream = ctx.default_stream();

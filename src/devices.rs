@@ -1,0 +1,320 @@
+//! This process's devices: the one registry of per-device state (allocator and profiling
+//! baseline) that the Rust API ([`allocator`]) and the C ABI (`crate::ffi`) share, and
+//! [`DeviceBuffer`], RAII device memory for Rust engines on cudarc (kernel arguments through
+//! cudarc's `DevicePtr`/`DevicePtrMut`).
+//!
+//! Invariants:
+//! - The backend is chosen once per process, at the registry's first use: the CUDA driver, or
+//!   with `VRAM_LEDGER_DRIVER=sim` simulated devices (`VRAM_LEDGER_SIM_DEVICES` of them,
+//!   default 1), so that the C ABI runs on machines without a GPU.
+//! - The registry has one slot per device of that backend, counted once. When the backend
+//!   cannot count its devices, every use of a device reports the driver's cause.
+//! - A device's state is created once, at the device's first use (whichever API uses it
+//!   first), with the configuration set before it, and lives for the rest of the process:
+//!   device memory outlives any one engine object, and the C ABI's hot path borrows the state
+//!   without reference counting. Its profiling baseline is taken then: PyTorch has created the
+//!   CUDA context by that time, and nothing has been allocated through us yet.
+//! - A `DeviceBuffer` frees exactly once, on drop, on the stream it was allocated on, and
+//!   records every other stream it is used on so that its memory is not reused before their
+//!   work completes.
+
+use std::marker::PhantomData;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{
+    CudaStream, DevicePtr as CudaDevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+};
+use parking_lot::Mutex;
+
+use crate::driver::cuda::{self, CudaDriver};
+use crate::driver::sim::SimDriver;
+use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
+use crate::profile::Profiler;
+use crate::{Allocator, Config, Error, Result, Tag};
+
+/// Where this process's devices come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Cuda,
+    Sim { devices: usize },
+}
+
+impl Backend {
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cuda => "cuda",
+            Backend::Sim { .. } => "sim",
+        }
+    }
+}
+
+/// This process's backend, read from the environment at the first call.
+pub fn backend() -> Backend {
+    static BACKEND: OnceLock<Backend> = OnceLock::new();
+    *BACKEND.get_or_init(|| {
+        if std::env::var("VRAM_LEDGER_DRIVER").is_ok_and(|v| v == "sim") {
+            Backend::Sim {
+                devices: sim_device_count(),
+            }
+        } else {
+            Backend::Cuda
+        }
+    })
+}
+
+/// The number of devices of the simulated backend: `VRAM_LEDGER_SIM_DEVICES`, default 1.
+fn sim_device_count() -> usize {
+    std::env::var("VRAM_LEDGER_SIM_DEVICES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
+}
+
+static CONFIG: Mutex<Option<Config>> = Mutex::new(None);
+
+/// Set the configuration of allocators created from now on (call before a device's first use).
+pub fn configure(config: Config) {
+    *CONFIG.lock() = Some(config);
+}
+
+/// The configuration set by [`configure`] (the default if none).
+pub fn configured() -> Config {
+    CONFIG.lock().clone().unwrap_or_default()
+}
+
+/// One device's state: its allocator and the profiling baseline taken when it was created.
+pub struct PerDevice<D: Driver> {
+    alloc: &'static Arc<Allocator<D>>,
+    profiler: std::result::Result<Profiler<'static, D>, String>,
+}
+
+impl<D: Driver> PerDevice<D> {
+    fn new(driver: D) -> Result<PerDevice<D>> {
+        let alloc: &'static Arc<Allocator<D>> =
+            Box::leak(Box::new(Arc::new(Allocator::new(driver, configured())?)));
+        // A failed baseline is reported when profiling starts: allocating does not need it.
+        let profiler = Profiler::new(alloc).map_err(|e| e.to_string());
+        if let Err(e) = &profiler {
+            tracing::warn!(
+                device = alloc.driver().ordinal(),
+                "no profiling baseline: {e}"
+            );
+        }
+        Ok(PerDevice { alloc, profiler })
+    }
+
+    pub fn allocator(&self) -> &'static Arc<Allocator<D>> {
+        self.alloc
+    }
+
+    /// The device's profiler, or why its baseline could not be taken.
+    pub fn profiler(&self) -> std::result::Result<&Profiler<'static, D>, &str> {
+        self.profiler.as_ref().map_err(String::as_str)
+    }
+}
+
+/// A device of either backend.
+pub enum Device {
+    Cuda(PerDevice<CudaDriver>),
+    Sim(PerDevice<SimDriver>),
+}
+
+type Slots = Box<[OnceLock<&'static Device>]>;
+
+static REGISTRY: OnceLock<std::result::Result<Slots, DriverError>> = OnceLock::new();
+
+fn slots() -> Result<&'static Slots> {
+    REGISTRY
+        .get_or_init(|| {
+            let n = match backend() {
+                Backend::Sim { devices } => devices,
+                Backend::Cuda => cuda::device_count()?,
+            };
+            Ok((0..n).map(|_| OnceLock::new()).collect())
+        })
+        .as_ref()
+        .map_err(|e| Error::Driver(e.clone()))
+}
+
+/// The number of this process's devices (0 when its backend has none, or cannot count them:
+/// [`device`] then says why).
+pub fn count() -> usize {
+    slots().map_or(0, |s| s.len())
+}
+
+/// Device `ordinal`'s state, created at its first use.
+pub fn device(ordinal: usize) -> Result<&'static Device> {
+    let slots = slots()?;
+    let slot = slots.get(ordinal).ok_or(Error::NoSuchDevice {
+        ordinal,
+        available: slots.len(),
+    })?;
+    if let Some(d) = slot.get() {
+        return Ok(d);
+    }
+    // Creation is rare and opens a context: one at a time, so that no thread builds a state
+    // (and leaks it) that loses a race.
+    static CREATING: Mutex<()> = Mutex::new(());
+    let _one = CREATING.lock();
+    if let Some(d) = slot.get() {
+        return Ok(d);
+    }
+    let made = match backend() {
+        Backend::Cuda => Device::Cuda(PerDevice::new(CudaDriver::new(ordinal)?)?),
+        Backend::Sim { .. } => Device::Sim(PerDevice::new(SimDriver::new())?),
+    };
+    Ok(slot.get_or_init(|| Box::leak(Box::new(made))))
+}
+
+/// The devices used so far, in ordinal order.
+pub fn created() -> impl Iterator<Item = &'static Device> {
+    REGISTRY
+        .get()
+        .and_then(|r| r.as_ref().ok())
+        .into_iter()
+        .flat_map(|s| s.iter())
+        .filter_map(|s| s.get().copied())
+}
+
+fn wrong_backend(ordinal: usize, wanted: Backend) -> Error {
+    Error::WrongBackend {
+        ordinal,
+        wanted: wanted.name(),
+        active: backend().name(),
+    }
+}
+
+/// The allocator of CUDA device `ordinal`, created on first use (the C ABI uses the same one).
+pub fn allocator(ordinal: usize) -> Result<Arc<Allocator<CudaDriver>>> {
+    match device(ordinal)? {
+        Device::Cuda(d) => Ok(d.alloc.clone()),
+        Device::Sim(_) => Err(wrong_backend(ordinal, Backend::Cuda)),
+    }
+}
+
+/// The allocator of simulated device `ordinal` (with `VRAM_LEDGER_DRIVER=sim`), created on
+/// first use (the C ABI uses the same one).
+pub fn sim_allocator(ordinal: usize) -> Result<Arc<Allocator<SimDriver>>> {
+    match device(ordinal)? {
+        Device::Sim(d) => Ok(d.alloc.clone()),
+        Device::Cuda(_) => Err(wrong_backend(ordinal, Backend::Sim { devices: 0 })),
+    }
+}
+
+/// The stream id the allocator uses for a cudarc stream.
+pub fn stream_id(stream: &CudaStream) -> StreamId {
+    StreamId(stream.cu_stream() as u64)
+}
+
+/// Device memory for `len` values of `T`, from a vram-ledger allocator, freed on drop.
+pub struct DeviceBuffer<T> {
+    alloc: Arc<Allocator<CudaDriver>>,
+    ptr: DevicePtr,
+    len: usize,
+    tag: Tag,
+    stream: Arc<CudaStream>,
+    _type: PhantomData<T>,
+}
+
+impl<T> DeviceBuffer<T> {
+    /// Allocate with this thread's current tag.
+    pub fn new(
+        alloc: &Arc<Allocator<CudaDriver>>,
+        len: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Self> {
+        Self::new_tagged(alloc, len, stream, Tag::current())
+    }
+
+    pub fn new_tagged(
+        alloc: &Arc<Allocator<CudaDriver>>,
+        len: usize,
+        stream: &Arc<CudaStream>,
+        tag: Tag,
+    ) -> Result<Self> {
+        let bytes = (len as u64)
+            .checked_mul(std::mem::size_of::<T>() as u64)
+            .ok_or(Error::SizeTooLarge(u64::MAX))?;
+        let a = alloc.allocate_tagged(bytes, stream_id(stream), tag)?;
+        Ok(DeviceBuffer {
+            alloc: alloc.clone(),
+            ptr: a.ptr,
+            len,
+            tag,
+            stream: stream.clone(),
+            _type: PhantomData,
+        })
+    }
+
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn tag(&self) -> Tag {
+        self.tag
+    }
+
+    fn used_on(&self, stream: &CudaStream) {
+        if stream.cu_stream() != self.stream.cu_stream() {
+            if let Err(e) = self.alloc.record_stream(self.ptr, stream_id(stream)) {
+                tracing::error!(error = %e, "could not record a buffer's use on another stream");
+            }
+        }
+    }
+}
+
+impl<T> DeviceSlice<T> for DeviceBuffer<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> CudaDevicePtr<T> for DeviceBuffer<T> {
+    fn device_ptr<'a>(
+        &'a self,
+        stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.used_on(stream);
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for DeviceBuffer<T> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.used_on(stream);
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        if let Err(e) = self.alloc.free_on(self.ptr, stream_id(&self.stream)) {
+            tracing::error!(error = %e, "freeing a device buffer failed");
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("tag", &self.tag)
+            .finish()
+    }
+}
