@@ -20,43 +20,100 @@ fn opts(utilization: f64) -> ProfileOptions {
     }
 }
 
+// The expectations below are computed from each scenario's inputs (the bytes the test
+// allocates, the device's capacity and context overhead, other tenants' bytes, the utilization)
+// with PyTorch's sizing rules written out here, never from the figures being checked.
+
+/// The budget is aligned down to 2 MiB (a large segment's granule).
+const ALIGN: u64 = 2 * MIB;
+
+/// A request rounded to the allocator's block size: 512 B multiples, at least 512 B.
+fn block(bytes: u64) -> u64 {
+    bytes.max(1).div_ceil(512) * 512
+}
+
+/// The segment a request gets when nothing is cached: 2 MiB for a small one (at most 1 MiB),
+/// 20 MiB for one under 10 MiB, otherwise its size rounded up to 2 MiB.
+fn segment(bytes: u64) -> u64 {
+    let b = block(bytes);
+    if b <= MIB {
+        2 * MIB
+    } else if b < 10 * MIB {
+        20 * MIB
+    } else {
+        b.div_ceil(2 * MIB) * 2 * MIB
+    }
+}
+
+/// Bytes handed out (and counted as allocated) for a request served by a fresh segment: the
+/// segment's tail is split off, except a large-pool tail of at most 1 MiB, which stays attached.
+fn handed_out(bytes: u64) -> u64 {
+    let (b, seg) = (block(bytes), segment(bytes));
+    if b > MIB && seg - b <= MIB {
+        seg
+    } else {
+        b
+    }
+}
+
+/// `ceil(capacity × utilization)`.
+fn requested(capacity: u64, utilization: f64) -> u64 {
+    (capacity as f64 * utilization).ceil() as u64
+}
+
+/// What is left of `requested` for the KV cache, aligned down.
+fn budget(requested: u64, non_kv: u64) -> u64 {
+    (requested - non_kv) / ALIGN * ALIGN
+}
+
 #[test]
 fn profile_vllm_unit_scenario() {
-    let dev = SimDevice::new(SimConfig::default());
+    let config = SimConfig::default();
+    let (weights, spike, outside, others) = (512 * MIB, GIB, 256 * MIB, 512 * MIB);
+    let dev = SimDevice::new(config.clone());
     // Another process holds 512 MiB before the baseline: never charged to us.
     let other = dev.spawn_process().unwrap();
-    other.alloc_external(512 * MIB).unwrap();
+    other.alloc_external(others).unwrap();
     let a = Allocator::new(dev.spawn_process().unwrap(), Config::default()).unwrap();
     let p = Profiler::new(&a).unwrap();
-    let w = a.allocate_tagged(512 * MIB, S, Tag::Weights).unwrap();
+    let w = a.allocate_tagged(weights, S, Tag::Weights).unwrap();
     let r = p
         .profile(opts(0.9), || {
-            let spike = a.allocate_tagged(GIB, S, Tag::Activation).unwrap();
+            let spike = a.allocate_tagged(spike, S, Tag::Activation).unwrap();
             a.free(spike.ptr).unwrap();
             // 256 MiB behind the allocator's back (NCCL, cuBLAS...).
-            a.driver().alloc_external(256 * MIB).unwrap();
+            a.driver().alloc_external(outside).unwrap();
         })
         .unwrap();
+    let context = config.context_overhead;
     assert_eq!(r.source, UsageSource::Process);
-    assert_eq!(r.weights, 512 * MIB);
-    assert_eq!(r.activation_peak, GIB, "the spike, exactly");
-    assert_eq!(r.non_allocator_baseline, 512 * MIB, "the CUDA context");
+    assert_eq!(r.weights, weights);
+    assert_eq!(r.activation_peak, spike, "the spike, exactly");
+    assert_eq!(r.non_allocator_baseline, context, "the CUDA context");
     assert_eq!(
-        r.non_allocator - r.non_allocator_baseline,
-        256 * MIB,
-        "the increase, exactly"
+        r.non_allocator,
+        context + outside,
+        "and the increase, exactly"
     );
-    assert_eq!(r.other_processes, GIB, "its 512 MiB and its own context");
+    assert_eq!(
+        r.other_processes,
+        others + context,
+        "its 512 MiB and its own context"
+    );
+    // Both segments are exactly their requests' sizes: nothing cached around them.
+    assert_eq!(segment(weights) + segment(spike), weights + spike);
     assert_eq!(r.cached, 0);
-    assert_eq!(r.non_kv, 512 * MIB + GIB + 768 * MIB);
+    let want_requested = requested(config.capacity, 0.9);
+    assert_eq!(r.requested, want_requested);
+    let non_kv = segment(weights) + segment(spike) + context + outside;
+    assert_eq!(r.non_kv, non_kv);
+    assert_eq!(r.kv_budget, budget(want_requested, non_kv));
+    // vLLM's method: weights, the activation peak's increase and the growth of memory outside
+    // the allocator since its baseline; the context predates the baseline and is left out.
     assert_eq!(
-        r.kv_budget,
-        (r.requested - r.non_kv) / (2 * MIB) * (2 * MIB)
+        r.device_wide_kv_budget,
+        want_requested as i64 - (weights + spike + outside) as i64
     );
-    assert_eq!(r.requested, (80.0 * GIB as f64 * 0.9).ceil() as u64);
-    // vLLM's method leaves out the context (it predates its baseline).
-    let unaligned = (r.requested - r.non_kv) as i64;
-    assert_eq!(r.device_wide_kv_budget, unaligned + (512 * MIB) as i64);
     a.free(w.ptr).unwrap();
 }
 
@@ -69,23 +126,59 @@ struct Engine {
 }
 
 impl Engine {
-    fn load(&self, a: &Allocator<SimDriver>) {
-        let _w = vram_ledger::tag::scope(Tag::Weights);
+    /// The weights are loaded in chunks of at most 64 MiB.
+    fn chunks(&self) -> Vec<u64> {
         let mut left = self.weights;
+        let mut v = Vec::new();
         while left > 0 {
             let n = left.min(64 * MIB);
-            a.allocate(n, S).unwrap();
+            v.push(n);
             left -= n;
+        }
+        v
+    }
+
+    /// The dummy pass's two live activations.
+    fn halves(&self) -> [u64; 2] {
+        [self.activation / 2, self.activation - self.activation / 2]
+    }
+
+    fn load(&self, a: &Allocator<SimDriver>) {
+        let _w = vram_ledger::tag::scope(Tag::Weights);
+        for n in self.chunks() {
+            a.allocate(n, S).unwrap();
         }
     }
 
+    /// Expected figures, from the engine's sizes alone. Each chunk and each activation gets a
+    /// fresh segment (no cached block is large enough for them), so the allocator's peak
+    /// reserve is the sum of those segments.
+    fn weights_allocated(&self) -> u64 {
+        self.chunks().into_iter().map(handed_out).sum()
+    }
+
+    fn activation_allocated(&self) -> u64 {
+        self.halves().into_iter().map(handed_out).sum()
+    }
+
+    fn reserved(&self) -> u64 {
+        self.chunks()
+            .into_iter()
+            .chain(self.halves())
+            .map(segment)
+            .sum()
+    }
+
+    /// What the engine needs besides the KV cache: its peak reserve, its CUDA context and what
+    /// it allocates outside the allocator.
+    fn non_kv(&self, context: u64) -> u64 {
+        self.reserved() + context + self.outside
+    }
+
     fn pass(&self, a: &Allocator<SimDriver>) {
-        let x = a
-            .allocate_tagged(self.activation / 2, S, Tag::Activation)
-            .unwrap();
-        let y = a
-            .allocate_tagged(self.activation - self.activation / 2, S, Tag::Activation)
-            .unwrap();
+        let [x, y] = self.halves();
+        let x = a.allocate_tagged(x, S, Tag::Activation).unwrap();
+        let y = a.allocate_tagged(y, S, Tag::Activation).unwrap();
         a.free(x.ptr).unwrap();
         a.free(y.ptr).unwrap();
         a.driver().alloc_external(self.outside).unwrap();
@@ -110,7 +203,7 @@ fn profile_seed_end_to_end_case() {
         capacity,
         ..Default::default()
     };
-    let dev = SimDevice::new(config);
+    let dev = SimDevice::new(config.clone());
     dev.set_other_usage((capacity as f64 * 0.7) as u64);
     let a = Allocator::new(dev.spawn_process().unwrap(), Config::default()).unwrap();
     let p = Profiler::new(&a).unwrap();
@@ -121,16 +214,26 @@ fn profile_seed_end_to_end_case() {
     };
     e.load(&a);
     let r = p.profile(opts(0.2), || e.pass(&a)).unwrap();
-    assert_eq!(format!("{:.2}", r.requested as f64 / GIB as f64), "27.94");
+    let want_requested = requested(capacity, 0.2);
     assert_eq!(
-        r.kv_budget,
-        (r.requested - r.non_kv) / (2 * MIB) * (2 * MIB)
+        format!("{:.2}", want_requested as f64 / GIB as f64),
+        "27.94"
     );
-    assert_eq!(
-        r.non_kv,
-        r.weights + r.activation_peak + r.cached + r.non_allocator
-    );
-    assert_eq!(r.non_allocator, 512 * MIB + 150 * MIB);
+    assert_eq!(r.requested, want_requested);
+    // 2375 MiB of weights: 37 chunks of 64 MiB and one of 7 MiB in a 20 MiB segment (13 MiB
+    // cached); each 2401 MiB activation in a 2402 MiB segment, its 1 MiB tail attached.
+    assert_eq!(r.weights, e.weights);
+    assert_eq!(r.weights, e.weights_allocated());
+    assert_eq!(e.activation_allocated(), 2 * 2402 * MIB);
+    assert_eq!(r.activation_peak, e.activation_allocated());
+    assert_eq!(e.reserved(), 37 * 64 * MIB + 20 * MIB + 2 * 2402 * MIB);
+    let cached = e.reserved() - e.weights_allocated() - e.activation_allocated();
+    assert_eq!(cached, 13 * MIB);
+    assert_eq!(r.cached, cached);
+    assert_eq!(r.non_allocator, config.context_overhead + e.outside);
+    let non_kv = e.non_kv(config.context_overhead);
+    assert_eq!(r.non_kv, non_kv);
+    assert_eq!(r.kv_budget, budget(want_requested, non_kv));
     // The KV cache fits, and the process stays within what it requested.
     let kv = a.allocate_tagged(r.kv_budget, S, Tag::KvCache).unwrap();
     let usage = a.driver().process_usage().unwrap().unwrap();
@@ -151,10 +254,12 @@ fn simultaneous(n: usize) {
     let config = SimConfig::default();
     let dev: Arc<SimDevice> = SimDevice::new(config.clone());
     let engines: Vec<Engine> = (0..n as u64)
+        // The weights' last 5 MiB chunk sits in a 20 MiB segment (15 MiB cached), and the
+        // outside bytes are an odd number of MiB: the budget's cache and alignment terms matter.
         .map(|i| Engine {
-            weights: (3 + i) * GIB,
+            weights: (3 + i) * GIB + 5 * MIB,
             activation: (1 + i) * GIB + 20 * MIB,
-            outside: (64 + 32 * i) * MIB,
+            outside: (65 + 32 * i) * MIB,
         })
         .collect();
     let allocs: Vec<Allocator<SimDriver>> = (0..n)
@@ -162,8 +267,6 @@ fn simultaneous(n: usize) {
         .collect();
     let profilers: Vec<Profiler<SimDriver>> =
         allocs.iter().map(|a| Profiler::new(a).unwrap()).collect();
-    let usage = |a: &Allocator<SimDriver>| a.driver().process_usage().unwrap().unwrap();
-    let at_baseline: Vec<u64> = allocs.iter().map(usage).collect();
     // Interleaved start-up: weights, then every engine opens its scope before any finishes.
     for (e, a) in engines.iter().zip(&allocs) {
         e.load(a);
@@ -176,27 +279,37 @@ fn simultaneous(n: usize) {
         e.pass(a);
     }
     let results: Vec<ProfileResult> = scopes.into_iter().map(|s| s.end().unwrap()).collect();
+    let context = config.context_overhead;
+    let want_requested = requested(config.capacity, 0.25);
     // Alone on a device, with the other engines' contexts as other tenants.
-    let contexts = (n as u64 - 1) * config.context_overhead;
+    let contexts = (n as u64 - 1) * context;
     for (i, (e, r)) in engines.iter().zip(&results).enumerate() {
-        let solo = e.solo(&config, contexts, 0.25);
+        let non_kv = e.non_kv(context);
+        assert_eq!(e.reserved() - e.weights - e.activation, 15 * MIB);
+        assert_eq!(r.requested, want_requested);
+        assert_eq!(r.non_kv, non_kv, "engine {i}: only its own memory");
         assert_eq!(
-            r.kv_budget, solo.kv_budget,
+            r.kv_budget,
+            budget(want_requested, non_kv),
             "engine {i}: exactly its own budget"
         );
+        let solo = e.solo(&config, contexts, 0.25);
+        assert_eq!(r.kv_budget, solo.kv_budget, "engine {i}: as if alone");
         assert_eq!(r.non_kv, solo.non_kv);
         // vLLM's method charges engine i with everything the others did after i's baseline
-        // (and misses i's context, which predates it, and i's cache slack).
-        let others_grew: u64 = (0..n)
-            .filter(|&j| j != i)
-            .map(|j| usage(&allocs[j]) - at_baseline[j])
+        // (their segments and outside memory), besides its own weights, activations and outside
+        // memory; their contexts and i's predate the baseline.
+        let others: u64 = engines
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, o)| o.reserved() + o.outside)
             .sum();
-        assert!(others_grew > 2 * GIB);
-        let unaligned = (r.requested - r.non_kv) as i64;
-        let expected =
-            unaligned + r.non_allocator_baseline as i64 + r.cached as i64 - others_grew as i64;
+        assert!(others > 2 * GIB);
+        let own = e.weights_allocated() + e.activation_allocated() + e.outside;
         assert_eq!(
-            r.device_wide_kv_budget, expected,
+            r.device_wide_kv_budget,
+            want_requested as i64 - (own + others) as i64,
             "engine {i}: device-wide method off by the others' bytes"
         );
         assert!(r.device_wide_kv_budget < r.kv_budget as i64 - GIB as i64);
@@ -321,11 +434,11 @@ fn profile_override_margin_and_token_figures() {
         ..Default::default()
     };
     let r = p.profile(o, || {}).unwrap();
+    // 10% of 40 GiB requested; the 1 GiB of weights in their own segment and the context.
+    let non_kv = GIB + SimConfig::default().context_overhead;
     assert_eq!(r.margin, 4 * GIB);
-    assert_eq!(
-        r.kv_budget,
-        (r.requested - r.non_kv - 4 * GIB) / (2 * MIB) * (2 * MIB)
-    );
+    assert_eq!(r.non_kv, non_kv);
+    assert_eq!(r.kv_budget, budget(40 * GIB, non_kv + 4 * GIB));
     let json = serde_json::to_value(&r).unwrap();
     for k in [
         "kv_budget",
@@ -350,8 +463,12 @@ fn profile_override_margin_and_token_figures() {
         utilization: 0.015,
         ..Default::default()
     };
+    let want_requested = requested(80 * GIB, 0.015);
+    assert!(want_requested < non_kv);
     match p.profile(o, || {}) {
-        Err(ProfileError::NoRoomForKvCache(r)) => assert!(r.non_kv > r.requested),
+        Err(ProfileError::NoRoomForKvCache(r)) => {
+            assert_eq!((r.requested, r.non_kv), (want_requested, non_kv))
+        }
         other => panic!("{other:?}"),
     }
 }

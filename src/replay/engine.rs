@@ -27,6 +27,11 @@ pub struct ReplayOptions {
     pub timeline_points: usize,
     /// Remap mode's largest mapped piece (default [`crate::allocator::DEFAULT_REMAP_PIECE`]).
     pub remap_piece: Option<u64>,
+    /// Give the cache back to the driver at the end (default `true`). What the trace left live
+    /// is freed either way; with `false` the freed blocks stay cached, so that the next replay
+    /// on the same allocator starts warm (a soak: passes back to back, nothing reset between
+    /// them) and `held_after` is what the warm cache holds.
+    pub release_at_end: bool,
 }
 
 /// An H200's memory as `cuMemGetInfo` reports it.
@@ -39,6 +44,7 @@ impl Default for ReplayOptions {
             capacity: H200_CAPACITY,
             timeline_points: 1000,
             remap_piece: None,
+            release_at_end: true,
         }
     }
 }
@@ -77,7 +83,7 @@ pub struct ReplayResult {
     pub seconds: f64,
     pub events_per_second: f64,
     /// Bytes the simulated driver still held for the allocator after everything was freed and
-    /// the cache emptied (0 unless something leaked).
+    /// the cache emptied (0 unless something leaked; the warm cache with `release_at_end` off).
     pub held_after: u64,
     #[serde(skip)]
     pub timeline: Vec<Point>,
@@ -112,8 +118,9 @@ pub fn replay(
 }
 
 /// Replay `trace` through an existing allocator (whose mode is the caller's business; `opts`
-/// only names it in the result). At the end everything the trace left live is freed and the
-/// cache emptied; `held_after` says what the driver still holds.
+/// only names it in the result). At the end everything the trace left live is freed and, unless
+/// `opts.release_at_end` is false, the cache emptied; `held_after` says what the driver still
+/// holds.
 pub fn replay_on(
     alloc: &Allocator<SimDriver>,
     trace: &Trace,
@@ -223,11 +230,14 @@ pub fn replay_on(
             r as f64 / live_peak as f64
         }
     };
-    // Leave nothing behind: free what the trace left live, and give the cache back.
+    // Leave nothing live: free what the trace left live, and give the cache back unless the
+    // caller keeps it warm for another replay.
     for (ptr, ..) in live.into_values() {
         alloc.free(ptr)?;
     }
-    alloc.empty_cache()?;
+    if opts.release_at_end {
+        alloc.empty_cache()?;
+    }
     let held_after = alloc.driver().held_bytes();
     Ok(ReplayResult {
         mode: opts.mode,
