@@ -520,21 +520,26 @@ proptest! {
         run_with(SegmentMode::Native, Some(32 * MIB), ops)?;
     }
 
-    // Ignored until the allocator grows correctly next to a free block that max_split_size
-    // keeps from serving (see `expandable_growth_next_to_an_oversize_free_block`).
+    // Growth next to a free block that max_split_size keeps from serving (see
+    // `expandable_growth_next_to_an_oversize_free_block`).
     #[test]
-    #[ignore = "the allocator panics: expandable growth next to an oversize free block"]
     fn model_expandable_segments_max_split(ops in proptest::collection::vec(op_strategy(), 1..80)) {
         run_with(SegmentMode::Expandable, Some(32 * MIB), ops)?;
+    }
+
+    #[test]
+    fn model_compact_and_remap_max_split(ops in proptest::collection::vec(op_strategy(), 1..80)) {
+        run_with(SegmentMode::Compact, Some(32 * MIB), ops.clone())?;
+        run_with(SegmentMode::Remap, Some(32 * MIB), ops)?;
     }
 }
 
 /// Found by `model_expandable_segments_max_split`: a freed 40 MiB block (at least
 /// max_split_size) may not serve a 1 MiB + 1 B request, so the allocator grows; the unmapped
 /// range after that free block already "holds" the request with it, so nothing is mapped, and
-/// the allocator panics ("nothing mapped means an error") instead of mapping new memory.
+/// the allocator panicked ("nothing mapped means an error"). Growth now serves from that free
+/// block, split as virtual segments always may be.
 #[test]
-#[ignore = "the allocator panics: expandable growth next to an oversize free block"]
 fn expandable_growth_next_to_an_oversize_free_block() {
     let a = Allocator::new(
         SimDriver::new(),

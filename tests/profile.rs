@@ -398,6 +398,11 @@ fn profile_fallback_warns_when_another_process_allocates() {
         r.warnings
     );
     assert!(r.report_lines()[0].contains("device-wide fallback"));
+    // Warnings are read by people: whole sentences, no runs of spaces from line continuations.
+    assert_eq!(r.warnings.len(), 2, "{:?}", r.warnings);
+    for w in r.warnings.iter().chain(&r.report_lines()) {
+        assert!(!w.contains("  "), "{w:?}");
+    }
 }
 
 #[test]

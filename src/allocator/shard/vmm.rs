@@ -138,6 +138,13 @@ impl Shard {
         for &(_, u) in &v.unmapped {
             let b = &self.blocks[u];
             let before = free_size(b.prev);
+            if before >= rounded {
+                // The free block before the range holds the request already: the cache passed
+                // it over only because it is at least max_split_size. Growth serves from it,
+                // as PyTorch's expandable segments do (and splits it, as they always may).
+                choice = Some((b.prev, 0));
+                break;
+            }
             if before + b.size + free_size(b.next) >= rounded {
                 // Remap mode grows the large pool by at least a large segment's worth, as
                 // PyTorch's segments do: small requests then do not each cost a map.
@@ -146,13 +153,18 @@ impl Shard {
                 } else {
                     0
                 };
-                let need = rounded.saturating_sub(before).max(floor).div_ceil(unit) * unit;
+                let need = (rounded - before).max(floor).div_ceil(unit) * unit;
                 choice = Some((u, need.min(b.size)));
                 break;
             }
         }
-        let Some((u, bytes)) = choice else {
-            return Err(GrowError::Memory(OomCause::AddressSpace));
+        let (u, bytes) = match choice {
+            None => return Err(GrowError::Memory(OomCause::AddressSpace)),
+            Some((free, 0)) => {
+                self.index_remove(free);
+                return Ok(free);
+            }
+            Some(c) => c,
         };
         let (start, room) = (self.blocks[u].addr, self.blocks[u].size);
         let (mapped, err) = if core.mode == SegmentMode::Remap {
