@@ -41,6 +41,11 @@ use crate::error::{Error, OomCause, OomReport, Result};
 use crate::ledger::{Ledger, PerTag, Snapshot};
 use crate::tag::Tag;
 
+#[cold]
+fn poisoned(shard: usize) -> Error {
+    Error::Poisoned { shard }
+}
+
 /// A caching allocator for one device.
 pub struct Allocator<D: Driver> {
     core: Core<D>,
@@ -123,9 +128,10 @@ impl<D: Driver> Allocator<D> {
 
     #[inline]
     fn lock(&self, shard: usize) -> Result<SpinGuard<'_, Shard>> {
-        self.shards[shard]
-            .lock()
-            .map_err(|_| Error::Poisoned { shard })
+        match self.shards[shard].lock() {
+            Ok(sh) => Ok(sh),
+            Err(_) => Err(poisoned(shard)),
+        }
     }
 
     /// Allocate `size` bytes for use on `stream`, tagged with this thread's current tag.
@@ -163,7 +169,10 @@ impl<D: Driver> Allocator<D> {
             if !sh.pending.is_empty() && !self.core.driver.is_capturing(stream) {
                 sh.process_pending(&self.core, false)?;
             }
-            match self.attempt(&mut sh, stream, rounded, size, tag)? {
+            if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {
+                return Ok(a);
+            }
+            match self.grow_and_take(&mut sh, stream, rounded, size, tag)? {
                 Ok(a) => return Ok(a),
                 Err(cause) => cause,
             }
@@ -171,10 +180,11 @@ impl<D: Driver> Allocator<D> {
         self.retry_after_release(stream, rounded, size, tag, cause)
     }
 
-    /// Serve a request from the shard's cache, else from new memory. `Ok(Err(cause))` when
-    /// the memory is not there (worth releasing the cache and retrying).
-    #[inline]
-    fn attempt(
+    /// Serve a request the cache could not serve from new memory. `Ok(Err(cause))` when the
+    /// memory is not there (worth releasing the cache and retrying). Out of line: the cached
+    /// path above stays small.
+    #[inline(never)]
+    fn grow_and_take(
         &self,
         sh: &mut Shard,
         stream: StreamId,
@@ -182,9 +192,6 @@ impl<D: Driver> Allocator<D> {
         size: u64,
         tag: Tag,
     ) -> Result<std::result::Result<Allocation, OomCause>> {
-        if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {
-            return Ok(Ok(a));
-        }
         let grown = if self.core.is_virtual() {
             sh.grow_virtual(&self.core, stream, rounded)
         } else {
@@ -215,7 +222,10 @@ impl<D: Driver> Allocator<D> {
             tracing::warn!(error = %e, "releasing the cache before a retry failed");
         }
         let mut sh = self.lock(self.streams.shard(stream))?;
-        let cause = match self.attempt(&mut sh, stream, rounded, size, tag)? {
+        if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {
+            return Ok(a);
+        }
+        let cause = match self.grow_and_take(&mut sh, stream, rounded, size, tag)? {
             Ok(a) => return Ok(a),
             Err(cause) => cause,
         };

@@ -6,20 +6,24 @@
 //! core (threads may outnumber cores) instead of sleeping.
 //!
 //! Invariant: `data` is only reached through a guard, and at most one guard exists at a time
-//! (the swap from false to true is the only way to make one).
+//! (the swap from FREE to LOCKED is the only way to make one).
 //!
-//! Poisoning: a guard dropped while its thread panics marks the lock poisoned, and every later
-//! `lock` refuses, since the data may be half-updated. The check is a load of a flag on the
-//! cache line the lock just took, and `thread::panicking` is a load of a global that only
-//! changes while some thread panics: neither costs the uncontended path a shared write.
+//! Poisoning: a guard dropped while its thread panics leaves the lock POISONED instead of
+//! FREE, and every later `lock` refuses, since the data may be half-updated. The lock word has
+//! three states, so the swap that takes the lock also reports the poison: the uncontended
+//! path costs what it did, plus `thread::panicking` on release (a load of a global that only
+//! changes while some thread panics).
 
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
+
+const FREE: u8 = 0;
+const LOCKED: u8 = 1;
+const POISONED: u8 = 2;
 
 pub(crate) struct SpinLock<T> {
-    locked: AtomicBool,
-    poisoned: AtomicBool,
+    state: AtomicU8,
     data: UnsafeCell<T>,
 }
 
@@ -39,8 +43,7 @@ pub(crate) struct SpinGuard<'a, T> {
 impl<T> SpinLock<T> {
     pub(crate) fn new(data: T) -> Self {
         SpinLock {
-            locked: AtomicBool::new(false),
-            poisoned: AtomicBool::new(false),
+            state: AtomicU8::new(FREE),
             data: UnsafeCell::new(data),
         }
     }
@@ -48,31 +51,38 @@ impl<T> SpinLock<T> {
     /// Take the lock; refused once a panic poisoned it.
     #[inline]
     pub(crate) fn lock(&self) -> Result<SpinGuard<'_, T>, Poisoned> {
-        if self.locked.swap(true, Ordering::Acquire) {
-            self.lock_contended();
+        match self.state.swap(LOCKED, Ordering::Acquire) {
+            FREE => Ok(SpinGuard { lock: self }),
+            _ => self.lock_slow(),
         }
-        if self.poisoned.load(Ordering::Relaxed) {
-            self.locked.store(false, Ordering::Release);
-            return Err(Poisoned);
-        }
-        Ok(SpinGuard { lock: self })
     }
 
+    /// Held by another thread (wait), or poisoned (put the poison back and refuse).
     #[cold]
-    fn lock_contended(&self) {
+    fn lock_slow(&self) -> Result<SpinGuard<'_, T>, Poisoned> {
         let mut spins = 0u32;
         loop {
             // Wait on a plain load, so waiters do not bounce the cache line.
-            while self.locked.load(Ordering::Relaxed) {
+            let mut now = self.state.load(Ordering::Relaxed);
+            while now == LOCKED {
                 if spins < 64 {
                     std::hint::spin_loop();
                     spins += 1;
                 } else {
                     std::thread::yield_now();
                 }
+                now = self.state.load(Ordering::Relaxed);
             }
-            if !self.locked.swap(true, Ordering::Acquire) {
-                return;
+            if now == POISONED {
+                return Err(Poisoned);
+            }
+            match self.state.swap(LOCKED, Ordering::Acquire) {
+                FREE => return Ok(SpinGuard { lock: self }),
+                POISONED => {
+                    self.state.store(POISONED, Ordering::Release);
+                    return Err(Poisoned);
+                }
+                _ => {}
             }
         }
     }
@@ -98,10 +108,12 @@ impl<T> DerefMut for SpinGuard<'_, T> {
 impl<T> Drop for SpinGuard<'_, T> {
     #[inline]
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.lock.poisoned.store(true, Ordering::Relaxed);
-        }
-        self.lock.locked.store(false, Ordering::Release);
+        let next = if std::thread::panicking() {
+            POISONED
+        } else {
+            FREE
+        };
+        self.lock.state.store(next, Ordering::Release);
     }
 }
 

@@ -347,6 +347,7 @@ impl Shard {
     }
 
     /// A new block of segment `seg` linked in right after `id`, in the same stream and pool.
+    #[inline]
     fn insert_after(
         &mut self,
         id: BlockId,

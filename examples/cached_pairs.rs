@@ -1,0 +1,25 @@
+//! A fixed number of cached allocation+free pairs on the simulated driver, for counting the
+//! instructions one pair costs (`valgrind --tool=callgrind`, run with 0 and with N pairs and
+//! take the difference): a figure that, unlike wall-clock time, does not move between runs.
+//!
+//!     cached_pairs [PAIRS] [SIZE]
+
+use vram_ledger::driver::sim::SimDriver;
+use vram_ledger::{Allocator, Config, StreamId, Tag};
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let pairs: u64 = args.next().map_or(100_000, |a| a.parse().expect("PAIRS"));
+    let size: u64 = args.next().map_or(4096, |a| a.parse().expect("SIZE"));
+    let a = Allocator::new(SimDriver::new(), Config::default()).expect("allocator");
+    let s = StreamId::DEFAULT;
+    // Warm: the pairs below never reach the driver.
+    let w = a.allocate(size, s).expect("warm-up allocation");
+    a.free_on(w.ptr, s).expect("warm-up free");
+    for _ in 0..pairs {
+        let x = a
+            .allocate_tagged(std::hint::black_box(size), s, Tag::Activation)
+            .expect("cached allocation");
+        a.free_on(x.ptr, s).expect("cached free");
+    }
+}
