@@ -29,6 +29,8 @@ pub struct OomReport {
     pub non_allocator: Option<u64>,
     pub per_tag: PerTag<u64>,
     pub limit: Option<u64>,
+    /// The budget contract: what this process as a whole may use, when one is set.
+    pub cap: Option<u64>,
     /// Why the last attempt failed.
     #[serde(serialize_with = "as_text")]
     pub cause: OomCause,
@@ -40,6 +42,17 @@ pub enum OomCause {
     /// Growing would pass the allocator's limit.
     #[error("{} more would exceed the allocator's limit of {} ({} held)", Bytes(*wanted), Bytes(*limit), Bytes(*held))]
     Limit { wanted: u64, held: u64, limit: u64 },
+    /// Growing would take this process past its budget contract (the memory it requested).
+    #[error(
+        "{} more would take this process to {} ({} held by the allocator, {} outside it), past the {} it requested (its budget contract)",
+        Bytes(*wanted), Bytes(held + wanted + outside), Bytes(*held), Bytes(*outside), Bytes(*cap)
+    )]
+    Cap {
+        wanted: u64,
+        held: u64,
+        outside: u64,
+        cap: u64,
+    },
     /// The driver has no memory for it.
     #[error(transparent)]
     Device(DriverError),
@@ -93,6 +106,13 @@ impl fmt::Display for OomReport {
         write!(f, ".")?;
         if let Some(l) = self.limit {
             write!(f, " The allocator's limit is {}.", Bytes(l))?;
+        }
+        if let Some(c) = self.cap {
+            write!(
+                f,
+                " This process holds itself to the {} it requested (its budget contract).",
+                Bytes(c)
+            )?;
         }
         write!(f, " Last failure: {}.", self.cause)?;
         if self.cached > self.needed {

@@ -8,6 +8,8 @@
 //!   back) = this process's usage as the driver reports it (NVML, per PID) − reserved bytes.
 //!
 //! Other processes' memory is `device used − this process's usage`: reported, never charged.
+//! Unless told otherwise, the end of profiling sets the allocator's cap to the requested memory
+//! (the budget contract), so the process stays inside its request while it serves.
 //! When the driver cannot see this process, the non-allocator memory falls back to vLLM's
 //! method (device-wide used bytes minus reserved, as a delta from a baseline), the result says
 //! so, profiling fails if device free memory rose meanwhile (another process freed memory),
@@ -131,6 +133,9 @@ pub struct ProfileOptions {
     pub kv_bytes_per_token: Option<u64>,
     /// The longest request in tokens, for the concurrency figure.
     pub max_model_len: Option<u64>,
+    /// Hold the process to the requested memory from the end of profiling on (the budget
+    /// contract, [`Allocator::set_cap`]). On by default.
+    pub contract: bool,
 }
 
 impl Default for ProfileOptions {
@@ -141,6 +146,7 @@ impl Default for ProfileOptions {
             kv_override: None,
             kv_bytes_per_token: None,
             max_model_len: None,
+            contract: true,
         }
     }
 }
@@ -454,6 +460,11 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
         result.log();
         if !overridden && self.requested <= non_kv + margin {
             return Err(ProfileError::NoRoomForKvCache(Box::new(result)));
+        }
+        if self.options.contract {
+            // What lies outside the allocator now is the floor for when the driver cannot
+            // report it later (the device-wide figure cannot be re-read per process).
+            alloc.arm_cap(Some(self.requested), non_allocator);
         }
         Ok(result)
     }

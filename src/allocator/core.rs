@@ -2,8 +2,14 @@
 //! commitment of bytes against the limit; and the value an allocation hands out.
 //!
 //! Invariant: `committed` ≥ reserved bytes at every instant, and equals it at quiescence:
-//! growth first commits against the limit, then calls the driver, then uncommits what it did
-//! not get; giving memory back uncommits it after the driver call succeeded.
+//! growth first commits against the limit and the cap, then calls the driver, then uncommits
+//! what it did not get; giving memory back uncommits it after the driver call succeeded.
+//!
+//! The cap is the budget contract: what this process as a whole may use on the device (the
+//! allocator's bytes plus memory outside it: context, libraries, graphs, NCCL). Growth re-reads
+//! the process's usage from the driver before it commits, so memory that appeared outside the
+//! allocator since profiling counts. Only growth pays for that read (a driver call on a path
+//! that is about to make one); the cached path never sees the cap.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -38,8 +44,15 @@ pub(crate) struct Core<D> {
     pub(crate) granularity: u64,
     pub(crate) device_total: u64,
     pub(crate) limit: AtomicU64,
+    /// The budget contract in bytes for the whole process; `NONE` when not set.
+    pub(crate) cap: AtomicU64,
+    /// Memory outside the allocator assumed when the driver cannot report this process's usage.
+    pub(crate) outside_floor: AtomicU64,
     committed: AtomicU64,
 }
+
+/// "No limit" and "no cap".
+pub(crate) const NONE: u64 = u64::MAX;
 
 impl<D: Driver> Core<D> {
     pub(crate) fn new(driver: D, config: &Config, ledger: Ledger) -> crate::Result<Self> {
@@ -59,24 +72,52 @@ impl<D: Driver> Core<D> {
             mode: config.mode,
             max_split: config.max_split_size.unwrap_or(u64::MAX),
             device_total,
-            limit: AtomicU64::new(u64::MAX),
+            limit: AtomicU64::new(NONE),
+            cap: AtomicU64::new(NONE),
+            outside_floor: AtomicU64::new(0),
             committed: AtomicU64::new(0),
         })
     }
 
-    /// Count `bytes` against the limit before asking the driver for them.
+    /// Count `bytes` against the limit and the cap before asking the driver for them.
     pub(crate) fn commit(&self, bytes: u64) -> Result<(), GrowError> {
         let limit = self.limit.load(Relaxed);
+        let cap = self.cap.load(Relaxed);
+        let outside = if cap == NONE { 0 } else { self.outside_now() };
         let before = self.committed.fetch_add(bytes, Relaxed);
-        if before + bytes > limit {
-            self.committed.fetch_sub(bytes, Relaxed);
-            return Err(GrowError::Memory(OomCause::Limit {
+        let cause = if before + bytes > limit {
+            OomCause::Limit {
                 wanted: bytes,
                 held: before,
                 limit,
-            }));
+            }
+        } else if cap != NONE && before + bytes + outside > cap {
+            OomCause::Cap {
+                wanted: bytes,
+                held: before,
+                outside,
+                cap,
+            }
+        } else {
+            return Ok(());
+        };
+        self.committed.fetch_sub(bytes, Relaxed);
+        Err(GrowError::Memory(cause))
+    }
+
+    /// This process's memory outside the allocator, now: its usage as the driver reports it,
+    /// less what the allocator holds. While another shard's growth is between its driver call
+    /// and its ledger update this reads high, never low: the cap errs on the safe side. When
+    /// the driver cannot tell, the figure given when the cap was set stands in.
+    pub(crate) fn outside_now(&self) -> u64 {
+        match self.driver.process_usage() {
+            Ok(Some(usage)) => usage.saturating_sub(self.ledger.reserved()),
+            Ok(None) => self.outside_floor.load(Relaxed),
+            Err(e) => {
+                tracing::debug!(error = %e, "could not read this process's usage; assuming the last figure");
+                self.outside_floor.load(Relaxed)
+            }
         }
-        Ok(())
     }
 
     pub(crate) fn uncommit(&self, bytes: u64) {

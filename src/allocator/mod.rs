@@ -30,7 +30,7 @@ use crossbeam::utils::CachePadded;
 
 pub use self::config::{Config, Limit, SegmentMode, UnknownMode, DEFAULT_REMAP_PIECE};
 pub use self::core::Allocation;
-use self::core::Core;
+use self::core::{Core, NONE};
 pub use self::shard::PoolStats;
 use self::shard::{GrowError, Shard};
 use self::spin::{SpinGuard, SpinLock};
@@ -100,7 +100,7 @@ impl<D: Driver> Allocator<D> {
     /// growth fails (after releasing the cache) until enough is freed.
     pub fn set_limit(&self, limit: Option<Limit>) -> Result<()> {
         let bytes = match limit {
-            None => u64::MAX,
+            None => NONE,
             Some(Limit::Bytes(b)) => b,
             Some(Limit::Fraction(f)) if f > 0.0 && f <= 1.0 => {
                 (self.core.device_total as f64 * f) as u64
@@ -117,7 +117,39 @@ impl<D: Driver> Allocator<D> {
 
     /// The limit in bytes, if any.
     pub fn limit(&self) -> Option<u64> {
-        Some(self.core.limit.load(Relaxed)).filter(|&l| l != u64::MAX)
+        Some(self.core.limit.load(Relaxed)).filter(|&l| l != NONE)
+    }
+
+    /// Hold this process to `cap` bytes of device memory in all, or lift the cap: the budget
+    /// contract. Before every growth the allocator re-reads this process's usage (so memory
+    /// that appears outside it later counts), and growth that would pass the cap fails like
+    /// any other out-of-memory: the cache is released and the request retried once, then
+    /// [`Error::OutOfMemory`] says the cap was the limit. Profiling sets it to the requested
+    /// memory unless told not to. When the driver cannot see this process's usage, the memory
+    /// outside the allocator is taken as measured now (device-wide, it cannot be measured
+    /// again later).
+    pub fn set_cap(&self, cap: Option<u64>) {
+        self.arm_cap(cap, self.core.outside_now());
+    }
+
+    /// [`Allocator::set_cap`], with the memory outside the allocator to assume while the
+    /// driver cannot report this process's usage.
+    pub(crate) fn arm_cap(&self, cap: Option<u64>, outside_floor: u64) {
+        self.core.outside_floor.store(outside_floor, Relaxed);
+        self.core.cap.store(cap.unwrap_or(NONE), Relaxed);
+        match cap {
+            Some(c) => tracing::info!(
+                cap = c,
+                "budget contract set: this process may use {}",
+                crate::units::Bytes(c)
+            ),
+            None => tracing::info!("budget contract lifted"),
+        }
+    }
+
+    /// The budget contract in bytes, if one is set.
+    pub fn cap(&self) -> Option<u64> {
+        Some(self.core.cap.load(Relaxed)).filter(|&c| c != NONE)
     }
 
     /// The shard that serves `stream` (assigned on first use). Peaks are kept per shard and
@@ -258,6 +290,7 @@ impl<D: Driver> Allocator<D> {
             non_allocator: usage.map(|u| u.saturating_sub(reserved)),
             per_tag: PerTag(snap.per_tag.0.map(|t| t.allocated_bytes.current)),
             limit: self.limit(),
+            cap: self.cap(),
             cause,
         }
     }
