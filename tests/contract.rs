@@ -7,7 +7,7 @@
 //! not from the allocator's own figures.
 
 use vram_ledger::driver::sim::{SimConfig, SimDevice, SimDriver};
-use vram_ledger::driver::{Driver, DriverCall};
+use vram_ledger::driver::DriverCall;
 use vram_ledger::profile::{ProfileOptions, Profiler};
 use vram_ledger::units::{GIB, MIB};
 use vram_ledger::{invariants, Allocator, Config, Error, OomCause, SegmentMode, StreamId, Tag};
