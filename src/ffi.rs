@@ -343,6 +343,28 @@ pub extern "C" fn vram_ledger_memory_stats_json(device: c_int) -> *mut c_char {
     })
 }
 
+/// Hold this process to `bytes` of device memory in all on `device` (the budget contract:
+/// the allocator's bytes plus memory outside it, re-read before every growth); a negative
+/// `bytes` lifts the cap. Profiling sets it to the requested memory by itself.
+#[no_mangle]
+pub extern "C" fn vram_ledger_set_cap(device: c_int, bytes: i64) -> c_int {
+    guard(-1, || {
+        let cap = u64::try_from(bytes).ok();
+        on_device!(state(device)?, d => d.allocator().set_cap(cap));
+        Ok(0)
+    })
+}
+
+/// The budget contract of `device` in bytes, -1 when none is set, or -2 on error (with the
+/// last error set).
+#[no_mangle]
+pub extern "C" fn vram_ledger_cap(device: c_int) -> i64 {
+    guard(-2, || {
+        let cap = on_device!(state(device)?, d => d.allocator().cap());
+        Ok(cap.map_or(-1, |c| i64::try_from(c).unwrap_or(i64::MAX)))
+    })
+}
+
 #[no_mangle]
 pub extern "C" fn vram_ledger_reset_peaks(device: c_int) -> c_int {
     guard(-1, || {

@@ -234,6 +234,36 @@ fn abi_profiling_scope() {
 }
 
 #[test]
+fn abi_contract_cap() {
+    setup();
+    // Device 6: profiling arms the budget contract at the requested memory.
+    assert_eq!(vram_ledger_cap(6), -1, "{}", last_error());
+    assert_eq!(vram_ledger_profile_begin(6, 0.25, -1), 0, "{}", last_error());
+    let r = json(vram_ledger_profile_end(6));
+    let requested = r["requested"].as_u64().unwrap();
+    assert_eq!(vram_ledger_cap(6), requested as i64);
+    // Past it, allocation fails with the contract named, though the device has room.
+    let p = malloc(requested as isize, 6);
+    assert!(p.is_null());
+    assert!(last_error().contains("budget contract"), "{}", last_error());
+    // Lifted, the same request succeeds; set again explicitly, it holds.
+    assert_eq!(vram_ledger_set_cap(6, -1), 0);
+    assert_eq!(vram_ledger_cap(6), -1);
+    let p = malloc(requested as isize, 6);
+    assert!(!p.is_null(), "{}", last_error());
+    free(p, requested as isize, 6);
+    // The cap bounds growth; what is cached already may still serve.
+    assert_eq!(vram_ledger_empty_cache(6), 0);
+    assert_eq!(vram_ledger_set_cap(6, 1 << 30), 0);
+    assert_eq!(vram_ledger_cap(6), 1 << 30);
+    assert!(malloc(2 << 30, 6).is_null());
+    assert_eq!(vram_ledger_set_cap(6, -1), 0);
+    // A wrong device is an error, not "no cap".
+    assert_eq!(vram_ledger_cap(99), -2);
+    assert!(last_error().contains("no device"), "{}", last_error());
+}
+
+#[test]
 fn abi_and_the_rust_api_share_one_allocator_per_device() {
     setup();
     assert_eq!(vram_ledger::devices::count(), 8);

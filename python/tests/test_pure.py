@@ -229,12 +229,12 @@ def test_install_checks_cuda_before_configuring_anything():
         # A refused install leaves the default (native) mode: no mapping on device 0.
         p = lib.vram_ledger_malloc(1 << 20, 0, None)
         lib.vram_ledger_free(p, 1 << 20, 0, None)
-        seen["maps_after_refusal"] = vl.stats(0)["maps"]
+        seen["maps_after_refusal"] = vl.stats(0)["driver_calls"]["map"]
         # The same request once configured does map, so the check above can tell.
         assert lib.vram_ledger_configure(b"expandable") == 0
         p = lib.vram_ledger_malloc(1 << 20, 1, None)
         lib.vram_ledger_free(p, 1 << 20, 1, None)
-        seen["maps_when_configured"] = vl.stats(1)["maps"]
+        seen["maps_when_configured"] = vl.stats(1)["driver_calls"]["map"]
         print(json.dumps(seen))
         """
     )
@@ -251,3 +251,39 @@ def test_freeing_null_is_not_an_error_on_a_device():
         """
     )
     assert r == {"error": "", "devices": 2}
+
+
+def test_profile_arms_the_budget_contract_unless_told_not_to():
+    r = run_on_sim(
+        """
+        seen = {"before": vl.cap(0)}
+        with vl.profile(0.25, device=0) as p:
+            pass
+        seen["armed"] = vl.cap(0)
+        seen["requested"] = p.result["requested"]
+        with vl.profile(0.25, device=1, contract=False):
+            pass
+        seen["opted_out"] = vl.cap(1)
+        vl.set_cap(1 << 30, device=1)
+        seen["explicit"] = vl.cap(1)
+        vl.set_cap(None, device=1)
+        seen["lifted"] = vl.cap(1)
+        try:
+            vl.cap(7)
+        except vl.VramLedgerError as e:
+            seen["bad_device"] = str(e)
+        print(json.dumps(seen))
+        """
+    )
+    assert r["before"] is None
+    assert r["armed"] == r["requested"] > 0
+    assert r["opted_out"] is None
+    assert r["explicit"] == 1 << 30
+    assert r["lifted"] is None
+    assert "no device" in r["bad_device"]
+
+
+def test_set_cap_checks_its_argument():
+    for bad in (-1, 1.5, True, "1G"):
+        with pytest.raises(ValueError):
+            vl.set_cap(bad)

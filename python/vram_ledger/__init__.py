@@ -43,6 +43,8 @@ __all__ = [
     "empty_cache",
     "profile",
     "report",
+    "set_cap",
+    "cap",
 ]
 
 TAGS = ("weights", "activation", "kv_cache", "kv", "untracked")
@@ -97,6 +99,8 @@ def _lib() -> ctypes.CDLL:
                 ("vram_ledger_stats_json", [c_int], c_void_p),
                 ("vram_ledger_memory_stats_json", [c_int], c_void_p),
                 ("vram_ledger_reset_peaks", [c_int], c_int),
+                ("vram_ledger_set_cap", [c_int, ctypes.c_int64], c_int),
+                ("vram_ledger_cap", [c_int], ctypes.c_int64),
                 ("vram_ledger_empty_cache", [c_int], c_int),
                 ("vram_ledger_profile_begin", [c_int, ctypes.c_double, ctypes.c_int64], c_int),
                 ("vram_ledger_profile_end", [c_int], c_void_p),
@@ -277,10 +281,31 @@ class Profile:
         return int(self.result["kv_budget"])
 
 
+def set_cap(bytes: Optional[int], device: Optional[int] = None) -> None:
+    """Hold this process to `bytes` of device memory in all (the budget contract: the
+    allocator's bytes plus memory outside it, re-read before every growth), or lift the cap
+    with None. profile() sets it to the requested memory unless told not to."""
+    if bytes is not None and (isinstance(bytes, bool) or not isinstance(bytes, int) or bytes < 0):
+        raise ValueError(f"bytes must be a non-negative int or None, not {bytes!r}")
+    _check(_lib().vram_ledger_set_cap(_device(device), -1 if bytes is None else bytes))
+
+
+def cap(device: Optional[int] = None) -> Optional[int]:
+    """The budget contract in bytes, or None when none is set."""
+    c = int(_lib().vram_ledger_cap(_device(device)))
+    if c == -2:
+        raise VramLedgerError(_last_error())
+    return None if c < 0 else c
+
+
 @contextlib.contextmanager
-def profile(utilization: float, device: Optional[int] = None, margin_bytes: int = 0) -> Iterator[Profile]:
+def profile(
+    utilization: float, device: Optional[int] = None, margin_bytes: int = 0, contract: bool = True
+) -> Iterator[Profile]:
     """Profile the dummy pass run inside the block; the KV-cache budget is
-    ceil(total × utilization) − what this process needs besides the KV cache − margin."""
+    ceil(total × utilization) − what this process needs besides the KV cache − margin. With
+    `contract` (the default), the process is then held to the requested memory while it serves
+    (see set_cap)."""
     if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not (0.0 < utilization <= 1.0):
         raise ValueError(f"utilization must be a number in (0, 1], not {utilization!r}")
     if not isinstance(margin_bytes, int) or margin_bytes < 0:
@@ -301,6 +326,8 @@ def profile(utilization: float, device: Optional[int] = None, margin_bytes: int 
         _clean_up_after(body_error, "closing the profiling scope", lambda: _end_profile(d, p))
         raise
     _end_profile(d, p)
+    if not contract:
+        set_cap(None, d)
 
 
 def _end_profile(d: int, p: Profile) -> None:
