@@ -40,6 +40,8 @@ use crate::{Config, Limit, SegmentMode, Tag};
 
 thread_local! {
     static LAST_ERROR: RefCell<Cow<'static, CStr>> = const { RefCell::new(Cow::Borrowed(c"")) };
+    /// Whether this thread's last failed allocation failed for want of memory.
+    static LAST_WAS_OOM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static TAG_STACK: RefCell<Vec<Tag>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -157,10 +159,12 @@ pub unsafe extern "C" fn vram_ledger_malloc(
         let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
         let r =
             on_device!(state(device)?, d => d.allocator().allocate(size, StreamId(stream as u64)));
+        let oom = matches!(r, Err(crate::Error::OutOfMemory(_)));
+        let _ = LAST_WAS_OOM.try_with(|c| c.set(oom));
         match r {
             Ok(x) => Ok(x.ptr as *mut c_void),
             Err(e) => {
-                if matches!(e, crate::Error::OutOfMemory(_)) {
+                if oom {
                     eprintln!("vram-ledger: {e}");
                 }
                 tracing::error!(device, "allocation failed: {e}");
@@ -168,6 +172,35 @@ pub unsafe extern "C" fn vram_ledger_malloc(
             }
         }
     })
+}
+
+extern "C-unwind" {
+    /// Throws a C++ `std::runtime_error` (csrc/throw.cpp); never returns.
+    fn vram_ledger_throw(out_of_memory: c_int, why: *const c_char) -> !;
+}
+
+/// [`vram_ledger_malloc`] for PyTorch's pluggable allocator, which does not check for NULL:
+/// when there is nothing to return it throws a C++ exception instead, which PyTorch turns into
+/// a Python `RuntimeError` whose message starts with "CUDA out of memory." (out of memory) and
+/// carries the breakdown. The process keeps its CUDA context and can go on.
+///
+/// # Safety
+/// As for [`vram_ledger_malloc`]; and the caller is C++ that lets exceptions pass (PyTorch).
+#[no_mangle]
+pub unsafe extern "C-unwind" fn vram_ledger_malloc_or_throw(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    // SAFETY: this function's contract is vram_ledger_malloc's.
+    let p = unsafe { vram_ledger_malloc(size, device, stream) };
+    if p.is_null() && size > 0 {
+        let oom = LAST_WAS_OOM.try_with(|c| c.get()).unwrap_or(false);
+        // SAFETY: the message is NUL-terminated and lives until this thread's next failure;
+        // the exception unwinds through no Rust frame that holds anything to drop.
+        unsafe { vram_ledger_throw(c_int::from(oom), vram_ledger_last_error()) }
+    }
+    p
 }
 
 /// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`. `ptr` is looked up,

@@ -238,7 +238,12 @@ fn abi_contract_cap() {
     setup();
     // Device 6: profiling arms the budget contract at the requested memory.
     assert_eq!(vram_ledger_cap(6), -1, "{}", last_error());
-    assert_eq!(vram_ledger_profile_begin(6, 0.25, -1), 0, "{}", last_error());
+    assert_eq!(
+        vram_ledger_profile_begin(6, 0.25, -1),
+        0,
+        "{}",
+        last_error()
+    );
     let r = json(vram_ledger_profile_end(6));
     let requested = r["requested"].as_u64().unwrap();
     assert_eq!(vram_ledger_cap(6), requested as i64);

@@ -172,7 +172,9 @@ def install(mode: Optional[str] = None) -> Any:
     if mode is not None:
         _check(_lib().vram_ledger_configure(mode.encode()))
     lib = _lib()
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc", "vram_ledger_free")
+    # The throwing hook: PyTorch does not check for NULL, so out of memory is an exception
+    # ("CUDA out of memory. ..."), not a tensor at address 0.
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc_or_throw", "vram_ledger_free")
     raw = alloc.allocator()
     raw.set_init_fn(_address(lib.vram_ledger_init))
     raw.set_reset_fn(_address(lib.vram_ledger_reset))

@@ -19,6 +19,9 @@
 //!   took or gave back memory, so they always equal what the driver holds for us.
 //! - Memory is freed or unmapped only after the streams that used it are synchronised
 //!   (events waited for; the owning stream synchronised before an unmap).
+//! - Nothing touches a stream that is capturing a graph: its segments are neither released
+//!   nor unmapped, its events neither queried nor waited for, and growth on it moves no
+//!   memory (it maps new memory instead); all of that catches up once the capture is over.
 
 mod check;
 mod plain;
@@ -190,7 +193,9 @@ pub(crate) struct Shard {
     /// Free lists per stream; almost always one entry, so found by a linear search.
     index: Vec<StreamPools>,
     live: HashMap<DevicePtr, BlockId, BuildHasherDefault<PtrHasher>>,
-    pub(crate) pending: Vec<(EventId, BlockId)>,
+    /// Events other streams must reach before a freed block is reused: (event, block, the
+    /// stream the event is on).
+    pub(crate) pending: Vec<(EventId, BlockId, StreamId)>,
     /// The virtual segment of each (stream, pool) in this shard.
     reservations: Vec<(StreamId, PoolKind, u32)>,
     /// Remap mode: physical pieces held but not mapped.
@@ -425,7 +430,8 @@ impl Shard {
         core.ledger
             .shard(self.id)
             .on_free(b.tag, b.size, b.requested, true);
-        self.pending.extend(events.into_iter().map(|e| (e, id)));
+        self.pending
+            .extend(events.into_iter().zip(streams).map(|(e, s)| (e, id, s)));
         Ok(())
     }
 
@@ -444,8 +450,11 @@ impl Shard {
     pub(crate) fn process_pending<D: Driver>(&mut self, core: &Core<D>, wait: bool) -> Result<()> {
         let mut i = 0;
         while i < self.pending.len() {
-            let (event, id) = self.pending[i];
-            let done = if wait {
+            let (event, id, stream) = self.pending[i];
+            // Querying or waiting for an event of a capturing stream would spoil its capture.
+            let done = if core.driver.is_capturing(stream) {
+                false
+            } else if wait {
                 core.driver.wait_event(event)?;
                 true
             } else {
@@ -483,7 +492,11 @@ impl Shard {
             first_err.get_or_insert(e);
         }
         for seg in self.segments.ids() {
-            let r = if self.segments.get(seg).is_virtual() {
+            let s = self.segments.get(seg);
+            if core.driver.is_capturing(s.stream) {
+                continue;
+            }
+            let r = if s.is_virtual() {
                 self.shrink_virtual(core, seg)
             } else {
                 self.free_plain(core, seg)

@@ -108,6 +108,8 @@ impl Shard {
         // driver; remap: their pieces become spare, to be mapped here). A failure here only
         // means that less is moved.
         let want = match core.mode {
+            // A capture records the addresses it uses: grow, move nothing, while it runs.
+            _ if core.driver.is_capturing(stream) => 0,
             SegmentMode::Remap => {
                 let g = core.granularity;
                 (rounded.div_ceil(g) * g).saturating_sub(self.spare_bytes())
@@ -275,7 +277,7 @@ impl Shard {
             }
             id = b.next;
         }
-        if runs.is_empty() {
+        if runs.is_empty() || core.driver.is_capturing(s.stream) {
             return Ok(0);
         }
         core.driver.sync_stream(s.stream)?;

@@ -12,6 +12,9 @@
 //! - Every call is counted by kind before any fault or validation is applied, so tests can
 //!   assert how many driver calls a policy makes and target the Nth call with a fault.
 //!
+//! - A stream capturing a graph refuses synchronisation and queries of its events, and the
+//!   capture is then invalid, as in CUDA.
+//!
 //! Several [`SimDriver`]s can share one [`SimDevice`]: each is a process with its own PID,
 //! context overhead and per-process usage, which is how profiling tests model engines
 //! sharing one GPU.
@@ -90,6 +93,10 @@ impl Process {
 struct StreamState {
     submitted: u64,
     completed: u64,
+    /// Capturing a graph: synchronising the stream or querying an event of it would
+    /// invalidate the capture, as in CUDA.
+    capturing: bool,
+    invalidated: bool,
 }
 
 struct DeviceState {
@@ -210,6 +217,42 @@ impl SimDevice {
         for s in self.state.lock().streams.values_mut() {
             s.completed = s.submitted;
         }
+    }
+
+    /// Start capturing a graph on `stream`.
+    pub fn begin_capture(&self, stream: StreamId) {
+        let mut st = self.state.lock();
+        let s = st.streams.entry(stream).or_default();
+        s.capturing = true;
+        s.invalidated = false;
+    }
+
+    /// End the capture on `stream`: whether it stayed valid (nothing synchronised the stream
+    /// or queried or waited for an event recorded on it meanwhile).
+    pub fn end_capture(&self, stream: StreamId) -> bool {
+        let mut st = self.state.lock();
+        let s = st.streams.entry(stream).or_default();
+        s.capturing = false;
+        !s.invalidated
+    }
+}
+
+impl DeviceState {
+    /// Refuse `call` on a capturing `stream`, and spoil the capture, as CUDA does.
+    fn not_while_capturing(&mut self, stream: StreamId, call: DriverCall) -> DriverResult<()> {
+        let s = self.streams.entry(stream).or_default();
+        if s.capturing {
+            s.invalidated = true;
+            return Err(DriverError::new(
+                call,
+                DriverErrorKind::Other(900),
+                format!(
+                    "operation not permitted when stream {:#x} is capturing",
+                    stream.0
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -611,11 +654,12 @@ impl Driver for SimDriver {
     fn query_event(&self, event: EventId) -> DriverResult<bool> {
         const CALL: DriverCall = DriverCall::QueryEvent;
         self.count(CALL)?;
-        let st = self.device.state.lock();
+        let mut st = self.device.state.lock();
         let (stream, target) = *st
             .events
             .get(&event.0)
             .ok_or_else(|| Self::invalid(CALL, "unknown event"))?;
+        st.not_while_capturing(stream, CALL)?;
         Ok(st.streams.get(&stream).map_or(0, |s| s.completed) >= target)
     }
 
@@ -627,6 +671,7 @@ impl Driver for SimDriver {
             .events
             .get(&event.0)
             .ok_or_else(|| Self::invalid(CALL, "unknown event"))?;
+        st.not_while_capturing(stream, CALL)?;
         // Blocking until the event completes is, on a simulated device, completing it.
         let s = st.streams.entry(stream).or_default();
         s.completed = s.completed.max(target);
@@ -646,8 +691,14 @@ impl Driver for SimDriver {
     fn sync_stream(&self, stream: StreamId) -> DriverResult<()> {
         self.count(DriverCall::SyncStream)?;
         let mut st = self.device.state.lock();
+        st.not_while_capturing(stream, DriverCall::SyncStream)?;
         let s = st.streams.entry(stream).or_default();
         s.completed = s.submitted;
         Ok(())
+    }
+
+    fn is_capturing(&self, stream: StreamId) -> bool {
+        let st = self.device.state.lock();
+        st.streams.get(&stream).is_some_and(|s| s.capturing)
     }
 }

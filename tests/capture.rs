@@ -1,0 +1,110 @@
+//! CUDA-graph capture on the simulated device, in every segment mode: while a stream
+//! captures, the allocator never synchronises it, never queries or waits for an event recorded
+//! on it, and never unmaps or releases its memory; the capture stays valid through growth,
+//! frees, other streams' allocations and an out-of-memory retry, and everything catches up
+//! once it is over. The simulated device spoils a capture the way CUDA does, so each of those
+//! would show.
+
+use vram_ledger::driver::sim::SimDriver;
+use vram_ledger::units::MIB;
+use vram_ledger::{invariants, Allocator, Config, Error, Limit, SegmentMode, StreamId, Tag};
+
+const CAPTURE: StreamId = StreamId(0x100);
+const EAGER: StreamId = StreamId(0x200);
+
+fn check(a: &Allocator<SimDriver>) {
+    let mut d = a.dump();
+    d.driver_held = Some(a.driver().held_bytes());
+    invariants::check(&d).unwrap();
+}
+
+#[test]
+fn capture_stays_valid_in_every_mode() {
+    for mode in SegmentMode::ALL {
+        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let dev = a.driver().device().clone();
+        // Cached memory on both streams before the capture: free memory that compact and remap
+        // would otherwise move, and segments that empty_cache would otherwise release.
+        for (stream, sizes) in [
+            (CAPTURE, [3 * MIB, 40 * MIB, 700]),
+            (EAGER, [5 * MIB, 64 * MIB, 900]),
+        ] {
+            let xs: Vec<_> = sizes
+                .iter()
+                .map(|&n| a.allocate_tagged(n, stream, Tag::Activation).unwrap())
+                .collect();
+            for x in xs {
+                a.free(x.ptr).unwrap();
+            }
+        }
+        // An eager block used on the capture stream, freed before the capture: its event is on
+        // the capture stream, so polling it during the capture would spoil it.
+        let shared = a.allocate_tagged(8 * MIB, EAGER, Tag::Activation).unwrap();
+        a.record_stream(shared.ptr, CAPTURE).unwrap();
+        dev.submit(CAPTURE);
+        a.free(shared.ptr).unwrap();
+
+        dev.begin_capture(CAPTURE);
+        let mut graph = Vec::new();
+        for n in [100 * MIB, 2 * MIB, 30 * MIB, 512, 150 * MIB] {
+            graph.push(a.allocate_tagged(n, CAPTURE, Tag::Activation).unwrap());
+        }
+        // Freed inside the capture and allocated again: growth and reuse on the capturing
+        // stream, while the eager stream allocates (and polls its pending events).
+        a.free(graph.remove(0).ptr).unwrap();
+        graph.push(
+            a.allocate_tagged(120 * MIB, CAPTURE, Tag::Activation)
+                .unwrap(),
+        );
+        let e = a.allocate_tagged(6 * MIB, EAGER, Tag::Activation).unwrap();
+        a.free(e.ptr).unwrap();
+        // Out of memory inside the capture: the retry releases the cache, but not the capture's.
+        a.set_limit(Some(Limit::Bytes(
+            a.snapshot().reserved_bytes.current + 4 * MIB,
+        )))
+        .unwrap();
+        let err = a
+            .allocate_tagged(256 * MIB, CAPTURE, Tag::Activation)
+            .unwrap_err();
+        assert!(matches!(err, Error::OutOfMemory(_)), "{mode}: {err}");
+        a.set_limit(None).unwrap();
+        assert!(
+            dev.end_capture(CAPTURE),
+            "{mode}: the allocator spoiled the capture"
+        );
+        check(&a);
+
+        // After the capture everything is released as usual.
+        for x in graph {
+            a.free(x.ptr).unwrap();
+        }
+        dev.complete_all();
+        a.empty_cache().unwrap();
+        assert_eq!(a.driver().held_bytes(), 0, "{mode}");
+        check(&a);
+    }
+}
+
+#[test]
+fn capture_is_spoiled_by_a_synchronise_in_the_simulator() {
+    // The simulator's side of the test above: a synchronise or an event query on a capturing
+    // stream spoils the capture and fails.
+    use vram_ledger::driver::Driver;
+    let d = SimDriver::new();
+    let dev = d.device().clone();
+    dev.begin_capture(CAPTURE);
+    assert!(d.is_capturing(CAPTURE));
+    assert!(!d.is_capturing(EAGER));
+    d.sync_stream(EAGER).unwrap();
+    let ev = d.record_event(CAPTURE).unwrap();
+    assert!(d.query_event(ev).is_err());
+    assert!(!dev.end_capture(CAPTURE));
+    dev.begin_capture(CAPTURE);
+    assert!(d.sync_stream(CAPTURE).is_err());
+    assert!(!dev.end_capture(CAPTURE));
+    dev.begin_capture(CAPTURE);
+    assert!(
+        dev.end_capture(CAPTURE),
+        "a capture nothing touched stays valid"
+    );
+}
