@@ -156,11 +156,14 @@ pub unsafe extern "C" fn vram_ledger_malloc(
     stream: *mut c_void,
 ) -> *mut c_void {
     guard(std::ptr::null_mut(), || {
+        let _ = LAST_WAS_OOM.try_with(|c| c.set(false));
         let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
         let r =
             on_device!(state(device)?, d => d.allocator().allocate(size, StreamId(stream as u64)));
         let oom = matches!(r, Err(crate::Error::OutOfMemory(_)));
-        let _ = LAST_WAS_OOM.try_with(|c| c.set(oom));
+        if oom {
+            let _ = LAST_WAS_OOM.try_with(|c| c.set(true));
+        }
         match r {
             Ok(x) => Ok(x.ptr as *mut c_void),
             Err(e) => {
