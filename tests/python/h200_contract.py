@@ -1,0 +1,204 @@
+"""The budget contract and CUDA graphs under install(), on a real GPU, one process per case
+(installing the allocator is permanent for a process). Prints one JSON object per case.
+
+    python3 tests/python/h200_contract.py [capture|oom|serve ...]
+
+- capture: every segment mode; a transformers Llama's forward is captured into a CUDA graph
+  and replayed with new inputs while eager tensors are alive; outputs compared with eager.
+- oom: out of memory under install() is an exception whose message starts with "CUDA out of
+  memory.", and the process goes on (a smaller allocation, a kernel).
+- serve: every segment mode; profile a dummy forward at the largest shape with the decode
+  graph captured inside the profile block, allocate the KV budget, then serve other shapes
+  (never more tokens) and replay the graph, while a thread polls this process's NVML usage
+  every 2 ms; peak usage against the requested memory.
+"""
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+MODES = ["native", "expandable", "compact", "remap"]
+
+
+def emit(**kv):
+    print("RESULT " + json.dumps(kv), flush=True)
+
+
+def model(layers=8, hidden=2048):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
+                      max_position_embeddings=2048)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+class NvmlUsage:
+    """This process's used GPU memory from NVML, read through ctypes (not through the library
+    under test)."""
+
+    class Proc(ctypes.Structure):
+        _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
+                    ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
+
+    def __init__(self):
+        self.nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        assert self.nvml.nvmlInit_v2() == 0
+        self.dev = ctypes.c_void_p()
+        assert self.nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.dev)) == 0
+        self.pid = os.getpid()
+
+    def read(self):
+        n = ctypes.c_uint(64)
+        procs = (self.Proc * 64)()
+        rc = self.nvml.nvmlDeviceGetComputeRunningProcesses_v3(self.dev, ctypes.byref(n), procs)
+        if rc != 0:
+            return None
+        for i in range(n.value):
+            if procs[i].pid == self.pid:
+                return int(procs[i].usedGpuMemory)
+        return None
+
+
+class Poller(threading.Thread):
+    def __init__(self, period=0.002):
+        super().__init__(daemon=True)
+        self.usage, self.period, self.peak, self.samples, self.stop = NvmlUsage(), period, 0, 0, False
+
+    def run(self):
+        while not self.stop:
+            u = self.usage.read()
+            if u is not None:
+                self.peak = max(self.peak, u)
+                self.samples += 1
+            time.sleep(self.period)
+
+
+def case_capture(mode):
+    import vram_ledger as vl
+
+    vl.install(mode=mode)
+    import torch
+
+    with torch.no_grad():
+        m = model(layers=4)
+        ids = torch.randint(0, 32000, (4, 64), device="cuda")
+        eager_keep = m(ids).logits  # eager tensors alive across the capture and replay
+        static = torch.randint(0, 32000, (4, 64), device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                m(static)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = m(static).logits
+        diffs = []
+        for _ in range(3):
+            new = torch.randint(0, 32000, (4, 64), device="cuda")
+            static.copy_(new)
+            g.replay()
+            ref = m(new).logits
+            torch.cuda.synchronize()
+            diffs.append(float((out.float() - ref.float()).abs().max()))
+        emit(case="capture", mode=mode, max_abs_diff=max(diffs), equal=max(diffs) == 0.0,
+             eager_alive=bool(torch.isfinite(eager_keep).all()))
+
+
+def case_oom():
+    import vram_ledger as vl
+
+    vl.install()
+    import torch
+
+    try:
+        torch.empty(1 << 40, dtype=torch.uint8, device="cuda")
+        emit(case="oom", raised=False)
+        return
+    except Exception as e:  # noqa: BLE001 - the type is part of what is measured
+        kind, msg = type(e).__name__, str(e)
+    x = torch.ones(1 << 20, device="cuda")
+    after = float(x.sum().item())
+    emit(case="oom", raised=True, type=kind, starts_with_cuda_oom=msg.startswith("CUDA out of memory."),
+         has_breakdown="Allocated by tag" in msg, message=msg[:300], kernel_after=after == float(1 << 20))
+
+
+def case_serve(mode, utilization=0.2):
+    import vram_ledger as vl
+
+    vl.install(mode=mode)
+    import torch
+
+    torch.randn(64, 64, device="cuda").matmul(torch.randn(64, 64, device="cuda"))
+    with torch.no_grad():
+        with vl.tag("weights"):
+            m = model()
+        big = torch.randint(0, 32000, (8, 512), device="cuda")
+        dec = torch.randint(0, 32000, (8, 1), device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with vl.profile(utilization) as p:
+            with vl.tag("activation"):
+                m(big)
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(2):
+                        m(dec)
+                torch.cuda.current_stream().wait_stream(s)
+                with torch.cuda.graph(g):
+                    dec_out = m(dec).logits
+        requested = p.result["requested"]
+        with vl.tag("kv"):
+            kv = torch.empty(p.kv_budget, dtype=torch.uint8, device="cuda")
+        poll = Poller()
+        poll.start()
+        failures = 0
+        for shape in [(4, 256), (2, 512), (8, 384), (1, 512), (8, 512), (6, 300), (3, 100)]:
+            ids = torch.randint(0, 32000, shape, device="cuda")
+            try:
+                with vl.tag("activation"):
+                    m(ids).logits.float().sum().item()
+            except RuntimeError as e:
+                failures += 1
+                last = str(e)[:200]
+            g.replay()
+            torch.cuda.synchronize()
+        time.sleep(0.05)
+        poll.stop = True
+        poll.join()
+        emit(case="serve", mode=mode, requested=requested, kv_budget=p.kv_budget, peak_usage=poll.peak,
+             peak_over_requested=poll.peak / requested, within=poll.peak <= requested, samples=poll.samples,
+             failures=failures, device_wide_kv_budget=p.result.get("device_wide_kv_budget"),
+             cap=vl.cap(), kv=int(kv.numel()), report=p.report, last_failure=locals().get("last"))
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "_case":
+        name, args = sys.argv[2], sys.argv[3:]
+        return {"capture": case_capture, "oom": case_oom, "serve": case_serve}[name](*args)
+    cases = sys.argv[1:] or ["capture", "oom", "serve"]
+    runs = []
+    for c in cases:
+        runs += [(c, [m]) for m in MODES] if c in ("capture", "serve") else [(c, [])]
+    failed = 0
+    for name, args in runs:
+        r = subprocess.run([sys.executable, __file__, "_case", name, *args], capture_output=True, text=True, timeout=300)
+        lines = [l[7:] for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+        if r.returncode != 0 or not lines:
+            failed += 1
+            print(json.dumps({"case": name, "args": args, "failed": True, "returncode": r.returncode,
+                              "stderr": r.stderr[-1500:]}), flush=True)
+        for l in lines:
+            print(l, flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
