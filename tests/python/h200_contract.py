@@ -83,7 +83,8 @@ class Poller(threading.Thread):
 def case_capture(mode):
     import vram_ledger as vl
 
-    vl.install(mode=mode)
+    if mode != "torch":  # "torch": PyTorch's own allocator, for the same comparison
+        vl.install(mode=mode)
     import torch
 
     with torch.no_grad():
@@ -130,7 +131,8 @@ def case_oom():
          has_breakdown="Allocated by tag" in msg, message=msg[:300], kernel_after=after == float(1 << 20))
 
 
-def case_serve(mode, utilization=0.2):
+def case_serve(mode, utilization="0.2"):
+    utilization = float(utilization)
     import vram_ledger as vl
 
     vl.install(mode=mode)
@@ -164,7 +166,8 @@ def case_serve(mode, utilization=0.2):
             ids = torch.randint(0, 32000, shape, device="cuda")
             try:
                 with vl.tag("activation"):
-                    m(ids).logits.float().sum().item()
+                    # The same work as the profiled pass, at another shape.
+                    m(ids).logits[:, -1].float().sum().item()
             except RuntimeError as e:
                 failures += 1
                 last = str(e)[:200]
@@ -173,30 +176,78 @@ def case_serve(mode, utilization=0.2):
         time.sleep(0.05)
         poll.stop = True
         poll.join()
-        emit(case="serve", mode=mode, requested=requested, kv_budget=p.kv_budget, peak_usage=poll.peak,
+        emit(case="serve", mode=mode, utilization=utilization, requested=requested, kv_budget=p.kv_budget, peak_usage=poll.peak,
              peak_over_requested=poll.peak / requested, within=poll.peak <= requested, samples=poll.samples,
              failures=failures, device_wide_kv_budget=p.result.get("device_wide_kv_budget"),
              cap=vl.cap(), kv=int(kv.numel()), report=p.report, last_failure=locals().get("last"))
+
+
+def tenant(kind):
+    """Another process on the GPU, without vram-ledger: `hold` keeps 70% of the device; `churn`
+    allocates and frees 10 GiB every 30 ms."""
+    import torch
+
+    if kind == "hold":
+        x = torch.empty(int(torch.cuda.get_device_properties(0).total_memory * 0.7), dtype=torch.uint8, device="cuda")
+        x.fill_(1)
+        print("READY", flush=True)
+        time.sleep(600)
+    else:
+        print("READY", flush=True)
+        while True:
+            x = torch.empty(10 << 30, dtype=torch.uint8, device="cuda")
+            x.fill_(1)
+            torch.cuda.synchronize()
+            del x
+            torch.cuda.empty_cache()
+            time.sleep(0.03)
+
+
+def run(name, args, together=1):
+    procs = [subprocess.Popen([sys.executable, __file__, "_case", name, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(together)]
+    failed = 0
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        lines = [l[7:] for l in out.splitlines() if l.startswith("RESULT ")]
+        if p.returncode != 0 or not lines:
+            failed += 1
+            print(json.dumps({"case": name, "args": args, "failed": True, "returncode": p.returncode,
+                              "stderr": err[-1500:]}), flush=True)
+        for l in lines:
+            r = json.loads(l)
+            r["together"] = together
+            print(json.dumps(r), flush=True)
+    return failed
 
 
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "_case":
         name, args = sys.argv[2], sys.argv[3:]
         return {"capture": case_capture, "oom": case_oom, "serve": case_serve}[name](*args)
+    if len(sys.argv) > 2 and sys.argv[1] == "_tenant":
+        return tenant(sys.argv[2])
     cases = sys.argv[1:] or ["capture", "oom", "serve"]
-    runs = []
-    for c in cases:
-        runs += [(c, [m]) for m in MODES] if c in ("capture", "serve") else [(c, [])]
     failed = 0
-    for name, args in runs:
-        r = subprocess.run([sys.executable, __file__, "_case", name, *args], capture_output=True, text=True, timeout=300)
-        lines = [l[7:] for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-        if r.returncode != 0 or not lines:
-            failed += 1
-            print(json.dumps({"case": name, "args": args, "failed": True, "returncode": r.returncode,
-                              "stderr": r.stderr[-1500:]}), flush=True)
-        for l in lines:
-            print(l, flush=True)
+    for c in cases:
+        if c == "capture":
+            for m in ["torch"] + MODES:
+                failed += run(c, [m])
+        elif c == "oom":
+            failed += run(c, [])
+        elif c == "serve":
+            for m in MODES:
+                failed += run(c, [m])
+        elif c in ("serve_hold", "serve_churn"):
+            t = subprocess.Popen([sys.executable, __file__, "_tenant", c.split("_")[1]], stdout=subprocess.PIPE, text=True)
+            assert t.stdout.readline().strip() == "READY"
+            for m in MODES:
+                failed += run("serve", [m], together=1)
+            t.kill()
+            t.wait()
+        elif c == "serve_together":
+            for m in MODES:
+                failed += run("serve", [m, "0.25"], together=3)
     sys.exit(1 if failed else 0)
 
 
