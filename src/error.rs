@@ -36,6 +36,9 @@ pub struct OomReport {
     pub cause: OomCause,
 }
 
+/// How every out-of-memory message begins.
+pub const OUT_OF_MEMORY: &str = "out of device memory.";
+
 /// Why the allocator could not get more memory for a request.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum OomCause {
@@ -72,7 +75,7 @@ impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "out of device memory. Tried to allocate {} (needing {} more from the driver). \
+            "{OUT_OF_MEMORY} Tried to allocate {} (needing {} more from the driver). \
              The device has a total capacity of {} of which {} is free.",
             Bytes(self.requested),
             Bytes(self.needed),

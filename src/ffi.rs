@@ -40,8 +40,6 @@ use crate::{Config, Limit, SegmentMode, Tag};
 
 thread_local! {
     static LAST_ERROR: RefCell<Cow<'static, CStr>> = const { RefCell::new(Cow::Borrowed(c"")) };
-    /// Whether this thread's last failed allocation failed for want of memory.
-    static LAST_WAS_OOM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static TAG_STACK: RefCell<Vec<Tag>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -156,18 +154,13 @@ pub unsafe extern "C" fn vram_ledger_malloc(
     stream: *mut c_void,
 ) -> *mut c_void {
     guard(std::ptr::null_mut(), || {
-        let _ = LAST_WAS_OOM.try_with(|c| c.set(false));
         let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
         let r =
             on_device!(state(device)?, d => d.allocator().allocate(size, StreamId(stream as u64)));
-        let oom = matches!(r, Err(crate::Error::OutOfMemory(_)));
-        if oom {
-            let _ = LAST_WAS_OOM.try_with(|c| c.set(true));
-        }
         match r {
             Ok(x) => Ok(x.ptr as *mut c_void),
             Err(e) => {
-                if oom {
+                if matches!(e, crate::Error::OutOfMemory(_)) {
                     eprintln!("vram-ledger: {e}");
                 }
                 tracing::error!(device, "allocation failed: {e}");
@@ -198,10 +191,15 @@ pub unsafe extern "C-unwind" fn vram_ledger_malloc_or_throw(
     // SAFETY: this function's contract is vram_ledger_malloc's.
     let p = unsafe { vram_ledger_malloc(size, device, stream) };
     if p.is_null() && size > 0 {
-        let oom = LAST_WAS_OOM.try_with(|c| c.get()).unwrap_or(false);
-        // SAFETY: the message is NUL-terminated and lives until this thread's next failure;
-        // the exception unwinds through no Rust frame that holds anything to drop.
-        unsafe { vram_ledger_throw(c_int::from(oom), vram_ledger_last_error()) }
+        let why = vram_ledger_last_error();
+        // SAFETY: the last error is NUL-terminated and lives until this thread's next failure.
+        // Out-of-memory messages have their own beginning, so the success path keeps no flag.
+        let oom = unsafe { CStr::from_ptr(why) }
+            .to_bytes()
+            .starts_with(crate::error::OUT_OF_MEMORY.as_bytes());
+        // SAFETY: as above; the exception unwinds through no Rust frame that holds anything
+        // to drop.
+        unsafe { vram_ledger_throw(c_int::from(oom), why) }
     }
     p
 }
