@@ -210,6 +210,9 @@ pub struct Ledger {
     pub(crate) ooms: AtomicU64,
     /// Driver failures absorbed while moving free memory before growing (compact, remap).
     pub(crate) move_failures: AtomicU64,
+    /// Reads of this process's usage (for the budget contract) that failed, so that growth went
+    /// on with the figure measured at profiling.
+    pub(crate) usage_read_failures: AtomicU64,
 }
 
 impl Default for Ledger {
@@ -229,6 +232,7 @@ impl Ledger {
             retries: AtomicU64::new(0),
             ooms: AtomicU64::new(0),
             move_failures: AtomicU64::new(0),
+            usage_read_failures: AtomicU64::new(0),
         }
     }
 
@@ -315,6 +319,7 @@ impl Ledger {
             alloc_retries: self.retries.load(Relaxed),
             ooms: self.ooms.load(Relaxed),
             move_failures: self.move_failures.load(Relaxed),
+            usage_read_failures: self.usage_read_failures.load(Relaxed),
         }
     }
 }
@@ -399,6 +404,9 @@ pub struct Snapshot {
     /// Driver failures absorbed while moving free memory before growing (the allocation then
     /// took new memory instead).
     pub move_failures: u64,
+    /// Failed reads of this process's usage before a growth under the budget contract (the
+    /// growth then assumed the memory outside the allocator measured at profiling).
+    pub usage_read_failures: u64,
 }
 
 /// What changed between two snapshots (later − earlier) in the current values and totals.

@@ -196,12 +196,14 @@ fn exhaustive(mode: SegmentMode) {
             let mut live = Vec::new();
             let failures = scenario(&a, &mut live);
             // Absorbed by design: a failed poll means "not yet"; a failed move before growing
-            // means new memory is taken instead, and is counted.
+            // means new memory is taken instead; a failed usage read under the budget contract
+            // means the figure measured at profiling stands in. The last two are counted.
             let polled = matches!(call, DriverCall::QueryEvent | DriverCall::DestroyEvent);
-            let moved = a.snapshot().move_failures > 0;
+            let snap = a.snapshot();
+            let absorbed = snap.move_failures > 0 || snap.usage_read_failures > 0;
             if !polled {
                 assert!(
-                    failures > 0 || moved,
+                    failures > 0 || absorbed,
                     "{mode:?}: failing {call} call #{at} went unreported"
                 );
             }

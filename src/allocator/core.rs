@@ -114,7 +114,8 @@ impl<D: Driver> Core<D> {
             Ok(Some(usage)) => usage.saturating_sub(self.ledger.reserved()),
             Ok(None) => self.outside_floor.load(Relaxed),
             Err(e) => {
-                tracing::debug!(error = %e, "could not read this process's usage; assuming the last figure");
+                self.ledger.usage_read_failures.fetch_add(1, Relaxed);
+                tracing::warn!(error = %e, "could not read this process's usage; assuming the figure measured at profiling");
                 self.outside_floor.load(Relaxed)
             }
         }

@@ -1,4 +1,4 @@
-//! The shard lock: one atomic swap to take, one plain release store to give back.
+//! The shard lock: one compare-exchange to take, one plain release store to give back.
 //!
 //! Why not a parking mutex: its unlock must be a compare-and-swap to learn whether a thread
 //! sleeps on it, and a locked instruction costs as much as a third of a cached allocation.
@@ -6,11 +6,11 @@
 //! core (threads may outnumber cores) instead of sleeping.
 //!
 //! Invariant: `data` is only reached through a guard, and at most one guard exists at a time
-//! (the swap from FREE to LOCKED is the only way to make one).
+//! (the exchange from FREE to LOCKED is the only way to make one).
 //!
 //! Poisoning: a guard dropped while its thread panics leaves the lock POISONED instead of
 //! FREE, and every later `lock` refuses, since the data may be half-updated. The lock word has
-//! three states, so the swap that takes the lock also reports the poison: the uncontended
+//! three states, so the exchange that takes the lock also reports the poison: the uncontended
 //! path costs what it did, plus `thread::panicking` on release (a load of a global that only
 //! changes while some thread panics).
 
@@ -51,13 +51,17 @@ impl<T> SpinLock<T> {
     /// Take the lock; refused once a panic poisoned it.
     #[inline]
     pub(crate) fn lock(&self) -> Result<SpinGuard<'_, T>, Poisoned> {
-        match self.state.swap(LOCKED, Ordering::Acquire) {
-            FREE => Ok(SpinGuard { lock: self }),
-            _ => self.lock_slow(),
+        // A compare-exchange, not a swap: a swap would write LOCKED over POISONED.
+        match self
+            .state
+            .compare_exchange(FREE, LOCKED, Ordering::Acquire, Ordering::Relaxed)
+        {
+            Ok(_) => Ok(SpinGuard { lock: self }),
+            Err(_) => self.lock_slow(),
         }
     }
 
-    /// Held by another thread (wait), or poisoned (put the poison back and refuse).
+    /// Held by another thread (wait), or poisoned (refuse, leaving the poison in place).
     #[cold]
     fn lock_slow(&self) -> Result<SpinGuard<'_, T>, Poisoned> {
         let mut spins = 0u32;
@@ -76,13 +80,13 @@ impl<T> SpinLock<T> {
             if now == POISONED {
                 return Err(Poisoned);
             }
-            match self.state.swap(LOCKED, Ordering::Acquire) {
-                FREE => return Ok(SpinGuard { lock: self }),
-                POISONED => {
-                    self.state.store(POISONED, Ordering::Release);
-                    return Err(Poisoned);
-                }
-                _ => {}
+            match self
+                .state
+                .compare_exchange(FREE, LOCKED, Ordering::Acquire, Ordering::Relaxed)
+            {
+                Ok(_) => return Ok(SpinGuard { lock: self }),
+                Err(POISONED) => return Err(Poisoned),
+                Err(_) => {}
             }
         }
     }
