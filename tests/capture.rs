@@ -1,9 +1,9 @@
-//! CUDA-graph capture on the simulated device, in every segment mode: while a stream
-//! captures, the allocator never synchronises it, never queries or waits for an event recorded
-//! on it, and never unmaps or releases its memory; the capture stays valid through growth,
-//! frees, other streams' allocations and an out-of-memory retry, and everything catches up
-//! once it is over. The simulated device spoils a capture the way CUDA does, so each of those
-//! would show.
+//! CUDA-graph capture on the simulated device, in every segment mode: allocations on a
+//! capturing stream move no memory and poll no events, and their out-of-memory retry releases
+//! no cache, so the capture stays valid through growth, frees, another stream's allocations
+//! and an out-of-memory retry; everything catches up once it is over. The simulated device
+//! spoils a capture the way CUDA does (a synchronise of the capturing stream, a query of an
+//! event recorded into the capture), so a slip would show.
 
 use vram_ledger::driver::sim::SimDriver;
 use vram_ledger::units::MIB;

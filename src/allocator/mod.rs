@@ -250,8 +250,12 @@ impl<D: Driver> Allocator<D> {
     ) -> Result<Allocation> {
         self.core.ledger.retries.fetch_add(1, Relaxed);
         tracing::debug!(size, cause = %first, "allocation missed the cache and the driver; releasing the cache and retrying");
-        if let Err(e) = self.empty_cache() {
-            tracing::warn!(error = %e, "releasing the cache before a retry failed");
+        // Releasing the cache waits for events and unmaps: not while this stream captures a
+        // graph (that would spoil the capture). The retry then sees what the others freed.
+        if !self.core.driver.is_capturing(stream) {
+            if let Err(e) = self.empty_cache() {
+                tracing::warn!(error = %e, "releasing the cache before a retry failed");
+            }
         }
         let mut sh = self.lock(self.streams.shard(stream))?;
         if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {

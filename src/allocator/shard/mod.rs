@@ -19,9 +19,10 @@
 //!   took or gave back memory, so they always equal what the driver holds for us.
 //! - Memory is freed or unmapped only after the streams that used it are synchronised
 //!   (events waited for; the owning stream synchronised before an unmap).
-//! - Nothing touches a stream that is capturing a graph: its segments are neither released
-//!   nor unmapped, its events neither queried nor waited for, and growth on it moves no
-//!   memory (it maps new memory instead); all of that catches up once the capture is over.
+//! - An allocation on a stream that is capturing a graph neither polls events nor moves
+//!   memory (growth maps new memory instead), and its out-of-memory retry releases no cache:
+//!   nothing it does synchronises, queries or unmaps. Only the calling stream is asked whether
+//!   it captures: it is alive, where a segment's stream may have been destroyed since.
 
 mod check;
 mod plain;
@@ -450,11 +451,8 @@ impl Shard {
     pub(crate) fn process_pending<D: Driver>(&mut self, core: &Core<D>, wait: bool) -> Result<()> {
         let mut i = 0;
         while i < self.pending.len() {
-            let (event, id, stream) = self.pending[i];
-            // Querying or waiting for an event of a capturing stream would spoil its capture.
-            let done = if core.driver.is_capturing(stream) {
-                false
-            } else if wait {
+            let (event, id, _) = self.pending[i];
+            let done = if wait {
                 core.driver.wait_event(event)?;
                 true
             } else {
@@ -492,11 +490,7 @@ impl Shard {
             first_err.get_or_insert(e);
         }
         for seg in self.segments.ids() {
-            let s = self.segments.get(seg);
-            if core.driver.is_capturing(s.stream) {
-                continue;
-            }
-            let r = if s.is_virtual() {
+            let r = if self.segments.get(seg).is_virtual() {
                 self.shrink_virtual(core, seg)
             } else {
                 self.free_plain(core, seg)

@@ -12,8 +12,8 @@
 //! - Every call is counted by kind before any fault or validation is applied, so tests can
 //!   assert how many driver calls a policy makes and target the Nth call with a fault.
 //!
-//! - A stream capturing a graph refuses synchronisation and queries of its events, and the
-//!   capture is then invalid, as in CUDA.
+//! - A stream capturing a graph refuses synchronisation, and queries of events recorded into
+//!   the capture; the capture is then invalid, as in CUDA.
 //!
 //! Several [`SimDriver`]s can share one [`SimDevice`]: each is a process with its own PID,
 //! context overhead and per-process usage, which is how profiling tests model engines
@@ -103,7 +103,8 @@ struct DeviceState {
     other_usage: u64,
     processes: HashMap<u32, Process>,
     streams: HashMap<StreamId, StreamState>,
-    events: HashMap<u64, (StreamId, u64)>,
+    /// (stream, work to complete, recorded while the stream was capturing).
+    events: HashMap<u64, (StreamId, u64, bool)>,
     next_addr: u64,
     next_handle: u64,
     next_pid: u32,
@@ -644,10 +645,11 @@ impl Driver for SimDriver {
     fn record_event(&self, stream: StreamId) -> DriverResult<EventId> {
         self.count(DriverCall::RecordEvent)?;
         let mut st = self.device.state.lock();
-        let target = st.streams.entry(stream).or_default().submitted;
+        let s = st.streams.entry(stream).or_default();
+        let (target, captured) = (s.submitted, s.capturing);
         let id = st.next_handle;
         st.next_handle += 1;
-        st.events.insert(id, (stream, target));
+        st.events.insert(id, (stream, target, captured));
         Ok(EventId(id))
     }
 
@@ -655,11 +657,13 @@ impl Driver for SimDriver {
         const CALL: DriverCall = DriverCall::QueryEvent;
         self.count(CALL)?;
         let mut st = self.device.state.lock();
-        let (stream, target) = *st
+        let (stream, target, captured) = *st
             .events
             .get(&event.0)
             .ok_or_else(|| Self::invalid(CALL, "unknown event"))?;
-        st.not_while_capturing(stream, CALL)?;
+        if captured {
+            st.not_while_capturing(stream, CALL)?;
+        }
         Ok(st.streams.get(&stream).map_or(0, |s| s.completed) >= target)
     }
 
@@ -667,11 +671,13 @@ impl Driver for SimDriver {
         const CALL: DriverCall = DriverCall::WaitEvent;
         self.count(CALL)?;
         let mut st = self.device.state.lock();
-        let (stream, target) = *st
+        let (stream, target, captured) = *st
             .events
             .get(&event.0)
             .ok_or_else(|| Self::invalid(CALL, "unknown event"))?;
-        st.not_while_capturing(stream, CALL)?;
+        if captured {
+            st.not_while_capturing(stream, CALL)?;
+        }
         // Blocking until the event completes is, on a simulated device, completing it.
         let s = st.streams.entry(stream).or_default();
         s.completed = s.completed.max(target);
