@@ -190,7 +190,7 @@ pub unsafe extern "C-unwind" fn vram_ledger_malloc_or_throw(
 ) -> *mut c_void {
     // SAFETY: this function's contract is vram_ledger_malloc's.
     let p = unsafe { vram_ledger_malloc(size, device, stream) };
-    if p.is_null() && size > 0 {
+    if p.is_null() && size != 0 {
         let why = vram_ledger_last_error();
         // SAFETY: the last error is NUL-terminated and lives until this thread's next failure.
         // Out-of-memory messages have their own beginning, so the success path keeps no flag.

@@ -320,16 +320,25 @@ def profile(
             torch.cuda.synchronize(d)
     except ImportError:
         pass
+    previous = cap(d)
     _check(_lib().vram_ledger_profile_begin(d, float(utilization), margin_bytes))
     p = Profile()
+
+    def close() -> None:
+        try:
+            _end_profile(d, p)
+        finally:
+            # The library arms the contract when a scope ends; without one, the cap stays what
+            # it was before (the user's own, or none).
+            if not contract:
+                set_cap(previous, d)
+
     try:
         yield p
     except BaseException as body_error:
-        _clean_up_after(body_error, "closing the profiling scope", lambda: _end_profile(d, p))
+        _clean_up_after(body_error, "closing the profiling scope", close)
         raise
-    _end_profile(d, p)
-    if not contract:
-        set_cap(None, d)
+    close()
 
 
 def _end_profile(d: int, p: Profile) -> None:

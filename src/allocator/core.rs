@@ -106,12 +106,16 @@ impl<D: Driver> Core<D> {
     }
 
     /// This process's memory outside the allocator, now: its usage as the driver reports it,
-    /// less what the allocator holds. While another shard's growth is between its driver call
-    /// and its ledger update this reads high, never low: the cap errs on the safe side. When
-    /// the driver cannot tell, the figure given when the cap was set stands in.
+    /// less what the allocator holds. Reserved bytes are read before and after the usage and
+    /// the smaller is subtracted, so that growth or release finishing in another shard between
+    /// the reads makes the figure high, never low: the cap errs on the safe side. When the
+    /// driver cannot tell, the figure given when the cap was set stands in.
     pub(crate) fn outside_now(&self) -> u64 {
-        match self.driver.process_usage() {
-            Ok(Some(usage)) => usage.saturating_sub(self.ledger.reserved()),
+        let before = self.ledger.reserved();
+        let usage = self.driver.process_usage();
+        let reserved = before.min(self.ledger.reserved());
+        match usage {
+            Ok(Some(usage)) => usage.saturating_sub(reserved),
             Ok(None) => self.outside_floor.load(Relaxed),
             Err(e) => {
                 self.ledger.usage_read_failures.fetch_add(1, Relaxed);

@@ -3,7 +3,8 @@
 //!
 //! This file is the policy above the shards: which shard's lock a call takes, when pending
 //! events are polled, and what happens when a shard cannot grow (release every shard's
-//! cache, retry once, then report out of memory with the whole breakdown). What a shard does
+//! cache, unless the calling stream is capturing a graph; retry once; then report out of
+//! memory with the whole breakdown). What a shard does
 //! with its blocks and segments lives in `shard/`; what all shards share in `core.rs`.
 //!
 //! Invariants kept across this module (see `shard/mod.rs` for the per-shard ones):
@@ -125,11 +126,15 @@ impl<D: Driver> Allocator<D> {
     /// that appears outside it later counts), and growth that would pass the cap fails like
     /// any other out-of-memory: the cache is released and the request retried once, then
     /// [`Error::OutOfMemory`] says the cap was the limit. Profiling sets it to the requested
-    /// memory unless told not to. When the driver cannot see this process's usage, the memory
-    /// outside the allocator is taken as measured now (device-wide, it cannot be measured
-    /// again later).
+    /// memory unless told not to. When the driver cannot see this process's usage, growth
+    /// assumes the memory outside the allocator that profiling measured (0 if it never ran):
+    /// without per-process figures, nothing outside can be measured again.
     pub fn set_cap(&self, cap: Option<u64>) {
-        self.arm_cap(cap, self.core.outside_now());
+        let floor = match cap {
+            Some(_) => self.core.outside_now(),
+            None => 0,
+        };
+        self.arm_cap(cap, floor);
     }
 
     /// [`Allocator::set_cap`], with the memory outside the allocator to assume while the

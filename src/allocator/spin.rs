@@ -8,11 +8,11 @@
 //! Invariant: `data` is only reached through a guard, and at most one guard exists at a time
 //! (the exchange from FREE to LOCKED is the only way to make one).
 //!
-//! Poisoning: a guard dropped while its thread panics leaves the lock POISONED instead of
-//! FREE, and every later `lock` refuses, since the data may be half-updated. The lock word has
+//! Poisoning: a guard dropped while its thread panics, when it was not already unwinding as it
+//! took the lock, leaves the lock POISONED instead of FREE, and every later `lock` refuses, since the data may be half-updated. The lock word has
 //! three states, so the exchange that takes the lock also reports the poison: the uncontended
-//! path costs what it did, plus `thread::panicking` on release (a load of a global that only
-//! changes while some thread panics).
+//! path costs what it did, plus `thread::panicking` on taking and on release (a load of a
+//! global that only changes while some thread panics).
 
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
@@ -38,6 +38,9 @@ unsafe impl<T: Send> Send for SpinLock<T> {}
 
 pub(crate) struct SpinGuard<'a, T> {
     lock: &'a SpinLock<T>,
+    /// The thread was already unwinding when it took the lock (a `Drop` freeing memory during
+    /// a panic elsewhere): its own operation completes normally and poisons nothing.
+    unwinding: bool,
 }
 
 impl<T> SpinLock<T> {
@@ -56,7 +59,7 @@ impl<T> SpinLock<T> {
             .state
             .compare_exchange(FREE, LOCKED, Ordering::Acquire, Ordering::Relaxed)
         {
-            Ok(_) => Ok(SpinGuard { lock: self }),
+            Ok(_) => Ok(SpinGuard::new(self)),
             Err(_) => self.lock_slow(),
         }
     }
@@ -84,10 +87,20 @@ impl<T> SpinLock<T> {
                 .state
                 .compare_exchange(FREE, LOCKED, Ordering::Acquire, Ordering::Relaxed)
             {
-                Ok(_) => return Ok(SpinGuard { lock: self }),
+                Ok(_) => return Ok(SpinGuard::new(self)),
                 Err(POISONED) => return Err(Poisoned),
                 Err(_) => {}
             }
+        }
+    }
+}
+
+impl<'a, T> SpinGuard<'a, T> {
+    #[inline]
+    fn new(lock: &'a SpinLock<T>) -> Self {
+        SpinGuard {
+            lock,
+            unwinding: std::thread::panicking(),
         }
     }
 }
@@ -112,7 +125,7 @@ impl<T> DerefMut for SpinGuard<'_, T> {
 impl<T> Drop for SpinGuard<'_, T> {
     #[inline]
     fn drop(&mut self) {
-        let next = if std::thread::panicking() {
+        let next = if std::thread::panicking() && !self.unwinding {
             POISONED
         } else {
             FREE
@@ -163,5 +176,25 @@ mod tests {
         assert!(l.lock().is_err());
         // Refusing must not leave the lock held.
         assert!(l.lock().is_err());
+    }
+
+    #[test]
+    fn a_lock_taken_while_already_unwinding_is_not_poisoned() {
+        struct FreeOnDrop(Arc<SpinLock<u64>>);
+        impl Drop for FreeOnDrop {
+            fn drop(&mut self) {
+                // A buffer freed while its owner unwinds: a whole, normal operation.
+                *self.0.lock().unwrap() += 1;
+            }
+        }
+        let l = Arc::new(SpinLock::new(0u64));
+        let l2 = l.clone();
+        let r = std::thread::spawn(move || {
+            let _buffer = FreeOnDrop(l2);
+            panic!("elsewhere in the engine");
+        })
+        .join();
+        assert!(r.is_err());
+        assert_eq!(*l.lock().unwrap(), 1);
     }
 }

@@ -4,8 +4,9 @@
 //! The allocator wraps its driver in [`Counting`], so the calls it made are counted in one
 //! place, by the call's own name, whatever the backend; replay and `memory_stats` read them
 //! from there. Every call is counted when it is made, whether it succeeds or fails (a failed
-//! call costs the driver's time too). Only the slow path calls the driver, so the counters'
-//! atomics are never touched by a cached allocation or free.
+//! call costs the driver's time too). A cached allocation or free calls the driver only while
+//! events are pending (their queries are counted; `is_capturing`, a query of the stream's
+//! state, is not), so the counters' atomics stay off the plain cached path.
 
 use std::ops::Index;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

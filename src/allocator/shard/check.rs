@@ -165,7 +165,7 @@ impl Shard {
                     }
                     BlockState::Pending(n) => {
                         pending_events += n as usize;
-                        let listed = self.pending.iter().filter(|(_, p, _)| *p == id).count();
+                        let listed = self.pending.iter().filter(|(_, p)| *p == id).count();
                         if listed != n as usize {
                             problems.push(format!(
                                 "pending block at {:#x} waits for {n} events but {listed} are listed",

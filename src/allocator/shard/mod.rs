@@ -23,6 +23,9 @@
 //!   memory (growth maps new memory instead), and its out-of-memory retry releases no cache:
 //!   nothing it does synchronises, queries or unmaps. Only the calling stream is asked whether
 //!   it captures: it is alive, where a segment's stream may have been destroyed since.
+//!   Not covered yet: growth in compact and remap mode, and an out-of-memory retry, on another
+//!   stream synchronise the segments they move or release, whatever those segments' streams
+//!   are doing (a capturing stream that shares this shard, or a destroyed one).
 
 mod check;
 mod plain;
@@ -194,9 +197,8 @@ pub(crate) struct Shard {
     /// Free lists per stream; almost always one entry, so found by a linear search.
     index: Vec<StreamPools>,
     live: HashMap<DevicePtr, BlockId, BuildHasherDefault<PtrHasher>>,
-    /// Events other streams must reach before a freed block is reused: (event, block, the
-    /// stream the event is on).
-    pub(crate) pending: Vec<(EventId, BlockId, StreamId)>,
+    /// Events other streams must reach before a freed block is reused.
+    pub(crate) pending: Vec<(EventId, BlockId)>,
     /// The virtual segment of each (stream, pool) in this shard.
     reservations: Vec<(StreamId, PoolKind, u32)>,
     /// Remap mode: physical pieces held but not mapped.
@@ -431,8 +433,7 @@ impl Shard {
         core.ledger
             .shard(self.id)
             .on_free(b.tag, b.size, b.requested, true);
-        self.pending
-            .extend(events.into_iter().zip(streams).map(|(e, s)| (e, id, s)));
+        self.pending.extend(events.into_iter().map(|e| (e, id)));
         Ok(())
     }
 
@@ -451,7 +452,7 @@ impl Shard {
     pub(crate) fn process_pending<D: Driver>(&mut self, core: &Core<D>, wait: bool) -> Result<()> {
         let mut i = 0;
         while i < self.pending.len() {
-            let (event, id, _) = self.pending[i];
+            let (event, id) = self.pending[i];
             let done = if wait {
                 core.driver.wait_event(event)?;
                 true
