@@ -160,6 +160,12 @@ pub enum Error {
     #[error(transparent)]
     Driver(#[from] DriverError),
 
+    #[error("stream {0:?} is not capturing a CUDA graph")]
+    NotCapturing(crate::driver::StreamId),
+
+    #[error("no capture or graph is known for graph pool {0:?}")]
+    UnknownGraphPool(crate::allocator::GraphPool),
+
     #[error(
         "allocator shard {shard} was left inconsistent by a panic during an earlier operation; \
          its streams' memory can no longer be used (other shards still work)"

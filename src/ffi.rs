@@ -419,8 +419,59 @@ pub extern "C" fn vram_ledger_empty_cache(device: c_int) -> c_int {
     })
 }
 
+// ---------------------------------------------------------------------------------------------
+// CUDA graph pools (PyTorch's private pools, which its pluggable allocator does not forward:
+// the Python package calls these around `torch.cuda.CUDAGraph`'s capture and release).
+
+/// Route the capture running on `stream` to graph pool (`pool_a`, `pool_b`), PyTorch's
+/// `MempoolId_t`: until `vram_ledger_graph_end`, allocations on streams of that capture come
+/// from the pool, and nothing else gets its memory while a graph made from it lives. Counts
+/// one reference to the pool. -1 when `stream` is not capturing.
+///
+/// # Safety
+/// On the CUDA backend `stream` is a live `cudaStream_t` of `device`'s primary context.
+#[no_mangle]
+pub unsafe extern "C" fn vram_ledger_graph_begin(
+    device: c_int,
+    stream: *mut c_void,
+    pool_a: u64,
+    pool_b: u64,
+) -> c_int {
+    guard(-1, || {
+        let pool = crate::GraphPool(pool_a, pool_b);
+        on_device!(state(device)?, d => d.allocator().begin_graph_pool(pool, StreamId(stream as u64)))
+            .map(|()| 0)
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Stop routing the capture that began last on the pool (after the capture has ended and the
+/// graph is instantiated); measures what appeared outside the allocator meanwhile.
+#[no_mangle]
+pub extern "C" fn vram_ledger_graph_end(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    guard(-1, || {
+        let pool = crate::GraphPool(pool_a, pool_b);
+        on_device!(state(device)?, d => d.allocator().end_graph_pool(pool))
+            .map(|()| 0)
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Drop one reference to the pool (a graph made from it was reset or destroyed); with the last
+/// one its free memory goes back to the driver.
+#[no_mangle]
+pub extern "C" fn vram_ledger_graph_release(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    guard(-1, || {
+        let pool = crate::GraphPool(pool_a, pool_b);
+        on_device!(state(device)?, d => d.allocator().release_graph_pool(pool))
+            .map(|()| 0)
+            .map_err(|e| e.to_string())
+    })
+}
+
 /// Open a profiling scope on `device` (its baseline was taken at the device's first use). A
-/// negative `margin_bytes` means none.
+/// negative `margin_bytes` means the default (`Margin::Auto`: none in native mode, a little
+/// room for placement in the virtual-memory modes).
 #[no_mangle]
 pub extern "C" fn vram_ledger_profile_begin(
     device: c_int,
@@ -429,7 +480,7 @@ pub extern "C" fn vram_ledger_profile_begin(
 ) -> c_int {
     guard(-1, || {
         let d = device_index(device)?;
-        let margin = Margin::Bytes(margin_bytes.max(0) as u64);
+        let margin = u64::try_from(margin_bytes).map_or(Margin::Auto, Margin::Bytes);
         let options = ProfileOptions {
             utilization,
             margin,

@@ -213,6 +213,10 @@ pub struct Ledger {
     /// Reads of this process's usage (for the budget contract) that failed, so that growth went
     /// on with the figure measured at profiling.
     pub(crate) usage_read_failures: AtomicU64,
+    /// Bytes held from the driver for CUDA graph pools (mapped, or plain segments).
+    pub(crate) graph_reserved: Gauge,
+    /// Memory outside the allocator that appeared while graphs were captured and instantiated.
+    pub(crate) graph_outside: AtomicU64,
 }
 
 impl Default for Ledger {
@@ -233,6 +237,8 @@ impl Ledger {
             ooms: AtomicU64::new(0),
             move_failures: AtomicU64::new(0),
             usage_read_failures: AtomicU64::new(0),
+            graph_reserved: Gauge::default(),
+            graph_outside: AtomicU64::new(0),
         }
     }
 
@@ -320,6 +326,8 @@ impl Ledger {
             ooms: self.ooms.load(Relaxed),
             move_failures: self.move_failures.load(Relaxed),
             usage_read_failures: self.usage_read_failures.load(Relaxed),
+            graph_reserved_bytes: self.graph_reserved.read(),
+            graph_outside_bytes: self.graph_outside.load(Relaxed),
         }
     }
 }
@@ -407,6 +415,14 @@ pub struct Snapshot {
     /// Failed reads of this process's usage before a growth under the budget contract (the
     /// growth then assumed the memory outside the allocator measured at profiling).
     pub usage_read_failures: u64,
+    /// Bytes held for CUDA graph pools: what allocations made during captures got (part of
+    /// `reserved_bytes`).
+    #[serde(default)]
+    pub graph_reserved_bytes: Counter,
+    /// Memory outside the allocator that appeared while graphs were captured and instantiated
+    /// (measured from this process's usage at each capture's begin and end; 0 without it).
+    #[serde(default)]
+    pub graph_outside_bytes: u64,
 }
 
 /// What changed between two snapshots (later − earlier) in the current values and totals.

@@ -37,8 +37,10 @@ pub mod stats;
 pub mod tag;
 pub mod units;
 
-pub use allocator::{Allocation, Allocator, Config, Limit, PoolStats, SegmentMode};
-pub use driver::{DevicePtr, Driver, StreamId};
+pub use allocator::{
+    Allocation, Allocator, Config, GraphMemory, GraphPool, Limit, PoolStats, SegmentMode,
+};
+pub use driver::{Capture, DevicePtr, Driver, StreamId};
 pub use error::{Error, OomCause, OomReport, Result};
 pub use ledger::{Counter, PerTag, Snapshot, TagStats};
 pub use tag::Tag;

@@ -279,3 +279,59 @@ fn contract_holds_under_injected_driver_faults() {
         }
     }
 }
+
+/// A decode graph captured after the largest pass (whose memory the capture's `empty_cache`
+/// gave back, as `torch.cuda.graph` does) holds its pool for as long as it lives: the budget
+/// must leave room for the pool and the largest pass again. Serving the profiled pass with the
+/// graph alive is refused when the pool is left out of the budget.
+#[test]
+fn contract_graph_pools_are_part_of_the_budget() {
+    const CAPTURE: StreamId = StreamId(0x30);
+    let pool = vram_ledger::GraphPool(7, 0);
+    for mode in SegmentMode::ALL {
+        let dev = SimDevice::new(SimConfig::default());
+        let alloc = Allocator::new(dev.spawn_process().unwrap(), Config::with_mode(mode)).unwrap();
+        let p = Profiler::new(&alloc).unwrap();
+        alloc
+            .allocate_tagged(3 * GIB, PROFILED, Tag::Weights)
+            .unwrap();
+        let pass = |a: &Allocator<SimDriver>| -> vram_ledger::Result<()> {
+            let x = a.allocate_tagged(GIB, PROFILED, Tag::Activation)?;
+            let y = a.allocate_tagged(GIB / 4, PROFILED, Tag::Activation)?;
+            a.free(x.ptr)?;
+            a.free(y.ptr)
+        };
+        let r = p
+            .profile(
+                ProfileOptions {
+                    utilization: UTILIZATION,
+                    ..Default::default()
+                },
+                || {
+                    pass(&alloc).unwrap();
+                    alloc.empty_cache().unwrap();
+                    dev.begin_capture(CAPTURE);
+                    alloc.begin_graph_pool(pool, CAPTURE).unwrap();
+                    let t = alloc
+                        .allocate_tagged(96 * MIB, CAPTURE, Tag::Activation)
+                        .unwrap();
+                    alloc
+                        .allocate_tagged(MIB, CAPTURE, Tag::Activation)
+                        .unwrap(); // output
+                    alloc.free(t.ptr).unwrap();
+                    assert!(dev.end_capture(CAPTURE));
+                    alloc.end_graph_pool(pool).unwrap();
+                },
+            )
+            .unwrap();
+        assert!(r.graph_pools >= 97 * MIB, "{mode}: {}", r.graph_pools);
+        alloc
+            .allocate_tagged(r.kv_budget, PROFILED, Tag::KvCache)
+            .unwrap();
+        for _ in 0..3 {
+            pass(&alloc).unwrap_or_else(|e| panic!("{mode}: the profiled pass was refused: {e}"));
+        }
+        let usage = dev.used() - dev.other_usage();
+        assert!(usage <= r.requested, "{mode}");
+    }
+}

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import json
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -102,6 +104,9 @@ def _lib() -> ctypes.CDLL:
                 ("vram_ledger_set_cap", [c_int, ctypes.c_int64], c_int),
                 ("vram_ledger_cap", [c_int], ctypes.c_int64),
                 ("vram_ledger_empty_cache", [c_int], c_int),
+                ("vram_ledger_graph_begin", [c_int, c_void_p, ctypes.c_uint64, ctypes.c_uint64], c_int),
+                ("vram_ledger_graph_end", [c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
+                ("vram_ledger_graph_release", [c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
                 ("vram_ledger_profile_begin", [c_int, ctypes.c_double, ctypes.c_int64], c_int),
                 ("vram_ledger_profile_end", [c_int], c_void_p),
                 ("vram_ledger_last_error", [], c_char_p),
@@ -181,8 +186,65 @@ def install(mode: Optional[str] = None) -> Any:
     raw.set_memory_fraction_fn(_address(lib.vram_ledger_memory_fraction))
     raw.set_record_stream_fn(_address(lib.vram_ledger_record_stream))
     torch.cuda.memory.change_current_allocator(alloc)
+    _patch_graphs(torch)
     _INSTALLED["allocator"] = alloc
     return alloc
+
+
+def _patch_graphs(torch: Any) -> None:
+    """Give every CUDA graph captured in this process a graph pool, as PyTorch's allocator does
+    (its pluggable allocator does not pass the pool calls on): memory freed during a capture is
+    never handed to code outside the graph while the graph can replay; graphs captured with
+    the same `pool=` share memory; resetting or destroying the last graph that uses a pool gives
+    its memory back. Also measures what capturing and instantiating adds outside the allocator."""
+    G = torch.cuda.CUDAGraph
+    if getattr(G, "_vram_ledger_pools", False):
+        return
+    begin, end, reset = G.capture_begin, G.capture_end, G.reset
+    lib = _lib()
+
+    def capture_begin(self: Any, *args: Any, **kwargs: Any) -> None:
+        begin(self, *args, **kwargs)
+        d = torch.cuda.current_device()
+        # PyTorch names the graph's pool only once the capture is over: a shared pool is the
+        # one passed in; a graph's private pool gets an id of ours, which no handle can equal.
+        shared = args[0] if args else kwargs.get("pool")
+        if shared is not None:
+            shared = tuple(int(x) for x in shared)
+            pool = _POOL_ALIASES.get(shared, shared)
+        else:
+            pool = (next(_PRIVATE_POOLS), 0)
+        _check(lib.vram_ledger_graph_begin(d, torch.cuda.current_stream(d).cuda_stream, pool[0], pool[1]))
+        # One reference per captured graph, dropped by reset() or when the graph is collected.
+        self._vram_ledger_pool = (d, pool, weakref.finalize(self, _release_pool, d, pool))
+
+    def capture_end(self: Any) -> None:
+        try:
+            end(self)
+            # Another graph may share this one's pool by PyTorch's name for it (`pool=g.pool()`).
+            _POOL_ALIASES.setdefault(tuple(int(x) for x in self.pool()), self._vram_ledger_pool[1])
+        finally:
+            d, pool, _ = self._vram_ledger_pool
+            _check(lib.vram_ledger_graph_end(d, pool[0], pool[1]))
+
+    def reset_(self: Any) -> None:
+        reset(self)
+        held = getattr(self, "_vram_ledger_pool", None)
+        if held is not None:
+            held[2]()  # a finalizer runs once: a later collection does nothing
+
+    G.capture_begin, G.capture_end, G.reset = capture_begin, capture_end, reset_
+    G._vram_ledger_pools = True
+
+
+_PRIVATE_POOLS = itertools.count(1 << 62)
+# PyTorch's name for a graph's private pool -> ours (PyTorch names it only after the capture).
+_POOL_ALIASES: Dict[Any, Any] = {}
+
+
+def _release_pool(d: int, pool: Any) -> None:
+    if _lib().vram_ledger_graph_release(d, pool[0], pool[1]) != 0:
+        _LOG.error("releasing CUDA graph pool %s failed: %s", pool, _last_error())
 
 
 class TaggedPool:
@@ -302,16 +364,18 @@ def cap(device: Optional[int] = None) -> Optional[int]:
 
 @contextlib.contextmanager
 def profile(
-    utilization: float, device: Optional[int] = None, margin_bytes: int = 0, contract: bool = True
+    utilization: float, device: Optional[int] = None, margin_bytes: Optional[int] = None, contract: bool = True
 ) -> Iterator[Profile]:
     """Profile the dummy pass run inside the block; the KV-cache budget is
-    ceil(total × utilization) − what this process needs besides the KV cache − margin. With
+    ceil(total × utilization) − what this process needs besides the KV cache − margin. The
+    default margin (None) is none in native mode and 0.25% of the requested memory in the
+    virtual-memory modes (room for placing blocks differently while serving). With
     `contract` (the default), the process is then held to the requested memory while it serves
     (see set_cap)."""
     if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not (0.0 < utilization <= 1.0):
         raise ValueError(f"utilization must be a number in (0, 1], not {utilization!r}")
-    if not isinstance(margin_bytes, int) or margin_bytes < 0:
-        raise ValueError(f"margin_bytes must be a non-negative int, not {margin_bytes!r}")
+    if margin_bytes is not None and (isinstance(margin_bytes, bool) or not isinstance(margin_bytes, int) or margin_bytes < 0):
+        raise ValueError(f"margin_bytes must be a non-negative int or None, not {margin_bytes!r}")
     d = _device(device)
     try:
         import torch
@@ -321,7 +385,7 @@ def profile(
     except ImportError:
         pass
     previous = cap(d)
-    _check(_lib().vram_ledger_profile_begin(d, float(utilization), margin_bytes))
+    _check(_lib().vram_ledger_profile_begin(d, float(utilization), -1 if margin_bytes is None else margin_bytes))
     p = Profile()
 
     def close() -> None:

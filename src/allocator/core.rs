@@ -125,6 +125,27 @@ impl<D: Driver> Core<D> {
         }
     }
 
+    /// Wait for the work that may use memory of `owner`: its stream's, or, for a graph pool,
+    /// all of the device's (graphs replay on streams the allocator never sees).
+    pub(crate) fn sync_owner(&self, owner: StreamId) -> crate::driver::DriverResult<()> {
+        if super::graphs::is_pool_key(owner) {
+            self.driver.sync_device()
+        } else {
+            self.driver.sync_stream(owner)
+        }
+    }
+
+    /// Count `bytes` more (or, with `gone`, fewer) of graph-pool memory when `owner` is a pool.
+    pub(crate) fn graph_bytes(&self, owner: StreamId, bytes: u64, gone: bool) {
+        if super::graphs::is_pool_key(owner) {
+            if gone {
+                self.ledger.graph_reserved.sub(bytes);
+            } else {
+                self.ledger.graph_reserved.add(bytes);
+            }
+        }
+    }
+
     pub(crate) fn uncommit(&self, bytes: u64) {
         self.committed.fetch_sub(bytes, Relaxed);
     }

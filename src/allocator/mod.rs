@@ -19,6 +19,7 @@ pub(crate) mod block;
 mod config;
 mod core;
 pub(crate) mod free_index;
+mod graphs;
 mod planted;
 pub mod rules;
 mod shard;
@@ -32,6 +33,8 @@ use crossbeam::utils::CachePadded;
 pub use self::config::{Config, Limit, SegmentMode, UnknownMode, DEFAULT_REMAP_PIECE};
 pub use self::core::Allocation;
 use self::core::{Core, NONE};
+use self::graphs::GraphRegistry;
+pub use self::graphs::{GraphMemory, GraphPool};
 pub use self::shard::PoolStats;
 use self::shard::{GrowError, Shard};
 use self::spin::{SpinGuard, SpinLock};
@@ -52,6 +55,7 @@ pub struct Allocator<D: Driver> {
     core: Core<D>,
     streams: StreamTable,
     shards: Box<[CachePadded<SpinLock<Shard>>]>,
+    graphs: GraphRegistry,
 }
 
 impl<D: Driver> Allocator<D> {
@@ -64,6 +68,7 @@ impl<D: Driver> Allocator<D> {
             shards: (0..SHARDS)
                 .map(|id| CachePadded::new(SpinLock::new(Shard::new(id))))
                 .collect(),
+            graphs: GraphRegistry::default(),
         };
         a.set_limit(config.limit)?;
         Ok(a)
@@ -206,33 +211,36 @@ impl<D: Driver> Allocator<D> {
             if !sh.pending.is_empty() && !self.core.driver.is_capturing(stream) {
                 sh.process_pending(&self.core, false)?;
             }
-            if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {
-                return Ok(a);
+            // The stream's own memory, or the graph pool its capture is routed to.
+            let owner = sh.graphs.owner(&self.core.driver, stream);
+            if let Some(a) = sh.try_alloc(&self.core, owner, rounded, size, tag) {
+                return Ok(Allocation { stream, ..a });
             }
-            match self.grow_and_take(&mut sh, stream, rounded, size, tag)? {
-                Ok(a) => return Ok(a),
+            match self.grow_and_take(&mut sh, owner, rounded, size, tag)? {
+                Ok(a) => return Ok(Allocation { stream, ..a }),
                 Err(cause) => cause,
             }
         };
         self.retry_after_release(stream, rounded, size, tag, cause)
     }
 
-    /// Serve a request the cache could not serve from new memory. `Ok(Err(cause))` when the
+    /// Serve a request the cache could not serve from new memory for `owner` (the calling
+    /// stream, or the graph pool its capture is routed to). `Ok(Err(cause))` when the
     /// memory is not there (worth releasing the cache and retrying). Out of line: the cached
     /// path above stays small.
     #[inline(never)]
     fn grow_and_take(
         &self,
         sh: &mut Shard,
-        stream: StreamId,
+        owner: StreamId,
         rounded: u64,
         size: u64,
         tag: Tag,
     ) -> Result<std::result::Result<Allocation, OomCause>> {
         let grown = if self.core.is_virtual() {
-            sh.grow_virtual(&self.core, stream, rounded)
+            sh.grow_virtual(&self.core, owner, rounded)
         } else {
-            sh.grow_plain(&self.core, stream, rounded)
+            sh.grow_plain(&self.core, owner, rounded)
         };
         match grown {
             Ok(id) => Ok(Ok(sh.take(&self.core, id, rounded, size, tag))),
@@ -263,11 +271,12 @@ impl<D: Driver> Allocator<D> {
             }
         }
         let mut sh = self.lock(self.streams.shard(stream))?;
-        if let Some(a) = sh.try_alloc(&self.core, stream, rounded, size, tag) {
-            return Ok(a);
+        let owner = sh.graphs.owner(&self.core.driver, stream);
+        if let Some(a) = sh.try_alloc(&self.core, owner, rounded, size, tag) {
+            return Ok(Allocation { stream, ..a });
         }
-        let cause = match self.grow_and_take(&mut sh, stream, rounded, size, tag)? {
-            Ok(a) => return Ok(a),
+        let cause = match self.grow_and_take(&mut sh, owner, rounded, size, tag)? {
+            Ok(a) => return Ok(Allocation { stream, ..a }),
             Err(cause) => cause,
         };
         drop(sh);

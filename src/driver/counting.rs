@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use serde::{Deserialize, Serialize};
 
-use super::{DevicePtr, Driver, DriverCall, DriverResult, EventId, MemInfo, PhysHandle, StreamId};
+use super::{
+    Capture, DevicePtr, Driver, DriverCall, DriverResult, EventId, MemInfo, PhysHandle, StreamId,
+};
 
 const N: usize = DriverCall::ALL.len();
 
@@ -205,8 +207,12 @@ impl<D: Driver> Driver for Counting<D> {
         self.counts.bump(DriverCall::SyncStream);
         self.inner.sync_stream(stream)
     }
-    fn is_capturing(&self, stream: StreamId) -> bool {
-        self.inner.is_capturing(stream)
+    fn sync_device(&self) -> DriverResult<()> {
+        self.counts.bump(DriverCall::SyncDevice);
+        self.inner.sync_device()
+    }
+    fn capture(&self, stream: StreamId) -> Capture {
+        self.inner.capture(stream)
     }
 }
 

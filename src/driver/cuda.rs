@@ -4,8 +4,11 @@
 //! Invariants:
 //! - Every call first makes the device's primary context current on the calling thread (the
 //!   allocator is called from any thread).
-//! - Calls that allocate, map or free run in relaxed stream-capture mode, so that an engine
-//!   capturing a CUDA graph on this thread may still grow the pool.
+//! - Calls that allocate, map, free, query, wait or synchronise run in relaxed stream-capture
+//!   mode, so that an engine capturing a CUDA graph in the default (global) mode may still grow
+//!   the pool and settle other streams' events; the allocator itself never aims them at a
+//!   capturing stream.
+//! - A capture status the driver cannot give counts as capturing ([`Capture::Unknown`]).
 //! - Events are created without timing and pooled; a destroyed event goes back to the pool.
 //! - A non-success `CUresult` becomes a typed [`DriverError`], never a panic, naming the call
 //!   that failed (a primitive, or one of the set-up calls in [`DriverCall::SETUP`]) and keeping
@@ -20,8 +23,8 @@ use parking_lot::Mutex;
 
 use super::nvml::Nvml;
 use super::{
-    DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId, MemInfo,
-    PhysHandle, StreamId,
+    Capture, DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
+    MemInfo, PhysHandle, StreamId,
 };
 
 fn check(call: DriverCall, r: CUresult) -> DriverResult<()> {
@@ -433,20 +436,24 @@ impl Driver for CudaDriver {
     }
 
     fn query_event(&self, event: EventId) -> DriverResult<bool> {
-        self.current(DriverCall::QueryEvent)?;
-        // SAFETY: an event from record_event.
-        match unsafe { sys::cuEventQuery(event.0 as sys::CUevent) } {
-            CUresult::CUDA_SUCCESS => Ok(true),
-            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            r => check(DriverCall::QueryEvent, r).map(|()| false),
-        }
+        const CALL: DriverCall = DriverCall::QueryEvent;
+        self.relaxed(CALL, || {
+            // SAFETY: an event from record_event.
+            match unsafe { sys::cuEventQuery(event.0 as sys::CUevent) } {
+                CUresult::CUDA_SUCCESS => Ok(true),
+                CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+                r => check(CALL, r).map(|()| false),
+            }
+        })
     }
 
     fn wait_event(&self, event: EventId) -> DriverResult<()> {
-        self.current(DriverCall::WaitEvent)?;
+        const CALL: DriverCall = DriverCall::WaitEvent;
         // SAFETY: an event from record_event.
-        check(DriverCall::WaitEvent, unsafe {
-            sys::cuEventSynchronize(event.0 as sys::CUevent)
+        self.relaxed(CALL, || {
+            check(CALL, unsafe {
+                sys::cuEventSynchronize(event.0 as sys::CUevent)
+            })
         })
     }
 
@@ -456,25 +463,44 @@ impl Driver for CudaDriver {
     }
 
     fn sync_stream(&self, s: StreamId) -> DriverResult<()> {
-        self.current(DriverCall::SyncStream)?;
+        const CALL: DriverCall = DriverCall::SyncStream;
         // SAFETY: a stream of this context (or the legacy default stream).
-        check(DriverCall::SyncStream, unsafe {
-            sys::cuStreamSynchronize(stream(s))
+        self.relaxed(CALL, || {
+            check(CALL, unsafe { sys::cuStreamSynchronize(stream(s)) })
         })
     }
 
-    fn is_capturing(&self, s: StreamId) -> bool {
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: valid out-pointer; on error we report "not capturing" and the caller's next
-        // driver call reports the real problem.
+    fn sync_device(&self) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::SyncDevice;
+        // SAFETY: the primary context is current.
+        self.relaxed(CALL, || check(CALL, unsafe { sys::cuCtxSynchronize() }))
+    }
+
+    fn capture(&self, s: StreamId) -> Capture {
+        use sys::CUstreamCaptureStatus::*;
+        if self.current(DriverCall::PrimaryContext).is_err() {
+            return Capture::Unknown;
+        }
+        let (mut status, mut id) = (CU_STREAM_CAPTURE_STATUS_NONE, 0);
+        use std::ptr::null_mut;
+        // SAFETY: valid out-pointers; the optional outputs are null, as the API allows.
         let r = unsafe {
-            if self.current(DriverCall::PrimaryContext).is_err() {
-                return false;
-            }
-            sys::cuStreamIsCapturing(stream(s), &mut status)
+            sys::cuStreamGetCaptureInfo_v3(
+                stream(s),
+                &mut status,
+                &mut id,
+                null_mut(),
+                null_mut(),
+                null_mut(),
+                null_mut(),
+            )
         };
-        r == CUresult::CUDA_SUCCESS
-            && status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        match (r, status) {
+            (CUresult::CUDA_SUCCESS, CU_STREAM_CAPTURE_STATUS_NONE) => Capture::None,
+            (CUresult::CUDA_SUCCESS, CU_STREAM_CAPTURE_STATUS_ACTIVE) => Capture::Active(id),
+            // Invalidated captures and errors: treat as capturing (see `Capture::Unknown`).
+            _ => Capture::Unknown,
+        }
     }
 }
 

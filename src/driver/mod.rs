@@ -72,6 +72,7 @@ pub enum DriverCall {
     WaitEvent,
     DestroyEvent,
     SyncStream,
+    SyncDevice,
     // Set-up calls: after the primitives, so that a primitive's discriminant is its index.
     Init,
     DeviceCount,
@@ -82,7 +83,7 @@ pub enum DriverCall {
 }
 
 impl DriverCall {
-    pub const ALL: [DriverCall; 16] = [
+    pub const ALL: [DriverCall; 17] = [
         DriverCall::AllocSegment,
         DriverCall::FreeSegment,
         DriverCall::ReserveVa,
@@ -99,6 +100,7 @@ impl DriverCall {
         DriverCall::WaitEvent,
         DriverCall::DestroyEvent,
         DriverCall::SyncStream,
+        DriverCall::SyncDevice,
     ];
 
     /// The CUDA backend's set-up calls, none of which is in [`DriverCall::ALL`].
@@ -144,6 +146,7 @@ impl DriverCall {
             DriverCall::WaitEvent => "wait_event",
             DriverCall::DestroyEvent => "destroy_event",
             DriverCall::SyncStream => "sync_stream",
+            DriverCall::SyncDevice => "sync_device",
             DriverCall::Init => "init",
             DriverCall::DeviceCount => "device_count",
             DriverCall::DeviceGet => "device_get",
@@ -200,6 +203,18 @@ impl DriverError {
 
 pub type DriverResult<T> = Result<T, DriverError>;
 
+/// Whether a stream is capturing a CUDA graph, and which capture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Capture {
+    /// Not capturing.
+    None,
+    /// Capturing; the id is the driver's, unique among this process's captures.
+    Active(u64),
+    /// The driver could not say. Counts as capturing: a wrong "no" would let a query or a
+    /// synchronisation spoil a capture, a wrong "yes" only defers them.
+    Unknown,
+}
+
 /// The primitives the allocator needs from a device. Implementations must be thread-safe:
 /// the allocator calls them from any thread, without holding a global lock.
 pub trait Driver: Send + Sync + 'static {
@@ -246,9 +261,19 @@ pub trait Driver: Send + Sync + 'static {
     fn destroy_event(&self, event: EventId) -> DriverResult<()>;
     /// Block until all work queued on `stream` completes.
     fn sync_stream(&self, stream: StreamId) -> DriverResult<()>;
+    /// Block until all work on the device completes (`cuCtxSynchronize`): for memory that
+    /// graphs replayed on streams the allocator never saw.
+    fn sync_device(&self) -> DriverResult<()>;
 
-    /// Whether `stream` is capturing a CUDA graph: events must not be queried then.
-    fn is_capturing(&self, _stream: StreamId) -> bool {
-        false
+    /// Whether `stream` is capturing a CUDA graph, and which capture. Not counted: it queues
+    /// nothing and reads no memory figure.
+    fn capture(&self, _stream: StreamId) -> Capture {
+        Capture::None
+    }
+
+    /// Whether `stream` is capturing a CUDA graph (or the driver cannot tell): events must not
+    /// be queried nor the stream synchronised then.
+    fn is_capturing(&self, stream: StreamId) -> bool {
+        self.capture(stream) != Capture::None
     }
 }

@@ -28,15 +28,34 @@ def emit(**kv):
     print("RESULT " + json.dumps(kv), flush=True)
 
 
-def model(layers=8, hidden=2048):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+# The served models: (transformers class, config, vocabulary, largest shape, other shapes).
+MODELS = {
+    # A Llama of 2048 hidden, 8 layers, a 32k vocabulary.
+    "llama": ("Llama", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                            num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048),
+              (8, 512), [(4, 256), (2, 512), (8, 384), (1, 512), (8, 512), (6, 300), (3, 100)]),
+    # A Qwen2 of 1536 hidden, 16 layers and a 152k vocabulary: other layer shapes, fewer heads,
+    # and logits five times as wide.
+    "qwen2": ("Qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=16,
+                            num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096),
+              (4, 1024), [(2, 1024), (4, 512), (1, 1000), (4, 1024), (3, 700), (8, 128), (4, 1000)]),
+}
+# A third engine for the "started together" scenario: the Llama with 4 layers and other shapes.
+MODELS["llama4"] = ("Llama", dict(MODELS["llama"][1], num_hidden_layers=4), (16, 256),
+                    [(8, 256), (16, 200), (4, 512), (16, 256), (2, 64), (12, 300), (1, 1000)])
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
-                      max_position_embeddings=2048)
+
+def model(name="llama", layers=None):
+    import torch
+    import transformers
+
+    kind, cfg, _, _ = MODELS[name]
+    cfg = dict(cfg)
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    config = getattr(transformers, kind + "Config")(**cfg)
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    return getattr(transformers, kind + "ForCausalLM")(config).to(device="cuda", dtype=torch.bfloat16).eval()
 
 
 class NvmlUsage:
@@ -131,19 +150,26 @@ def case_oom():
          has_breakdown="Allocated by tag" in msg, message=msg[:300], kernel_after=after == float(1 << 20))
 
 
-def case_serve(mode, utilization="0.2"):
+def case_serve(mode, utilization="0.2", name="llama"):
     utilization = float(utilization)
     import vram_ledger as vl
 
     vl.install(mode=mode)
     import torch
 
+    usage = NvmlUsage()
+
+    def outside():
+        return usage.read() - vl.stats()["reserved_bytes"]["current"]
+
+    _, cfg, largest, shapes = MODELS[name]
+    vocab = cfg["vocab_size"]
     torch.randn(64, 64, device="cuda").matmul(torch.randn(64, 64, device="cuda"))
     with torch.no_grad():
         with vl.tag("weights"):
-            m = model()
-        big = torch.randint(0, 32000, (8, 512), device="cuda")
-        dec = torch.randint(0, 32000, (8, 1), device="cuda")
+            m = model(name)
+        big = torch.randint(0, vocab, largest, device="cuda")
+        dec = torch.randint(0, vocab, (largest[0], 1), device="cuda")
         g = torch.cuda.CUDAGraph()
         with vl.profile(utilization) as p:
             with vl.tag("activation"):
@@ -157,26 +183,31 @@ def case_serve(mode, utilization="0.2"):
                 with torch.cuda.graph(g):
                     dec_out = m(dec).logits
         requested = p.result["requested"]
+        outside_at_profile = outside()
         with vl.tag("kv"):
             kv = torch.empty(p.kv_budget, dtype=torch.uint8, device="cuda")
         poll = Poller()
         poll.start()
-        failures = 0
-        for shape in [(4, 256), (2, 512), (8, 384), (1, 512), (8, 512), (6, 300), (3, 100)]:
-            ids = torch.randint(0, 32000, shape, device="cuda")
+        failures, outside_max, refused = 0, outside(), []
+        for shape in shapes:
+            ids = torch.randint(0, vocab, shape, device="cuda")
             try:
                 with vl.tag("activation"):
                     # The same work as the profiled pass, at another shape.
                     m(ids).logits[:, -1].float().sum().item()
             except RuntimeError as e:
                 failures += 1
-                last = str(e)[:200]
+                refused.append(list(shape))
+                last = str(e)[:300]
             g.replay()
             torch.cuda.synchronize()
+            outside_max = max(outside_max, outside())
         time.sleep(0.05)
         poll.stop = True
         poll.join()
-        emit(case="serve", mode=mode, utilization=utilization, requested=requested, kv_budget=p.kv_budget, peak_usage=poll.peak,
+        emit(case="serve", model=name, mode=mode, utilization=utilization, requested=requested,
+             outside_at_profile=outside_at_profile, outside_max_serving=outside_max, refused=refused,
+             graph_pools=p.result.get("graph_pools"), graph_outside=p.result.get("graph_outside"), kv_budget=p.kv_budget, peak_usage=poll.peak,
              peak_over_requested=poll.peak / requested, within=poll.peak <= requested, samples=poll.samples,
              failures=failures, device_wide_kv_budget=p.result.get("device_wide_kv_budget"),
              cap=vl.cap(), kv=int(kv.numel()), report=p.report, last_failure=locals().get("last"))
@@ -203,9 +234,13 @@ def tenant(kind):
             time.sleep(0.03)
 
 
-def run(name, args, together=1):
-    procs = [subprocess.Popen([sys.executable, __file__, "_case", name, *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(together)]
+def run(name, args, together=1, each=None):
+    """One process per case; `together` copies, or one per argument list of `each`, started at
+    the same instant."""
+    each = each or [args] * together
+    procs = [subprocess.Popen([sys.executable, __file__, "_case", name, *a], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for a in each]
+    together = len(each)
     failed = 0
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -228,6 +263,7 @@ def main():
     if len(sys.argv) > 2 and sys.argv[1] == "_tenant":
         return tenant(sys.argv[2])
     cases = sys.argv[1:] or ["capture", "oom", "serve"]
+    models = os.environ.get("SERVE_MODELS", "llama,qwen2").split(",")
     failed = 0
     for c in cases:
         if c == "capture":
@@ -236,18 +272,21 @@ def main():
         elif c == "oom":
             failed += run(c, [])
         elif c == "serve":
-            for m in MODES:
-                failed += run(c, [m])
+            for name in models:
+                for m in MODES:
+                    failed += run(c, [m, "0.2", name])
         elif c in ("serve_hold", "serve_churn"):
             t = subprocess.Popen([sys.executable, __file__, "_tenant", c.split("_")[1]], stdout=subprocess.PIPE, text=True)
             assert t.stdout.readline().strip() == "READY"
-            for m in MODES:
-                failed += run("serve", [m], together=1)
+            for name in models:
+                for m in MODES:
+                    failed += run("serve", [m, "0.2", name])
             t.kill()
             t.wait()
         elif c == "serve_together":
+            # Three different engines, started at the same instant.
             for m in MODES:
-                failed += run("serve", [m, "0.25"], together=3)
+                failed += run("serve", [], each=[[m, "0.25", "llama"], [m, "0.25", "qwen2"], [m, "0.25", "llama4"]])
     sys.exit(1 if failed else 0)
 
 

@@ -41,6 +41,7 @@ pub(crate) use self::vmm::VirtualMap;
 use super::block::{Arena, Block, BlockId, BlockState, NIL};
 use super::core::{Allocation, Core};
 use super::free_index::FreeIndex;
+use super::graphs::GraphRoutes;
 use super::planted::{self, Bug};
 use super::rules::{self, PoolKind};
 use crate::driver::{DevicePtr, Driver, DriverError, EventId, StreamId};
@@ -203,6 +204,8 @@ pub(crate) struct Shard {
     reservations: Vec<(StreamId, PoolKind, u32)>,
     /// Remap mode: physical pieces held but not mapped.
     pub(crate) spare: Vec<Spare>,
+    /// Captures routed to graph pools, and the pools graphs still reference.
+    pub(crate) graphs: GraphRoutes,
 }
 
 impl Shard {
@@ -491,12 +494,11 @@ impl Shard {
             first_err.get_or_insert(e);
         }
         for seg in self.segments.ids() {
-            let r = if self.segments.get(seg).is_virtual() {
-                self.shrink_virtual(core, seg)
-            } else {
-                self.free_plain(core, seg)
-            };
-            if let Err(e) = r {
+            // A graph that may still replay writes to its pool's memory, freed or not.
+            if !self.graphs.releasable(self.segments.get(seg).stream) {
+                continue;
+            }
+            if let Err(e) = self.release_segment(core, seg) {
                 first_err.get_or_insert(e);
             }
         }
@@ -504,6 +506,18 @@ impl Shard {
             first_err.get_or_insert(e);
         }
         first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Shard {
+    /// Give back what is free in segment `seg`: a whole free plain segment, or a virtual
+    /// segment's free mappings (and its reservation once nothing in it is mapped).
+    pub(crate) fn release_segment<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {
+        if self.segments.get(seg).is_virtual() {
+            self.shrink_virtual(core, seg)
+        } else {
+            self.free_plain(core, seg)
+        }
     }
 }
 

@@ -32,6 +32,7 @@ impl Shard {
             }
         };
         core.ledger.on_reserve(size, true);
+        core.graph_bytes(stream, size, false);
         let seg = Segment {
             base,
             size,
@@ -50,8 +51,9 @@ impl Shard {
         if b.state != BlockState::Free || b.next != NIL {
             return Ok(());
         }
-        let (base, size, first) = (s.base, s.size, s.first);
+        let (base, size, first, owner) = (s.base, s.size, s.first, s.stream);
         core.driver.free_segment(base, size)?;
+        core.graph_bytes(owner, size, true);
         self.index_remove(first);
         self.blocks.remove(first);
         self.segments.remove(seg);

@@ -9,7 +9,8 @@
 //!   at all: a failure part-way through growth undoes the chunk it was on and keeps the
 //!   chunks before it, mapped and accounted.
 //! - `unmapped` holds exactly the `Unmapped` blocks of the segment, keyed by address.
-//! - A segment's stream is synchronised before anything in it is unmapped.
+//! - A segment's stream is synchronised before anything in it is unmapped (for a graph pool's
+//!   segment, the whole device); a graph pool's memory is never moved to serve other growth.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -17,6 +18,7 @@ use super::{GrowError, Segment, SegmentKind, Shard};
 use crate::allocator::block::{BlockId, BlockState, NIL};
 use crate::allocator::config::SegmentMode;
 use crate::allocator::core::Core;
+use crate::allocator::graphs::is_pool_key;
 use crate::allocator::rules::{self, PoolKind};
 use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle, StreamId};
 use crate::error::{OomCause, Result};
@@ -108,8 +110,9 @@ impl Shard {
         // driver; remap: their pieces become spare, to be mapped here). A failure here only
         // means that less is moved.
         let want = match core.mode {
-            // A capture records the addresses it uses: grow, move nothing, while it runs.
-            _ if core.driver.is_capturing(stream) => 0,
+            // A capture records the addresses it uses: grow, move nothing, while it runs (a
+            // graph pool grows only during a capture).
+            _ if is_pool_key(stream) || core.driver.is_capturing(stream) => 0,
             SegmentMode::Remap => {
                 let g = core.granularity;
                 (rounded.div_ceil(g) * g).saturating_sub(self.spare_bytes())
@@ -188,6 +191,7 @@ impl Shard {
         if mapped == 0 {
             return Err(err.expect("nothing mapped means an error"));
         }
+        core.graph_bytes(stream, mapped, false);
         // The mapped front of the unmapped block becomes a free block, merged with its
         // neighbours; by the choice above the merged block holds the request.
         let id = self.split_front(u, mapped, seg);
@@ -237,7 +241,13 @@ impl Shard {
     /// Compact and remap modes: before growing by about `want` bytes, unmap that much free
     /// memory from this shard's virtual segments.
     fn release_for_growth<D: Driver>(&mut self, core: &Core<D>, want: u64) -> Result<()> {
-        let segs: Vec<u32> = self.reservations.iter().map(|&(_, _, seg)| seg).collect();
+        // Graph pools' memory is never moved: graphs replay at the addresses they captured.
+        let segs: Vec<u32> = self
+            .reservations
+            .iter()
+            .filter(|&&(owner, _, _)| !is_pool_key(owner))
+            .map(|&(_, _, seg)| seg)
+            .collect();
         let mut left = want;
         for seg in segs {
             if left == 0 {
@@ -280,7 +290,8 @@ impl Shard {
         if runs.is_empty() {
             return Ok(0);
         }
-        core.driver.sync_stream(s.stream)?;
+        let owner = s.stream;
+        core.sync_owner(owner)?;
         let mut released = 0;
         for (block, vas) in runs {
             // `cur` is the free block that still holds the mappings not yet unmapped.
@@ -309,6 +320,7 @@ impl Shard {
                     cur = self.carve_unmapped(id, lo, hi, seg);
                     core.ledger.on_unreserve(freed, false);
                     core.uncommit(freed);
+                    core.graph_bytes(owner, hi - lo, true);
                     released += hi - lo;
                 }
                 if let Some(e) = failed {

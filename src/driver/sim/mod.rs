@@ -29,8 +29,8 @@ mod streams;
 
 use self::faults::{Fault, Faults};
 use super::{
-    DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId, MemInfo,
-    PhysHandle, StreamId,
+    Capture, DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
+    MemInfo, PhysHandle, StreamId,
 };
 
 use crate::units::{GIB, MIB};
@@ -94,9 +94,9 @@ impl Process {
 struct StreamState {
     submitted: u64,
     completed: u64,
-    /// Capturing a graph: synchronising the stream or querying an event of it would
-    /// invalidate the capture, as in CUDA.
-    capturing: bool,
+    /// The capture this stream is part of: synchronising the stream or querying an event of
+    /// it would invalidate the capture, as in CUDA.
+    capture: Option<u64>,
     invalidated: bool,
 }
 
@@ -109,6 +109,7 @@ struct DeviceState {
     next_addr: u64,
     next_handle: u64,
     next_pid: u32,
+    next_capture: u64,
 }
 
 impl DeviceState {
@@ -146,6 +147,7 @@ impl SimDevice {
                 next_addr: 1 << 40,
                 next_handle: 1,
                 next_pid: 1000,
+                next_capture: 0,
             }),
         })
     }
@@ -586,7 +588,7 @@ impl Driver for SimDriver {
         self.count(DriverCall::RecordEvent)?;
         let mut st = self.device.state.lock();
         let s = st.streams.entry(stream).or_default();
-        let (target, captured) = (s.submitted, s.capturing);
+        let (target, captured) = (s.submitted, s.capture.is_some());
         let id = st.next_handle;
         st.next_handle += 1;
         st.events.insert(id, (stream, target, captured));
@@ -643,8 +645,29 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn is_capturing(&self, stream: StreamId) -> bool {
+    fn sync_device(&self) -> DriverResult<()> {
+        self.count(DriverCall::SyncDevice)?;
+        let mut st = self.device.state.lock();
+        let capturing: Vec<StreamId> = st
+            .streams
+            .iter()
+            .filter(|(_, s)| s.capture.is_some())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in capturing {
+            st.not_while_capturing(id, DriverCall::SyncDevice)?;
+        }
+        for s in st.streams.values_mut() {
+            s.completed = s.submitted;
+        }
+        Ok(())
+    }
+
+    fn capture(&self, stream: StreamId) -> Capture {
         let st = self.device.state.lock();
-        st.streams.get(&stream).is_some_and(|s| s.capturing)
+        match st.streams.get(&stream).and_then(|s| s.capture) {
+            Some(id) => Capture::Active(id),
+            None => Capture::None,
+        }
     }
 }

@@ -30,21 +30,38 @@ impl SimDevice {
         }
     }
 
-    /// Start capturing a graph on `stream`.
-    pub fn begin_capture(&self, stream: StreamId) {
+    /// Start capturing a graph on `stream`; returns the capture's id.
+    pub fn begin_capture(&self, stream: StreamId) -> u64 {
         let mut st = self.state.lock();
+        st.next_capture += 1;
+        let id = st.next_capture;
         let s = st.streams.entry(stream).or_default();
-        s.capturing = true;
+        s.capture = Some(id);
         s.invalidated = false;
+        id
+    }
+
+    /// Make `stream` part of the capture running on `capturing` (as waiting on an event
+    /// recorded in a capture does in CUDA); its capture ends with that one.
+    pub fn join_capture(&self, stream: StreamId, capturing: StreamId) {
+        let mut st = self.state.lock();
+        let id = st.streams.get(&capturing).and_then(|s| s.capture);
+        st.streams.entry(stream).or_default().capture = id;
     }
 
     /// End the capture on `stream`: whether it stayed valid (nothing synchronised the stream
     /// or queried or waited for an event recorded on it meanwhile).
     pub fn end_capture(&self, stream: StreamId) -> bool {
         let mut st = self.state.lock();
-        let s = st.streams.entry(stream).or_default();
-        s.capturing = false;
-        !s.invalidated
+        let id = st.streams.entry(stream).or_default().capture;
+        let mut valid = true;
+        for s in st.streams.values_mut() {
+            if id.is_some() && s.capture == id {
+                s.capture = None;
+                valid &= !s.invalidated;
+            }
+        }
+        valid && !st.streams[&stream].invalidated
     }
 }
 
@@ -56,7 +73,7 @@ impl DeviceState {
         call: DriverCall,
     ) -> DriverResult<()> {
         let s = self.streams.entry(stream).or_default();
-        if s.capturing {
+        if s.capture.is_some() {
             s.invalidated = true;
             return Err(DriverError::new(
                 call,

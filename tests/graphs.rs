@@ -1,0 +1,300 @@
+//! CUDA graph pools on the simulated device, in every segment mode: memory that allocations
+//! made during a capture got is never handed to anything outside the graph while the graph may
+//! replay (eager code on the capture stream, a capture into another pool), survives
+//! `empty_cache`, out-of-memory retries and moves, is shared by captures that share a pool,
+//! and goes back to the driver once the last graph that uses it is released. The ledger's
+//! graph figure is checked against a walk of the blocks, and the memory that appeared outside
+//! the allocator during a capture against what the simulated process added there.
+
+use vram_ledger::driver::sim::SimDriver;
+use vram_ledger::driver::{DriverCall, StreamId};
+use vram_ledger::units::MIB;
+use vram_ledger::{
+    invariants, Allocation, Allocator, Config, Error, GraphPool, Limit, SegmentMode, Tag,
+};
+
+const CAPTURE: StreamId = StreamId(0x100);
+const SIDE: StreamId = StreamId(0x180);
+const EAGER: StreamId = StreamId(0x200);
+const P: GraphPool = GraphPool(1, 0);
+const Q: GraphPool = GraphPool(2, 0);
+
+fn check(a: &Allocator<SimDriver>) {
+    let mut d = a.dump();
+    d.driver_held = Some(a.driver().held_bytes());
+    invariants::check(&d).unwrap();
+    // Two independent accounts of graph memory: the ledger's gauge, kept as memory is mapped
+    // and unmapped, and a walk of the segments now.
+    assert_eq!(
+        a.snapshot().graph_reserved_bytes.current,
+        a.graph_memory().reserved,
+        "graph gauge against the walk"
+    );
+}
+
+fn overlaps(x: &Allocation, y: &Allocation) -> bool {
+    x.ptr < y.ptr + y.size && y.ptr < x.ptr + x.size
+}
+
+fn alloc(a: &Allocator<SimDriver>, n: u64, s: StreamId) -> Allocation {
+    a.allocate_tagged(n, s, Tag::Activation).unwrap()
+}
+
+/// A capture into `pool` on CAPTURE: an intermediate buffer freed inside it and an output kept.
+/// Returns (intermediate, output).
+fn capture(a: &Allocator<SimDriver>, pool: GraphPool, n: u64) -> (Allocation, Allocation) {
+    let dev = a.driver().device().clone();
+    dev.begin_capture(CAPTURE);
+    a.begin_graph_pool(pool, CAPTURE).unwrap();
+    let tmp = alloc(a, n, CAPTURE);
+    let out = alloc(a, n / 2, CAPTURE);
+    a.free(tmp.ptr).unwrap();
+    assert!(
+        dev.end_capture(CAPTURE),
+        "the allocator spoiled the capture"
+    );
+    a.end_graph_pool(pool).unwrap();
+    (tmp, out)
+}
+
+#[test]
+fn graph_pool_memory_freed_in_a_capture_is_not_handed_to_eager_code() {
+    for mode in SegmentMode::ALL {
+        for n in [700, 3 * MIB, 40 * MIB] {
+            let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+            let (tmp, out) = capture(&a, P, n);
+            // The same request again, eagerly, on the capture stream and on another one: a
+            // cache that ignored the graph would hand back `tmp`'s block.
+            for s in [CAPTURE, EAGER] {
+                let e = alloc(&a, n, s);
+                assert!(
+                    !overlaps(&e, &tmp),
+                    "{mode} {n}: eager got the graph's memory"
+                );
+                assert!(!overlaps(&e, &out), "{mode} {n}");
+                a.free(e.ptr).unwrap();
+            }
+            assert_eq!(a.graph_memory().allocated, out.size, "{mode} {n}");
+            check(&a);
+        }
+    }
+}
+
+#[test]
+fn graph_pool_second_capture_into_another_pool_gets_other_memory() {
+    for mode in SegmentMode::ALL {
+        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let (tmp, out) = capture(&a, P, 10 * MIB);
+        let (tmp2, out2) = capture(&a, Q, 10 * MIB);
+        for x in [&tmp2, &out2] {
+            assert!(!overlaps(x, &tmp) && !overlaps(x, &out), "{mode}");
+        }
+        check(&a);
+    }
+}
+
+#[test]
+fn graph_pool_shared_by_two_captures_reuses_its_memory() {
+    for mode in SegmentMode::ALL {
+        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let (tmp, _out) = capture(&a, P, 10 * MIB);
+        let reserved = a.graph_memory().reserved;
+        // Graphs that share a pool replay one at a time, in capture order: the second may use
+        // what the first freed, as with PyTorch's allocator.
+        let (tmp2, _) = capture(&a, P, 10 * MIB);
+        assert_eq!(tmp2.ptr, tmp.ptr, "{mode}");
+        assert!(
+            a.graph_memory().reserved <= reserved + 5 * MIB + 2 * MIB,
+            "{mode}"
+        );
+        check(&a);
+    }
+}
+
+#[test]
+fn graph_pool_side_stream_of_a_capture_is_routed_too() {
+    for mode in SegmentMode::ALL {
+        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let dev = a.driver().device().clone();
+        dev.begin_capture(CAPTURE);
+        a.begin_graph_pool(P, CAPTURE).unwrap();
+        dev.join_capture(SIDE, CAPTURE);
+        let side = alloc(&a, 4 * MIB, SIDE);
+        a.free(side.ptr).unwrap();
+        assert!(dev.end_capture(CAPTURE));
+        a.end_graph_pool(P).unwrap();
+        let e = alloc(&a, 4 * MIB, SIDE);
+        assert!(
+            !overlaps(&e, &side),
+            "{mode}: the side stream reused the graph's memory"
+        );
+        check(&a);
+    }
+}
+
+#[test]
+fn graph_pool_memory_survives_empty_cache_retries_and_moves() {
+    for mode in SegmentMode::ALL {
+        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let (tmp, out) = capture(&a, P, 40 * MIB);
+        let held = a.graph_memory().reserved;
+        assert!(held >= tmp.size + out.size, "{mode}");
+        a.empty_cache().unwrap();
+        assert_eq!(
+            a.graph_memory().reserved,
+            held,
+            "{mode}: empty_cache released graph memory"
+        );
+        assert!(a.driver().is_accessible(tmp.ptr, tmp.size), "{mode}");
+        // Eager growth under a limit: the retry releases the cache, compact and remap move
+        // free memory; none of it may come from the graph.
+        a.set_limit(Some(Limit::Bytes(held + 64 * MIB))).unwrap();
+        let e = alloc(&a, 60 * MIB, EAGER);
+        let err = a
+            .allocate_tagged(200 * MIB, EAGER, Tag::Activation)
+            .unwrap_err();
+        assert!(matches!(err, Error::OutOfMemory(_)), "{mode}: {err}");
+        assert_eq!(a.graph_memory().reserved, held, "{mode}");
+        assert!(a.driver().is_accessible(tmp.ptr, tmp.size), "{mode}");
+        a.free(e.ptr).unwrap();
+        a.set_limit(None).unwrap();
+        check(&a);
+    }
+}
+
+#[test]
+fn graph_pool_release_gives_its_memory_back() {
+    for mode in SegmentMode::ALL {
+        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let (_tmp, out) = capture(&a, P, 40 * MIB);
+        // A second graph shares the pool: one release is not the last.
+        let (_, out2) = capture(&a, P, 8 * MIB);
+        a.free(out2.ptr).unwrap();
+        a.release_graph_pool(P).unwrap();
+        assert!(a.graph_memory().reserved > 0, "{mode}");
+        let syncs = a.driver().calls(DriverCall::SyncDevice);
+        a.release_graph_pool(P).unwrap();
+        assert!(
+            a.driver().calls(DriverCall::SyncDevice) > syncs || mode == SegmentMode::Native,
+            "{mode}: unmapped before the device finished replaying"
+        );
+        // What is still allocated stays, in the pool, until freed.
+        assert!(a.driver().is_accessible(out.ptr, out.size), "{mode}");
+        assert_eq!(a.graph_memory().allocated, out.size, "{mode}");
+        check(&a);
+        a.free(out.ptr).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(a.driver().held_bytes(), 0, "{mode}");
+        assert_eq!(a.snapshot().graph_reserved_bytes.current, 0, "{mode}");
+        assert!(a.snapshot().graph_reserved_bytes.peak >= 40 * MIB, "{mode}");
+        check(&a);
+        assert!(matches!(
+            a.release_graph_pool(P),
+            Err(Error::UnknownGraphPool(_))
+        ));
+    }
+}
+
+#[test]
+fn graph_pool_release_fault_loses_nothing() {
+    for mode in SegmentMode::ALL {
+        for call in [
+            DriverCall::SyncDevice,
+            DriverCall::Unmap,
+            DriverCall::ReleasePhysical,
+            DriverCall::FreeSegment,
+            DriverCall::ReleaseVa,
+        ] {
+            let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+            let (_tmp, out) = capture(&a, P, 40 * MIB);
+            a.free(out.ptr).unwrap();
+            a.driver().fail_nth(call, 1);
+            let r = a.release_graph_pool(P);
+            a.driver().clear_faults();
+            check(&a);
+            // Whether or not the fault hit, what was not released is accounted (the check
+            // above) and goes with the cache.
+            a.empty_cache().unwrap();
+            assert_eq!(
+                a.driver().held_bytes(),
+                0,
+                "{mode} {call} {r:?} {:?}",
+                a.dump()
+            );
+            check(&a);
+        }
+    }
+}
+
+#[test]
+fn graph_pool_outside_memory_of_a_capture_is_measured() {
+    let a = Allocator::new(SimDriver::new(), Config::with_mode(SegmentMode::Native)).unwrap();
+    let dev = a.driver().device().clone();
+    a.driver().alloc_external(30 * MIB).unwrap(); // before: not the graph's
+    dev.begin_capture(CAPTURE);
+    a.begin_graph_pool(P, CAPTURE).unwrap();
+    let x = alloc(&a, 5 * MIB, CAPTURE);
+    assert!(dev.end_capture(CAPTURE));
+    a.driver().alloc_external(82 * MIB).unwrap(); // instantiation
+    a.end_graph_pool(P).unwrap();
+    a.driver().alloc_external(7 * MIB).unwrap(); // after: not the graph's either
+    let s = a.snapshot();
+    assert_eq!(s.graph_outside_bytes, 82 * MIB);
+    assert_eq!(s.graph_reserved_bytes.current, a.graph_memory().reserved);
+    assert!(a.graph_memory().reserved >= x.size);
+}
+
+#[test]
+fn graph_pool_calls_out_of_order_are_errors() {
+    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    assert!(matches!(
+        a.begin_graph_pool(P, CAPTURE),
+        Err(Error::NotCapturing(_))
+    ));
+    assert!(matches!(
+        a.end_graph_pool(P),
+        Err(Error::UnknownGraphPool(_))
+    ));
+    assert!(matches!(
+        a.release_graph_pool(Q),
+        Err(Error::UnknownGraphPool(_))
+    ));
+    // Without routing, nothing changes for allocations.
+    let x = alloc(&a, MIB, CAPTURE);
+    a.free(x.ptr).unwrap();
+    check(&a);
+}
+
+#[test]
+fn graph_pool_figures_in_the_profile_report() {
+    use vram_ledger::profile::{ProfileOptions, Profiler};
+    let a = Allocator::new(SimDriver::new(), Config::with_mode(SegmentMode::Expandable)).unwrap();
+    let p = Profiler::new(&a).unwrap();
+    let scope = p
+        .begin(ProfileOptions {
+            utilization: 0.5,
+            ..ProfileOptions::default()
+        })
+        .unwrap();
+    let x = alloc(&a, 300 * MIB, EAGER);
+    a.free(x.ptr).unwrap();
+    let (_tmp, _out) = capture(&a, P, 24 * MIB);
+    // What the simulated process adds outside the allocator while a graph is captured and
+    // instantiated, then outside any capture.
+    let dev = a.driver().device().clone();
+    dev.begin_capture(CAPTURE);
+    a.begin_graph_pool(P, CAPTURE).unwrap();
+    assert!(dev.end_capture(CAPTURE));
+    a.driver().alloc_external(64 * MIB).unwrap();
+    a.end_graph_pool(P).unwrap();
+    a.driver().alloc_external(10 * MIB).unwrap();
+    let r = scope.end().unwrap();
+    assert_eq!(r.graph_pools, a.graph_memory().reserved);
+    assert!(r.graph_pools >= 36 * MIB, "{}", r.graph_pools);
+    assert_eq!(r.graph_outside, 64 * MIB);
+    assert!(r.non_allocator >= 74 * MIB);
+    assert!(r
+        .report_lines()
+        .iter()
+        .any(|l| l.starts_with("CUDA graphs: ")));
+}
