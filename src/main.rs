@@ -26,8 +26,9 @@ struct ReplayArgs {
     /// The snapshot file.
     #[arg(required_unless_present = "list_modes")]
     file: Option<std::path::PathBuf>,
-    /// Allocation policy; "all" replays every mode.
-    #[arg(long, default_value = "native")]
+    /// Allocation policy; "all" (the default) replays every mode and compares them in one
+    /// table; a mode's name shows that mode in detail.
+    #[arg(long, default_value = "all")]
     mode: String,
     /// Simulated device memory in bytes (K/M/G suffixes allowed); default an H200's.
     #[arg(long)]
@@ -230,6 +231,8 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
         );
     }
     let mut first = None;
+    let mut all = Vec::new();
+    let detail = modes.len() == 1;
     for m in modes {
         let opts = replay::ReplayOptions {
             mode: m,
@@ -252,10 +255,16 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
         }
         if json {
             println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
-        } else {
+        } else if detail {
             print!("{}", replay_table(&r));
         }
-        first.get_or_insert(r);
+        if first.is_none() {
+            first = Some(r.clone());
+        }
+        all.push(r);
+    }
+    if !json && !detail {
+        print!("{}", compare_table(&all));
     }
     if let (Some(out), Some(r)) = (&args.svg, first) {
         let title = format!(
@@ -268,6 +277,62 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
             .map_err(|e| format!("cannot write {}: {e}", out.display()))?;
     }
     Ok(())
+}
+
+/// Every mode in one table, beside what PyTorch recorded; the best mode is marked: the lowest
+/// fragmentation among the modes within twice PyTorch's estimated driver time (or overall, if
+/// none is).
+fn compare_table(rs: &[replay::ReplayResult]) -> String {
+    let Some(r0) = rs.first() else {
+        return String::new();
+    };
+    let torch_s = r0.torch_driver_seconds;
+    let within = |r: &&replay::ReplayResult| r.driver_seconds <= 2.0 * torch_s;
+    let by_ratio = |a: &&replay::ReplayResult, b: &&replay::ReplayResult| {
+        a.fragmentation_ratio.total_cmp(&b.fragmentation_ratio)
+    };
+    let best = rs
+        .iter()
+        .filter(within)
+        .min_by(by_ratio)
+        .or_else(|| rs.iter().min_by(by_ratio))
+        .map(|r| r.mode);
+    let mut s = format!(
+        "\npeak live {} (until free_completed)\n  {:<20} {:>14} {:>10} {:>12} {:>16} {:>10}\n",
+        Bytes(r0.peak_live),
+        "",
+        "peak reserved",
+        "res/live",
+        "driver calls",
+        "est. driver time",
+        "vs PyTorch"
+    );
+    s += &format!(
+        "  {:<20} {:>14} {:>10.4} {:>12} {:>13.2} ms {:>10}\n",
+        "PyTorch (recorded)",
+        Bytes(r0.torch_peak_reserved),
+        r0.torch_fragmentation_ratio,
+        r0.torch_driver_calls.total(),
+        torch_s * 1e3,
+        "1.00x"
+    );
+    for r in rs {
+        let name = if Some(r.mode) == best {
+            format!("{} (best)", r.mode.name())
+        } else {
+            r.mode.name().to_string()
+        };
+        s += &format!(
+            "  {:<20} {:>14} {:>10.4} {:>12} {:>13.2} ms {:>9.2}x\n",
+            name,
+            Bytes(r.peak_reserved),
+            r.fragmentation_ratio,
+            r.driver_calls.total(),
+            r.driver_seconds * 1e3,
+            r.driver_seconds / torch_s.max(1e-12)
+        );
+    }
+    s
 }
 
 fn replay_table(r: &replay::ReplayResult) -> String {

@@ -115,6 +115,11 @@ pub struct Config {
     /// the granularity; default 88 MiB). Smaller pieces can be moved more finely (less
     /// fragmentation) but cost more map calls; the README has the measured trade-off.
     pub remap_piece: Option<u64>,
+    /// Compact and remap modes: before growing, also take free memory that other streams'
+    /// shards hold (unmapped where it lies wholly in free blocks, after the device is
+    /// synchronised), so that memory cached for one stream serves another. Off by default
+    /// until its device synchronisations are measured on a GPU; replay turns it on.
+    pub move_across_streams: bool,
 }
 
 impl Config {

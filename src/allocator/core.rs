@@ -41,6 +41,8 @@ pub(crate) struct Core<D> {
     /// Remap mode: the largest piece of the large pool mapped by one `cuMemMap`.
     pub(crate) remap_piece: u64,
     pub(crate) max_split: u64,
+    /// [`super::Config::move_across_streams`].
+    pub(crate) across_streams: bool,
     pub(crate) granularity: u64,
     pub(crate) device_total: u64,
     pub(crate) limit: AtomicU64,
@@ -71,6 +73,7 @@ impl<D: Driver> Core<D> {
             ledger,
             mode: config.mode,
             max_split: config.max_split_size.unwrap_or(u64::MAX),
+            across_streams: config.move_across_streams,
             device_total,
             limit: AtomicU64::new(NONE),
             cap: AtomicU64::new(NONE),

@@ -20,6 +20,7 @@ mod config;
 mod core;
 pub(crate) mod free_index;
 mod graphs;
+mod moves;
 mod planted;
 pub mod rules;
 mod shard;
@@ -238,6 +239,10 @@ impl<D: Driver> Allocator<D> {
         tag: Tag,
     ) -> Result<std::result::Result<Allocation, OomCause>> {
         let grown = if self.core.is_virtual() {
+            let left = sh.make_room(&self.core, owner, rounded);
+            if left > 0 && self.core.across_streams {
+                self.room_from_other_shards(sh, left);
+            }
             sh.grow_virtual(&self.core, owner, rounded)
         } else {
             sh.grow_plain(&self.core, owner, rounded)

@@ -64,6 +64,14 @@ impl<T> SpinLock<T> {
         }
     }
 
+    /// Take the lock if it is free now; `None` when another thread holds it or it is poisoned.
+    pub(crate) fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
+        self.state
+            .compare_exchange(FREE, LOCKED, Ordering::Acquire, Ordering::Relaxed)
+            .ok()
+            .map(|_| SpinGuard::new(self))
+    }
+
     /// Held by another thread (wait), or poisoned (refuse, leaving the poison in place).
     #[cold]
     fn lock_slow(&self) -> Result<SpinGuard<'_, T>, Poisoned> {

@@ -51,6 +51,11 @@ impl DriverCalls {
         self.0[call.index()] += n;
     }
 
+    /// Every call, of every kind.
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+
     /// Calls that obtain device memory: plain segments and physical allocations.
     pub fn memory_allocations(&self) -> u64 {
         self[DriverCall::AllocSegment] + self[DriverCall::CreatePhysical]

@@ -13,6 +13,7 @@
 //! tables without lifetimes or heap allocation. [`counting::Counting`] wraps any driver and
 //! counts the calls made through it.
 
+pub mod cost;
 pub mod counting;
 pub mod cuda;
 pub mod nvml;

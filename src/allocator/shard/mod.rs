@@ -37,7 +37,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 pub use self::check::PoolStats;
 pub(crate) use self::spare::Spare;
-pub(crate) use self::vmm::VirtualMap;
+pub(crate) use self::vmm::{note_move_failure, VirtualMap};
 use super::block::{Arena, Block, BlockId, BlockState, NIL};
 use super::core::{Allocation, Core};
 use super::free_index::FreeIndex;

@@ -105,29 +105,6 @@ impl Shard {
     ) -> std::result::Result<BlockId, GrowError> {
         let pool = rules::pool_for(rounded);
         let seg = self.reservation(core, stream, pool)?;
-        // Move memory rather than add it: free mappings of this shard are unmapped first, so
-        // that reserved bytes follow live bytes (compact: their memory goes back to the
-        // driver; remap: their pieces become spare, to be mapped here). A failure here only
-        // means that less is moved.
-        let want = match core.mode {
-            // A capture records the addresses it uses: grow, move nothing, while it runs (a
-            // graph pool grows only during a capture).
-            _ if is_pool_key(stream) || core.driver.is_capturing(stream) => 0,
-            SegmentMode::Remap => {
-                let g = core.granularity;
-                (rounded.div_ceil(g) * g).saturating_sub(self.spare_bytes())
-            }
-            SegmentMode::Compact => rounded,
-            _ => 0,
-        };
-        if want > 0 {
-            if let Err(e) = self.release_for_growth(core, want) {
-                core.ledger
-                    .move_failures
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tracing::debug!(error = %e, "could not release free mappings before growing");
-            }
-        }
         let v = self.segments.get(seg).virt();
         let (unit, per_unit) = (v.unit, v.per_unit);
         // The lowest unmapped range that, with the free blocks on either side, holds the
@@ -238,9 +215,54 @@ impl Shard {
         (done, None)
     }
 
-    /// Compact and remap modes: before growing by about `want` bytes, unmap that much free
-    /// memory from this shard's virtual segments.
-    fn release_for_growth<D: Driver>(&mut self, core: &Core<D>, want: u64) -> Result<()> {
+    /// Compact and remap modes, before growing for `stream`: move memory rather than add it.
+    /// Free mappings of this shard are unmapped first, so that reserved bytes follow live bytes
+    /// (compact: their memory goes back to the driver; remap: their pieces become spare, to be
+    /// mapped here). Returns the bytes still wanted. A failure only means that less is moved.
+    pub(crate) fn make_room<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        stream: StreamId,
+        rounded: u64,
+    ) -> u64 {
+        let want = self.room_wanted(core, stream, rounded);
+        if want == 0 {
+            return 0;
+        }
+        match self.release_for_growth(core, want, false) {
+            Ok(got) => want.saturating_sub(got),
+            Err(e) => {
+                note_move_failure(core, &e);
+                want
+            }
+        }
+    }
+
+    /// How much memory growth for `stream` should move before it adds any.
+    fn room_wanted<D: Driver>(&self, core: &Core<D>, stream: StreamId, rounded: u64) -> u64 {
+        match core.mode {
+            // A capture records the addresses it uses: grow, move nothing, while it runs (a
+            // graph pool grows only during a capture).
+            _ if is_pool_key(stream) || core.driver.is_capturing(stream) => 0,
+            SegmentMode::Remap => {
+                let g = core.granularity;
+                (rounded.div_ceil(g) * g).saturating_sub(self.spare_bytes())
+            }
+            SegmentMode::Compact => rounded,
+            _ => 0,
+        }
+    }
+
+    /// Unmap about `want` bytes of free memory from this shard's virtual segments (not graph
+    /// pools'); returns the bytes unmapped. With `device_sync`, the whole device is synchronised
+    /// before an unmap instead of the segment's stream (for another stream's growth: a stream
+    /// handle seen earlier may have been destroyed since; the device cannot be).
+    pub(crate) fn release_for_growth<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        want: u64,
+        device_sync: bool,
+    ) -> Result<u64> {
         // Graph pools' memory is never moved: graphs replay at the addresses they captured.
         let segs: Vec<u32> = self
             .reservations
@@ -253,9 +275,9 @@ impl Shard {
             if left == 0 {
                 break;
             }
-            left = left.saturating_sub(self.release_free_mappings(core, seg, left)?);
+            left = left.saturating_sub(self.release_free_mappings(core, seg, left, device_sync)?);
         }
-        Ok(())
+        Ok(want - left)
     }
 
     /// Unmap mappings that lie wholly inside free blocks of `seg`, until at least `budget`
@@ -267,6 +289,7 @@ impl Shard {
         core: &Core<D>,
         seg: u32,
         budget: u64,
+        device_sync: bool,
     ) -> Result<u64> {
         // Runs of contiguous mappings inside each free block.
         let mut runs: Vec<(BlockId, Vec<DevicePtr>)> = Vec::new();
@@ -291,7 +314,11 @@ impl Shard {
             return Ok(0);
         }
         let owner = s.stream;
-        core.sync_owner(owner)?;
+        if device_sync {
+            core.driver.sync_device()?;
+        } else {
+            core.sync_owner(owner)?;
+        }
         let mut released = 0;
         for (block, vas) in runs {
             // `cur` is the free block that still holds the mappings not yet unmapped.
@@ -454,7 +481,7 @@ impl Shard {
     /// Unmap every free mapping of `seg`, and give its reservation back once nothing in it is
     /// mapped.
     pub(super) fn shrink_virtual<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {
-        self.release_free_mappings(core, seg, u64::MAX)?;
+        self.release_free_mappings(core, seg, u64::MAX, false)?;
         let s = self.segments.get(seg);
         let b = &self.blocks[s.first];
         if b.state != BlockState::Unmapped || b.next != NIL {
@@ -494,4 +521,12 @@ fn map_one<D: Driver>(
         return Err(e);
     }
     Ok(h)
+}
+
+/// A move that failed: counted, and the allocation takes new memory instead.
+pub(crate) fn note_move_failure<D: Driver>(core: &Core<D>, e: &crate::error::Error) {
+    core.ledger
+        .move_failures
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tracing::debug!(error = %e, "could not release free mappings before growing");
 }

@@ -182,6 +182,7 @@ impl SimDevice {
             device: Arc::clone(self),
             pid,
             faults: Faults::default(),
+            host_ns: Default::default(),
         })
     }
 
@@ -204,6 +205,8 @@ pub struct SimDriver {
     device: Arc<SimDevice>,
     pid: u32,
     faults: Faults,
+    /// Estimated host time of the calls made, in nanoseconds (see [`crate::driver::cost`]).
+    host_ns: std::sync::atomic::AtomicU64,
 }
 
 impl SimDriver {
@@ -225,6 +228,12 @@ impl SimDriver {
 
     pub fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// The host time the calls made so far would have taken on an H200, in seconds (an
+    /// estimate from measured per-call costs: [`crate::driver::cost`]).
+    pub fn estimated_host_seconds(&self) -> f64 {
+        self.host_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9
     }
 
     /// How many times `call` was made.
@@ -314,7 +323,21 @@ impl SimDriver {
         true
     }
 
-    fn count(&self, call: DriverCall) -> DriverResult<()> {
+    /// The size of a physical handle of this process (0 if unknown).
+    fn handle_bytes(&self, handle: PhysHandle) -> u64 {
+        let st = self.device.state.lock();
+        st.processes[&self.pid]
+            .phys
+            .get(&handle.0)
+            .map_or(0, |p| p.bytes)
+    }
+
+    /// Count `call` on `bytes` (0 when the call has no size), charge its estimated host time,
+    /// and fail it if a fault is planted.
+    fn count(&self, call: DriverCall, bytes: u64) -> DriverResult<()> {
+        let ns = (crate::driver::cost::host_seconds(call, bytes) * 1e9).round() as u64;
+        self.host_ns
+            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
         self.faults.count(call)
     }
 
@@ -360,7 +383,7 @@ impl Driver for SimDriver {
 
     fn alloc_segment(&self, bytes: u64, _stream: StreamId) -> DriverResult<DevicePtr> {
         const CALL: DriverCall = DriverCall::AllocSegment;
-        self.count(CALL)?;
+        self.count(CALL, bytes)?;
         if bytes == 0 {
             return Err(Self::invalid(CALL, "zero-byte segment"));
         }
@@ -377,7 +400,7 @@ impl Driver for SimDriver {
 
     fn free_segment(&self, ptr: DevicePtr, bytes: u64) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::FreeSegment;
-        self.count(CALL)?;
+        self.count(CALL, bytes)?;
         let mut st = self.device.state.lock();
         let p = st.processes.get_mut(&self.pid).expect("process exists");
         match p.segments.get(&ptr) {
@@ -399,7 +422,7 @@ impl Driver for SimDriver {
 
     fn reserve_va(&self, bytes: u64) -> DriverResult<DevicePtr> {
         const CALL: DriverCall = DriverCall::ReserveVa;
-        self.count(CALL)?;
+        self.count(CALL, 0)?;
         let g = self.device.config.granularity;
         if bytes == 0 || !bytes.is_multiple_of(g) {
             return Err(Self::invalid(
@@ -419,7 +442,7 @@ impl Driver for SimDriver {
 
     fn release_va(&self, ptr: DevicePtr, bytes: u64) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::ReleaseVa;
-        self.count(CALL)?;
+        self.count(CALL, 0)?;
         let mut st = self.device.state.lock();
         let p = st.processes.get_mut(&self.pid).expect("process exists");
         if p.reservations.get(&ptr) != Some(&bytes) {
@@ -437,7 +460,7 @@ impl Driver for SimDriver {
 
     fn create_physical(&self, bytes: u64) -> DriverResult<PhysHandle> {
         const CALL: DriverCall = DriverCall::CreatePhysical;
-        self.count(CALL)?;
+        self.count(CALL, bytes)?;
         let g = self.device.config.granularity;
         if bytes == 0 || !bytes.is_multiple_of(g) {
             return Err(Self::invalid(
@@ -466,7 +489,7 @@ impl Driver for SimDriver {
 
     fn release_physical(&self, handle: PhysHandle) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::ReleasePhysical;
-        self.count(CALL)?;
+        self.count(CALL, self.handle_bytes(handle))?;
         let mut st = self.device.state.lock();
         let p = st.processes.get_mut(&self.pid).expect("process exists");
         match p.phys.get_mut(&handle.0) {
@@ -483,7 +506,7 @@ impl Driver for SimDriver {
 
     fn map(&self, va: DevicePtr, bytes: u64, handle: PhysHandle) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::Map;
-        self.count(CALL)?;
+        self.count(CALL, bytes)?;
         let g = self.device.config.granularity;
         let mut st = self.device.state.lock();
         let p = st.processes.get_mut(&self.pid).expect("process exists");
@@ -529,7 +552,7 @@ impl Driver for SimDriver {
 
     fn set_access(&self, va: DevicePtr, bytes: u64) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::SetAccess;
-        self.count(CALL)?;
+        self.count(CALL, bytes)?;
         let mut st = self.device.state.lock();
         let p = st.processes.get_mut(&self.pid).expect("process exists");
         let mut cursor = va;
@@ -547,7 +570,7 @@ impl Driver for SimDriver {
 
     fn unmap(&self, va: DevicePtr, bytes: u64) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::Unmap;
-        self.count(CALL)?;
+        self.count(CALL, bytes)?;
         let mut st = self.device.state.lock();
         let p = st.processes.get_mut(&self.pid).expect("process exists");
         let m = match p.mappings.get(&va) {
@@ -568,7 +591,7 @@ impl Driver for SimDriver {
     }
 
     fn mem_info(&self) -> DriverResult<MemInfo> {
-        self.count(DriverCall::MemInfo)?;
+        self.count(DriverCall::MemInfo, 0)?;
         let st = self.device.state.lock();
         let total = self.device.config.capacity;
         Ok(MemInfo {
@@ -578,14 +601,14 @@ impl Driver for SimDriver {
     }
 
     fn process_usage(&self) -> DriverResult<Option<u64>> {
-        self.count(DriverCall::ProcessUsage)?;
+        self.count(DriverCall::ProcessUsage, 0)?;
         let st = self.device.state.lock();
         let p = &st.processes[&self.pid];
         Ok(p.usage_visible.then(|| p.usage()))
     }
 
     fn record_event(&self, stream: StreamId) -> DriverResult<EventId> {
-        self.count(DriverCall::RecordEvent)?;
+        self.count(DriverCall::RecordEvent, 0)?;
         let mut st = self.device.state.lock();
         let s = st.streams.entry(stream).or_default();
         let (target, captured) = (s.submitted, s.capture.is_some());
@@ -597,7 +620,7 @@ impl Driver for SimDriver {
 
     fn query_event(&self, event: EventId) -> DriverResult<bool> {
         const CALL: DriverCall = DriverCall::QueryEvent;
-        self.count(CALL)?;
+        self.count(CALL, 0)?;
         let mut st = self.device.state.lock();
         let (stream, target, captured) = *st
             .events
@@ -611,7 +634,7 @@ impl Driver for SimDriver {
 
     fn wait_event(&self, event: EventId) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::WaitEvent;
-        self.count(CALL)?;
+        self.count(CALL, 0)?;
         let mut st = self.device.state.lock();
         let (stream, target, captured) = *st
             .events
@@ -628,7 +651,7 @@ impl Driver for SimDriver {
 
     fn destroy_event(&self, event: EventId) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::DestroyEvent;
-        self.count(CALL)?;
+        self.count(CALL, 0)?;
         let mut st = self.device.state.lock();
         st.events
             .remove(&event.0)
@@ -637,7 +660,7 @@ impl Driver for SimDriver {
     }
 
     fn sync_stream(&self, stream: StreamId) -> DriverResult<()> {
-        self.count(DriverCall::SyncStream)?;
+        self.count(DriverCall::SyncStream, 0)?;
         let mut st = self.device.state.lock();
         st.not_while_capturing(stream, DriverCall::SyncStream)?;
         let s = st.streams.entry(stream).or_default();
@@ -646,7 +669,7 @@ impl Driver for SimDriver {
     }
 
     fn sync_device(&self) -> DriverResult<()> {
-        self.count(DriverCall::SyncDevice)?;
+        self.count(DriverCall::SyncDevice, 0)?;
         let mut st = self.device.state.lock();
         let capturing: Vec<StreamId> = st
             .streams
