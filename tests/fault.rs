@@ -165,6 +165,8 @@ fn fresh(mode: SegmentMode) -> Allocator<SimDriver> {
         drv,
         Config {
             mode,
+            // The moves between streams' shards make driver calls too (compact, remap).
+            move_across_streams: true,
             ..Default::default()
         },
     )

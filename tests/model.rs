@@ -307,6 +307,15 @@ fn run(mode: SegmentMode, ops: Vec<Op>) -> Result<(), TestCaseError> {
 }
 
 fn run_with(mode: SegmentMode, max_split: Option<u64>, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    run_config(mode, max_split, false, ops)
+}
+
+fn run_config(
+    mode: SegmentMode,
+    max_split: Option<u64>,
+    move_across_streams: bool,
+    ops: Vec<Op>,
+) -> Result<(), TestCaseError> {
     let drv = SimDriver::with_config(SimConfig {
         capacity: GIB,
         context_overhead: 64 * MIB,
@@ -317,6 +326,7 @@ fn run_with(mode: SegmentMode, max_split: Option<u64>, ops: Vec<Op>) -> Result<(
         Config {
             mode,
             max_split_size: max_split,
+            move_across_streams,
             ..Default::default()
         },
     )
@@ -525,6 +535,14 @@ proptest! {
     #[test]
     fn model_expandable_segments_max_split(ops in proptest::collection::vec(op_strategy(), 1..80)) {
         run_with(SegmentMode::Expandable, Some(32 * MIB), ops)?;
+    }
+
+    // Free memory of other streams' shards taken before growing (streams 1 and 2 have shards
+    // of their own).
+    #[test]
+    fn model_compact_and_remap_moving_across_streams(ops in proptest::collection::vec(op_strategy(), 1..80)) {
+        run_config(SegmentMode::Compact, None, true, ops.clone())?;
+        run_config(SegmentMode::Remap, None, true, ops)?;
     }
 
     #[test]

@@ -54,6 +54,8 @@ fn stress(mode: SegmentMode) {
             drv,
             Config {
                 mode,
+                // Threads on other shards take each other's free memory (compact, remap).
+                move_across_streams: true,
                 ..Default::default()
             },
         )

@@ -42,7 +42,7 @@ fn check(a: &Allocator<SimDriver>) {
 fuzz_target!(|input: Input| {
     let mode = [SegmentMode::Native, SegmentMode::Expandable, SegmentMode::Compact, SegmentMode::Remap][input.mode as usize % 4];
     let drv = SimDriver::with_config(SimConfig { capacity: 2 * GIB, context_overhead: 64 * MIB, ..Default::default() });
-    let a = Allocator::new(drv, Config { mode, ..Default::default() }).unwrap();
+    let a = Allocator::new(drv, Config { mode, move_across_streams: input.mode & 4 != 0, ..Default::default() }).unwrap();
     let dev = a.driver().device().clone();
     let mut live = Vec::new();
     for op in input.ops.into_iter().take(200) {
