@@ -188,6 +188,16 @@ pub fn created() -> impl Iterator<Item = &'static Device> {
         .filter_map(|s| s.get().copied())
 }
 
+/// The devices used so far with their ordinals, in ordinal order.
+pub fn created_ordinals() -> impl Iterator<Item = (usize, &'static Device)> {
+    REGISTRY
+        .get()
+        .and_then(|r| r.as_ref().ok())
+        .into_iter()
+        .flat_map(|s| s.iter().enumerate())
+        .filter_map(|(i, s)| Some((i, *s.get()?)))
+}
+
 fn wrong_backend(ordinal: usize, wanted: Backend) -> Error {
     Error::WrongBackend {
         ordinal,

@@ -11,8 +11,9 @@
 //! - Device state comes from [`crate::devices`], the registry the Rust API uses too: a device
 //!   used from Rust and from C has one allocator and one ledger.
 //! - Every failure is a return value (NULL, -1, or nothing for `void` functions) plus a
-//!   readable message from `vram_ledger_last_error()` on the failing thread; the allocator
-//!   keeps working.
+//!   readable message from `vram_ledger_last_error()` on the failing thread, and a warning in
+//!   the log (stderr unless the host installed its own `tracing` subscriber; `VRAM_LEDGER_LOG`
+//!   sets the level); the allocator keeps working.
 //! - Strings returned to the caller are owned by it and given back with
 //!   `vram_ledger_string_free`; the last-error string stays valid until the next call that
 //!   fails on the same thread.
@@ -67,9 +68,28 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
         .unwrap_or("unknown panic")
 }
 
-/// Run `f`, turning errors and panics into `on_err` and a last-error message. Building and
-/// storing the message runs under `catch_unwind` too: a panic there (an allocation failure,
-/// say) leaves the static [`UNRECORDED`] message instead, and never unwinds into C.
+/// Install the library's log output for processes that reach it through the C ABI (a Rust
+/// host has its own subscriber, which is kept): stderr, filtered by `VRAM_LEDGER_LOG` (an
+/// `EnvFilter` directive such as `debug` or `vram_ledger=info`; warnings and errors when
+/// unset). Called where a process starts using the library and on every failure, never on the
+/// cached path.
+fn ensure_logging() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let filter = tracing_subscriber::EnvFilter::try_from_env("VRAM_LEDGER_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .try_init();
+    });
+}
+
+/// Run `f`, turning errors and panics into `on_err` and a last-error message, logged at warn
+/// level (so that a failure of a `void` entry point, which returns nothing to check, is never
+/// silent). Building and storing the message runs under `catch_unwind` too: a panic there (an
+/// allocation failure, say) leaves the static [`UNRECORDED`] message instead, and never
+/// unwinds into C.
 fn guard<T>(on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
     let run = || {
         let msg = match catch_unwind(AssertUnwindSafe(f)) {
@@ -80,6 +100,8 @@ fn guard<T>(on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
                 panic_message(&*panic)
             ),
         };
+        ensure_logging();
+        tracing::warn!("{msg}");
         let c = CString::new(msg.replace('\0', " ")).unwrap_or_else(|_| UNRECORDED.into());
         set_error(Cow::Owned(c));
         None
@@ -223,10 +245,7 @@ pub unsafe extern "C" fn vram_ledger_free(
 ) {
     guard((), || {
         let r = on_device!(state(device)?, d => d.allocator().free_on(ptr as u64, StreamId(stream as u64)));
-        r.map_err(|e| {
-            tracing::error!(device, "free failed: {e}");
-            e.to_string()
-        })
+        r.map_err(|e| format!("free of {ptr:?} on device {device} failed: {e}"))
     })
 }
 
@@ -235,6 +254,7 @@ pub unsafe extern "C" fn vram_ledger_free(
 /// with its first use.
 #[no_mangle]
 pub extern "C" fn vram_ledger_init(device: c_int) {
+    ensure_logging();
     guard((), || device_index(device).map(|_| ()));
 }
 
@@ -289,6 +309,7 @@ pub unsafe extern "C" fn vram_ledger_record_stream(ptr: *mut c_void, stream: *mu
 /// `mode` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
 #[no_mangle]
 pub unsafe extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
+    ensure_logging();
     guard(-1, || {
         // SAFETY: `mode` is NULL or NUL-terminated, by this function's contract.
         let mode: SegmentMode = unsafe { c_str(mode, "mode") }?
@@ -416,6 +437,24 @@ pub extern "C" fn vram_ledger_empty_cache(device: c_int) -> c_int {
         on_device!(state(device)?, d => d.allocator().empty_cache())
             .map(|()| 0)
             .map_err(|e| e.to_string())
+    })
+}
+
+/// Every device in use, in Prometheus' text exposition format (see [`crate::metrics`] for the
+/// names); the caller frees the string with `vram_ledger_string_free`.
+#[no_mangle]
+pub extern "C" fn vram_ledger_metrics() -> *mut c_char {
+    guard(std::ptr::null_mut(), || {
+        let devices: Vec<crate::metrics::DeviceMetrics> = devices::created_ordinals()
+            .map(|(ordinal, s)| {
+                on_device!(s, d => crate::metrics::DeviceMetrics {
+                    device: ordinal,
+                    snapshot: d.allocator().snapshot(),
+                    cap: d.allocator().cap(),
+                })
+            })
+            .collect();
+        Ok(into_c_string(crate::metrics::prometheus(&devices)))
     })
 }
 

@@ -30,6 +30,7 @@ pub mod ffi;
 pub mod invariants;
 pub mod kernels;
 pub mod ledger;
+pub mod metrics;
 pub mod profile;
 pub mod replay;
 pub mod report;

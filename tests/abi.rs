@@ -16,6 +16,8 @@ fn setup() {
     ONCE.call_once(|| {
         std::env::set_var("VRAM_LEDGER_DRIVER", "sim");
         std::env::set_var("VRAM_LEDGER_SIM_DEVICES", "8");
+        // Every failure here is deliberate: keep the log they would each write quiet.
+        std::env::set_var("VRAM_LEDGER_LOG", "off");
     });
 }
 

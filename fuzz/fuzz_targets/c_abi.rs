@@ -35,6 +35,8 @@ fuzz_target!(|calls: Vec<Call>| {
     ONCE.call_once(|| {
         std::env::set_var("VRAM_LEDGER_DRIVER", "sim");
         std::env::set_var("VRAM_LEDGER_SIM_DEVICES", "2");
+        // Every failure here is deliberate: keep the log they would each write quiet.
+        std::env::set_var("VRAM_LEDGER_LOG", "off");
     });
     let mut live: Vec<(*mut c_void, i32)> = Vec::new();
     for c in calls.into_iter().take(100) {

@@ -15,16 +15,65 @@ import pytest
 import vram_ledger as vl
 
 
-def test_library_is_found_in_the_repository():
+def child_env(**extra: str) -> dict:
+    """The environment of a child interpreter that imports the package under test (from the
+    repository or where it is installed), plus `extra`."""
+    package = str(Path(vl.__file__).resolve().parent.parent)
+    path = os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def test_library_is_found():
     path = Path(vl.library_path())
     assert path.name == "libvram_ledger.so" and path.is_file()
+    # An installed package carries its library, and uses it unless VRAM_LEDGER_LIB says
+    # otherwise.
+    inside = Path(vl.__file__).resolve().parent / "libvram_ledger.so"
+    if inside.is_file() and not os.environ.get("VRAM_LEDGER_LIB"):
+        assert path.resolve() == inside
+
+
+def test_a_failed_free_is_reported_on_stderr():
+    env = child_env(**SIM, VRAM_LEDGER_LIB=vl.library_path())
+    env.pop("VRAM_LEDGER_LOG", None)
+    code = "import vram_ledger as vl\nlib = vl._lib()\nlib.vram_ledger_free(0x1234, 64, 0, None)\nprint('went on')\n"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "went on" in out.stdout, out.stderr
+    assert "WARN" in out.stderr and "free of 0x1234 on device 0 failed" in out.stderr, out.stderr
+    assert "not allocated by this allocator" in out.stderr
+    # VRAM_LEDGER_LOG sets the level: off silences it.
+    quiet = subprocess.run([sys.executable, "-c", code], env={**env, "VRAM_LEDGER_LOG": "off"}, capture_output=True, text=True)
+    assert quiet.returncode == 0 and "free of" not in quiet.stderr, quiet.stderr
+
+
+def test_metrics_are_prometheus_text():
+    r = run_on_sim(
+        """
+        p = lib.vram_ledger_malloc(3 << 20, 1, None)
+        with vl.tag("kv_cache"):
+            q = lib.vram_ledger_malloc(5 << 20, 1, None)
+        vl.set_cap(1 << 33, device=1)
+        text = vl.metrics()
+        lines = text.splitlines()
+        print(json.dumps({"lines": lines, "kv": vl.stats(1)["per_tag"]["kv_cache"]["allocated_bytes"]["current"]}))
+        """
+    )
+    lines = r["lines"]
+    assert f'vram_ledger_allocated_bytes{{device="1",tag="kv_cache"}} {r["kv"]}' in lines
+    assert 'vram_ledger_cap_bytes{device="1"} 8589934592' in lines
+    types = [l.split()[2] for l in lines if l.startswith("# TYPE ")]
+    assert len(types) == len(set(types)) and "vram_ledger_ooms_total" in types
+    for l in lines:
+        if not l.startswith("#"):
+            name, value = l.split("{")[0], l.rsplit(" ", 1)[1]
+            assert name in types and value.isdigit(), l
 
 
 def test_env_var_naming_a_missing_file_is_a_clear_error(tmp_path):
     missing = tmp_path / "nope.so"
     code = f"import vram_ledger as vl\ntry:\n    vl.library_path()\nexcept vl.VramLedgerError as e:\n    print(e)\n"
     out = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, "VRAM_LEDGER_LIB": str(missing)}, capture_output=True, text=True
+        [sys.executable, "-c", code], env=child_env(VRAM_LEDGER_LIB=str(missing)), capture_output=True, text=True
     )
     assert f"VRAM_LEDGER_LIB={missing} does not name a file" in out.stdout
 
@@ -35,7 +84,7 @@ def test_env_var_wins(tmp_path):
     link.write_bytes(Path(real).read_bytes())
     out = subprocess.run(
         [sys.executable, "-c", "import vram_ledger as vl; print(vl.library_path())"],
-        env={**os.environ, "VRAM_LEDGER_LIB": str(link)},
+        env=child_env(VRAM_LEDGER_LIB=str(link)),
         capture_output=True,
         text=True,
     )

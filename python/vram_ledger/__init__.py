@@ -16,7 +16,9 @@ Tags are per thread. Autograd runs the backward pass on its own threads, which c
 their allocations are counted as "untracked" (set a tag inside a hook to change that).
 
 The shared library is found from, in order: the VRAM_LEDGER_LIB environment variable, this
-package's folder, and the repository's target/release folder.
+package's folder (where `pip install ./python` puts it), and the repository's target/release
+folder. Failures inside the library are logged to stderr (warnings and errors; set
+VRAM_LEDGER_LOG, e.g. `debug`, for more).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "report",
     "set_cap",
     "cap",
+    "metrics",
 ]
 
 TAGS = ("weights", "activation", "kv_cache", "kv", "untracked")
@@ -104,6 +107,7 @@ def _lib() -> ctypes.CDLL:
                 ("vram_ledger_set_cap", [c_int, ctypes.c_int64], c_int),
                 ("vram_ledger_cap", [c_int], ctypes.c_int64),
                 ("vram_ledger_empty_cache", [c_int], c_int),
+                ("vram_ledger_metrics", [], c_void_p),
                 ("vram_ledger_graph_begin", [c_int, c_void_p, ctypes.c_uint64, ctypes.c_uint64], c_int),
                 ("vram_ledger_graph_end", [c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
                 ("vram_ledger_graph_release", [c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
@@ -420,6 +424,21 @@ def _end_profile(d: int, p: Profile) -> None:
         r = _json(_lib().vram_ledger_profile_end(d))
         p.report = r.pop("report", [])
         p.result = r
+
+
+def metrics() -> str:
+    """Every device in use, in Prometheus' text exposition format, for an engine's `/metrics`
+    endpoint: `vram_ledger_allocated_bytes` and `vram_ledger_allocated_peak_bytes` by device and
+    tag; `vram_ledger_reserved_bytes`, `_reserved_peak_bytes`, `_cached_bytes`,
+    `_graph_pool_bytes` and `_cap_bytes` by device; the counters `vram_ledger_ooms_total`,
+    `_alloc_retries_total`, and `vram_ledger_driver_calls_total` by device and call."""
+    ptr = _lib().vram_ledger_metrics()
+    if not ptr:
+        raise VramLedgerError(_last_error())
+    try:
+        return ctypes.string_at(ptr).decode()
+    finally:
+        _lib().vram_ledger_string_free(ptr)
 
 
 def report(device: Optional[int] = None) -> str:
