@@ -80,8 +80,13 @@ pub fn memory_stats<D: Driver>(a: &Allocator<D>) -> BTreeMap<String, u64> {
     m.insert("num_sync_all_streams".into(), 0);
     m.insert("num_device_alloc".into(), calls.memory_allocations());
     m.insert("num_device_free".into(), calls.memory_frees());
-    m.insert("oversize_allocations.current".into(), 0);
-    m.insert("oversize_segments.current".into(), 0);
+    // Not counted yet (they are blocks of at least max_split_size); PyTorch's memory_summary()
+    // reads every one of these keys, so they are present, as 0.
+    for stat in ["oversize_allocations", "oversize_segments"] {
+        for field in ["current", "peak", "allocated", "freed"] {
+            m.insert(format!("{stat}.{field}"), 0);
+        }
+    }
     for t in Tag::ALL {
         let x = &s.per_tag[t];
         for (key, v) in [

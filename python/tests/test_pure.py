@@ -336,3 +336,36 @@ def test_set_cap_checks_its_argument():
     for bad in (-1, 1.5, True, "1G"):
         with pytest.raises(ValueError):
             vl.set_cap(bad)
+
+
+def test_torch_statistics_answer_with_the_ledger():
+    # PyTorch's own functions, on top of memory_stats() as install() patches it (run here on a
+    # simulated device; torch itself is not asked for any CUDA state).
+    pytest.importorskip("torch")
+    r = run_on_sim(
+        """
+        import torch
+        vl._patch_torch_stats(torch)
+        p = lib.vram_ledger_malloc(3 << 20, 0, None)
+        with vl.tag("activation"):
+            q = lib.vram_ledger_malloc(9 << 20, 0, None)
+        lib.vram_ledger_free(q, 9 << 20, 0, None)
+        s = vl.stats(0)
+        seen = {
+            "allocated": torch.cuda.memory_allocated(0),
+            "max_allocated": torch.cuda.max_memory_allocated(0),
+            "reserved": torch.cuda.memory_reserved(0),
+            "max_reserved": torch.cuda.max_memory_reserved(0),
+            "ledger": [s["all"]["allocated_bytes"]["current"], s["all"]["allocated_bytes"]["peak"],
+                       s["reserved_bytes"]["current"], s["reserved_bytes"]["peak"]],
+            "summary": torch.cuda.memory_summary(0),
+        }
+        torch.cuda.reset_peak_memory_stats(0)
+        seen["max_after_reset"] = torch.cuda.max_memory_allocated(0)
+        print(json.dumps(seen))
+        """
+    )
+    assert [r["allocated"], r["max_allocated"], r["reserved"], r["max_reserved"]] == r["ledger"]
+    assert r["max_allocated"] > r["allocated"] > 0
+    assert "Allocated memory" in r["summary"] and "GPU reserved memory" in r["summary"]
+    assert r["max_after_reset"] == r["allocated"]

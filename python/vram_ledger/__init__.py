@@ -23,6 +23,7 @@ VRAM_LEDGER_LOG, e.g. `debug`, for more).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import itertools
@@ -166,9 +167,13 @@ def _address(fn: Any) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-def install(mode: Optional[str] = None) -> Any:
+def install(mode: Optional[str] = None, torch_stats: bool = True) -> Any:
     """Make vram-ledger PyTorch's CUDA allocator for this process, with the init, empty_cache,
-    memory-fraction and record_stream hooks. Must run before any CUDA use; permanent."""
+    memory-fraction and record_stream hooks. Must run before any CUDA use; permanent. With
+    `torch_stats` (the default), torch.cuda.memory_stats() and the functions built on it
+    (memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved,
+    memory_summary, reset_peak_memory_stats) answer with vram-ledger's figures, which a
+    pluggable allocator otherwise cannot give."""
     if "allocator" in _INSTALLED:
         return _INSTALLED["allocator"]
     if mode is not None and mode not in MODES:
@@ -191,8 +196,31 @@ def install(mode: Optional[str] = None) -> Any:
     raw.set_record_stream_fn(_address(lib.vram_ledger_record_stream))
     torch.cuda.memory.change_current_allocator(alloc)
     _patch_graphs(torch)
+    if torch_stats:
+        _patch_torch_stats(torch)
     _INSTALLED["allocator"] = alloc
     return alloc
+
+
+def _patch_torch_stats(torch: Any) -> None:
+    """torch.cuda.memory_stats() (PyTorch's keys and meanings, plus `tag.*`) and
+    reset_peak_memory_stats() from vram-ledger; everything PyTorch builds on them follows."""
+    mem = torch.cuda.memory
+    if getattr(mem, "_vram_ledger_stats", False):
+        return
+    from torch.cuda._utils import _get_device_index
+
+    def memory_stats_(device: Any = None) -> Dict[str, int]:
+        stats = memory_stats(_get_device_index(device, optional=True))
+        return collections.OrderedDict(sorted(stats.items()))
+
+    def reset_peak_memory_stats_(device: Any = None) -> None:
+        reset_peak_memory_stats(_get_device_index(device, optional=True))
+
+    for owner in (mem, torch.cuda):
+        owner.memory_stats = memory_stats_
+        owner.reset_peak_memory_stats = reset_peak_memory_stats_
+    mem._vram_ledger_stats = True
 
 
 def _patch_graphs(torch: Any) -> None:
