@@ -440,6 +440,43 @@ pub extern "C" fn vram_ledger_empty_cache(device: c_int) -> c_int {
     })
 }
 
+/// Start (`enabled` non-zero; clearing what was recorded, keeping the newest `max_entries`
+/// entries) or stop recording `device`'s allocation history.
+#[no_mangle]
+pub extern "C" fn vram_ledger_record_history(
+    device: c_int,
+    enabled: c_int,
+    max_entries: i64,
+) -> c_int {
+    guard(-1, || {
+        let max = usize::try_from(max_entries)
+            .ok()
+            .filter(|&m| m > 0)
+            .ok_or_else(|| format!("max_entries must be positive, not {max_entries}"))?;
+        on_device!(state(device)?, d => d.allocator().record_history(enabled != 0, max))
+            .map(|()| 0)
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Write `device`'s snapshot (segments now, and the recorded history) to `path` as PyTorch's
+/// snapshot pickle (`torch.cuda.memory._dump_snapshot`'s format).
+///
+/// # Safety
+/// `path` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
+#[no_mangle]
+pub unsafe extern "C" fn vram_ledger_dump_snapshot(device: c_int, path: *const c_char) -> c_int {
+    guard(-1, || {
+        // SAFETY: `path` is NULL or NUL-terminated, by this function's contract.
+        let path = unsafe { c_str(path, "path") }?;
+        let d = device_index(device)?;
+        let bytes =
+            on_device!(state(device)?, dev => crate::replay::snapshot::write(dev.allocator(), d));
+        std::fs::write(path, bytes).map_err(|e| format!("cannot write {path}: {e}"))?;
+        Ok(0)
+    })
+}
+
 /// Every device in use, in Prometheus' text exposition format (see [`crate::metrics`] for the
 /// names); the caller frees the string with `vram_ledger_string_free`.
 #[no_mangle]

@@ -369,3 +369,44 @@ def test_torch_statistics_answer_with_the_ledger():
     assert r["max_allocated"] > r["allocated"] > 0
     assert "Allocated memory" in r["summary"] and "GPU reserved memory" in r["summary"]
     assert r["max_after_reset"] == r["allocated"]
+
+
+def test_snapshot_round_trip(tmp_path):
+    # Recorded through the C ABI on a simulated device, written in PyTorch's format, read back
+    # by `vram-ledger replay`; and PyTorch's own memory_viz tooling reads it where torch is
+    # installed.
+    out = tmp_path / "snap.pickle"
+    r = run_on_sim(
+        f"""
+        vl.record_history(True, 1000, device=0)
+        keep = []
+        for i in range(6):
+            with vl.tag("kv_cache" if i % 2 else "activation"):
+                keep.append(lib.vram_ledger_malloc((i + 1) << 20, 0, None))
+        for i, p in enumerate(keep[:3]):
+            lib.vram_ledger_free(p, (i + 1) << 20, 0, None)
+        vl.dump_snapshot({str(out)!r}, device=0)
+        s = vl.stats(0)
+        print(json.dumps({{"peak": s["reserved_bytes"]["peak"], "kv": s["per_tag"]["kv_cache"]["allocated_bytes"]["peak"]}}))
+        """
+    )
+    exe = os.environ.get("VRAM_LEDGER_BIN") or str(Path(vl.library_path()).parent / "vram-ledger")
+    if not Path(exe).is_file():
+        pytest.skip("the vram-ledger command is not built beside the library")
+    rep = subprocess.run([exe, "replay", str(out), "--mode", "native", "--json"], capture_output=True, text=True)
+    assert rep.returncode == 0, rep.stderr
+    got = json.loads(rep.stdout)
+    assert got["allocations"] == 6 and got["frees"] == 3
+    assert got["torch_peak_reserved"] == r["peak"] and got["peak_reserved"] == r["peak"]
+    assert got["per_tag"]["kv_cache"]["peak_live"] == (2 + 4 + 6) << 20
+    try:
+        import pickle
+
+        from torch.cuda import _memory_viz as mv
+    except ImportError:
+        return
+    data = pickle.loads(out.read_bytes())
+    assert "Summary of segments" in mv.segsum(data)
+    assert f"{len(data['device_traces'][0])} entries" in mv.trace(data)
+    assert "<html" in mv.trace_plot(data).lower()
+    assert "<html" in mv.segment_plot(data).lower()

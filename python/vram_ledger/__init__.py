@@ -51,6 +51,8 @@ __all__ = [
     "set_cap",
     "cap",
     "metrics",
+    "record_history",
+    "dump_snapshot",
 ]
 
 TAGS = ("weights", "activation", "kv_cache", "kv", "untracked")
@@ -109,6 +111,8 @@ def _lib() -> ctypes.CDLL:
                 ("vram_ledger_cap", [c_int], ctypes.c_int64),
                 ("vram_ledger_empty_cache", [c_int], c_int),
                 ("vram_ledger_metrics", [], c_void_p),
+                ("vram_ledger_record_history", [c_int, c_int, ctypes.c_int64], c_int),
+                ("vram_ledger_dump_snapshot", [c_int, c_char_p], c_int),
                 ("vram_ledger_graph_begin", [c_int, c_void_p, ctypes.c_uint64, ctypes.c_uint64], c_int),
                 ("vram_ledger_graph_end", [c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
                 ("vram_ledger_graph_release", [c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
@@ -452,6 +456,22 @@ def _end_profile(d: int, p: Profile) -> None:
         r = _json(_lib().vram_ledger_profile_end(d))
         p.report = r.pop("report", [])
         p.result = r
+
+
+def record_history(enabled: bool = True, max_entries: int = 100_000, device: Optional[int] = None) -> None:
+    """Record (or stop recording) the allocation history, as torch.cuda.memory's
+    _record_memory_history does: a ring of the newest `max_entries` allocations, frees and
+    segment events, each allocation with its tag. Off by default; starting clears it."""
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
+        raise ValueError(f"max_entries must be a positive int, not {max_entries!r}")
+    _check(_lib().vram_ledger_record_history(_device(device), 1 if enabled else 0, max_entries))
+
+
+def dump_snapshot(path: str, device: Optional[int] = None) -> None:
+    """Write the segments now and the recorded history in PyTorch's snapshot format
+    (torch.cuda.memory._dump_snapshot's pickle): PyTorch's memory_viz opens it, each
+    allocation's tag as its user_metadata, and `vram-ledger replay` reads it."""
+    _check(_lib().vram_ledger_dump_snapshot(_device(device), os.fspath(path).encode()))
 
 
 def metrics() -> str:

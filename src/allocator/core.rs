@@ -50,6 +50,8 @@ pub(crate) struct Core<D> {
     pub(crate) cap: AtomicU64,
     /// Memory outside the allocator assumed when the driver cannot report this process's usage.
     pub(crate) outside_floor: AtomicU64,
+    /// The allocation history, when recording (`history.rs`).
+    pub(crate) history: super::history::History,
     committed: AtomicU64,
 }
 
@@ -78,6 +80,7 @@ impl<D: Driver> Core<D> {
             limit: AtomicU64::new(NONE),
             cap: AtomicU64::new(NONE),
             outside_floor: AtomicU64::new(0),
+            history: Default::default(),
             committed: AtomicU64::new(0),
         })
     }

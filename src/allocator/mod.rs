@@ -20,6 +20,7 @@ mod config;
 mod core;
 pub(crate) mod free_index;
 mod graphs;
+mod history;
 mod moves;
 mod planted;
 pub mod rules;
@@ -36,6 +37,7 @@ pub use self::core::Allocation;
 use self::core::{Core, NONE};
 use self::graphs::GraphRegistry;
 pub use self::graphs::{GraphMemory, GraphPool};
+pub use self::history::HistoryEntry;
 pub use self::shard::PoolStats;
 use self::shard::{GrowError, Shard};
 use self::spin::{SpinGuard, SpinLock};
@@ -215,10 +217,18 @@ impl<D: Driver> Allocator<D> {
             // The stream's own memory, or the graph pool its capture is routed to.
             let owner = sh.graphs.owner(&self.core.driver, stream);
             if let Some(a) = sh.try_alloc(&self.core, owner, rounded, size, tag) {
+                if sh.recording {
+                    self.record_alloc(&a);
+                }
                 return Ok(Allocation { stream, ..a });
             }
             match self.grow_and_take(&mut sh, owner, rounded, size, tag)? {
-                Ok(a) => return Ok(Allocation { stream, ..a }),
+                Ok(a) => {
+                    if sh.recording {
+                        self.record_alloc(&a);
+                    }
+                    return Ok(Allocation { stream, ..a });
+                }
                 Err(cause) => cause,
             }
         };
@@ -277,11 +287,17 @@ impl<D: Driver> Allocator<D> {
         }
         let mut sh = self.lock(self.streams.shard(stream))?;
         let owner = sh.graphs.owner(&self.core.driver, stream);
-        if let Some(a) = sh.try_alloc(&self.core, owner, rounded, size, tag) {
-            return Ok(Allocation { stream, ..a });
-        }
-        let cause = match self.grow_and_take(&mut sh, owner, rounded, size, tag)? {
-            Ok(a) => return Ok(Allocation { stream, ..a }),
+        let served = match sh.try_alloc(&self.core, owner, rounded, size, tag) {
+            Some(a) => Ok(a),
+            None => self.grow_and_take(&mut sh, owner, rounded, size, tag)?,
+        };
+        let cause = match served {
+            Ok(a) => {
+                if sh.recording {
+                    self.record_alloc(&a);
+                }
+                return Ok(Allocation { stream, ..a });
+            }
             Err(cause) => cause,
         };
         drop(sh);
@@ -316,6 +332,40 @@ impl<D: Driver> Allocator<D> {
             cap: self.cap(),
             cause,
         }
+    }
+
+    #[cold]
+    fn record_alloc(&self, a: &Allocation) {
+        // The size asked for, as PyTorch's traces record it (the rounding is the allocator's).
+        self.core.history.record(
+            crate::replay::trace::Action::Alloc,
+            a.ptr,
+            a.requested,
+            a.stream,
+            a.tag,
+        );
+    }
+
+    /// Start recording the allocation history (clearing what was recorded before), keeping the
+    /// newest `max_entries` entries, or stop recording (what was recorded stays readable).
+    /// While it is off, the cached path costs what it costs without it.
+    pub fn record_history(&self, enabled: bool, max_entries: usize) -> Result<()> {
+        self.core.history.set(enabled, max_entries);
+        let mut first = None;
+        for i in 0..self.shards.len() {
+            match self.lock(i) {
+                Ok(mut sh) => sh.recording = enabled,
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// The recorded history, oldest first, and how many older entries the bound dropped.
+    pub fn history(&self) -> (Vec<HistoryEntry>, u64) {
+        self.core.history.entries()
     }
 
     /// Free an allocation. Looks the pointer up in every shard; prefer [`Allocator::free_on`]

@@ -117,7 +117,7 @@ pub struct ReplayResult {
     pub timeline: Vec<Point>,
 }
 
-#[derive(Clone, Copy, Debug, Default, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct TagPeak {
     /// Peak live bytes of this tag in the trace.
     pub peak_live: u64,
@@ -275,13 +275,20 @@ pub fn replay_on(
                 }
             }
             Action::SegmentFree | Action::SegmentUnmap => {
-                // The first of a run: PyTorch released its cache here.
+                // The first of a run: PyTorch released its cache here. (In vram-ledger's own
+                // recordings, the compact and remap modes also unmap to move memory: there
+                // only segment frees mark a release.)
                 let run = i > 0
                     && matches!(
                         trace.events[i - 1].action,
                         Action::SegmentFree | Action::SegmentUnmap
                     );
-                if !run {
+                let moved = e.action == Action::SegmentUnmap
+                    && trace
+                        .vram_ledger_mode
+                        .as_deref()
+                        .is_some_and(|m| m != "expandable");
+                if !run && !moved {
                     alloc.empty_cache()?;
                     cache_releases += 1;
                 }

@@ -3,6 +3,7 @@
 
 pub mod engine;
 mod pickle_guard;
+pub mod snapshot;
 pub mod svg;
 pub mod trace;
 

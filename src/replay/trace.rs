@@ -63,6 +63,8 @@ pub struct Trace {
     pub skipped: BTreeMap<String, u64>,
     /// Whether the recording allocator used expandable segments.
     pub expandable: Option<bool>,
+    /// The mode, when vram-ledger recorded the trace (its snapshots say so).
+    pub vram_ledger_mode: Option<String>,
 }
 
 #[derive(Debug, Error)]
@@ -181,6 +183,9 @@ fn parse_snapshot(value: &Value, device: Option<usize>) -> Result<Trace, TraceEr
     if let Some(Value::Dict(settings)) = get(top, "allocator_settings") {
         if let Some(Value::Bool(b)) = get(settings, "expandable_segments") {
             trace.expandable = Some(*b);
+        }
+        if let Some(Value::String(m)) = get(settings, "vram_ledger_mode") {
+            trace.vram_ledger_mode = Some(m.clone());
         }
     }
     trace.events.reserve(entries.len());

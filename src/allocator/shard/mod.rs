@@ -46,6 +46,7 @@ use super::planted::{self, Bug};
 use super::rules::{self, PoolKind};
 use crate::driver::{DevicePtr, Driver, DriverError, EventId, StreamId};
 use crate::error::{Error, OomCause, Result};
+use crate::replay::trace::Action;
 use crate::tag::Tag;
 
 /// A multiplicative hash for device addresses: they are distinct, 512-byte aligned integers,
@@ -206,6 +207,8 @@ pub(crate) struct Shard {
     pub(crate) spare: Vec<Spare>,
     /// Captures routed to graph pools, and the pools graphs still reference.
     pub(crate) graphs: GraphRoutes,
+    /// The allocation history is being recorded (`history.rs`).
+    pub(crate) recording: bool,
 }
 
 impl Shard {
@@ -411,6 +414,9 @@ impl Shard {
             core.ledger
                 .shard(self.id)
                 .on_free(b.tag, b.size, b.requested, false);
+            if self.recording {
+                self.record_free(core, id, true);
+            }
             self.insert_free(id);
             return Ok(());
         }
@@ -437,6 +443,9 @@ impl Shard {
             .shard(self.id)
             .on_free(b.tag, b.size, b.requested, true);
         self.pending.extend(events.into_iter().map(|e| (e, id)));
+        if self.recording {
+            self.record_free(core, id, false);
+        }
         Ok(())
     }
 
@@ -476,6 +485,16 @@ impl Shard {
                 BlockState::Pending(n) if n > 1 => b.state = BlockState::Pending(n - 1),
                 BlockState::Pending(_) => {
                     core.ledger.shard(self.id).on_released(b.size);
+                    if self.recording {
+                        let b = &self.blocks[id];
+                        core.history.record(
+                            Action::FreeCompleted,
+                            b.addr,
+                            b.requested,
+                            b.stream,
+                            b.tag,
+                        );
+                    }
                     self.insert_free(id);
                 }
                 other => panic!("a pending event names a block that is {other:?}"),
@@ -510,6 +529,17 @@ impl Shard {
 }
 
 impl Shard {
+    /// Record the free of block `id` (and, when nothing else uses it, its completion).
+    #[cold]
+    fn record_free<D: Driver>(&self, core: &Core<D>, id: BlockId, completed: bool) {
+        let b = &self.blocks[id];
+        let h = &core.history;
+        h.record(Action::FreeRequested, b.addr, b.requested, b.stream, b.tag);
+        if completed {
+            h.record(Action::FreeCompleted, b.addr, b.requested, b.stream, b.tag);
+        }
+    }
+
     /// Give back what is free in segment `seg`: a whole free plain segment, or a virtual
     /// segment's free mappings (and its reservation once nothing in it is mapped).
     pub(crate) fn release_segment<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {

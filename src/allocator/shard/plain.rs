@@ -11,6 +11,7 @@ use crate::allocator::planted::{self, Bug};
 use crate::allocator::rules;
 use crate::driver::{Driver, StreamId};
 use crate::error::Result;
+use crate::replay::trace::Action;
 
 impl Shard {
     /// Get memory from the driver for a request that the cache cannot serve; returns a free
@@ -33,6 +34,13 @@ impl Shard {
         };
         core.ledger.on_reserve(size, true);
         core.graph_bytes(stream, size, false);
+        core.history.record(
+            Action::SegmentAlloc,
+            base,
+            size,
+            stream,
+            crate::tag::Tag::Untracked,
+        );
         let seg = Segment {
             base,
             size,
@@ -54,6 +62,13 @@ impl Shard {
         let (base, size, first, owner) = (s.base, s.size, s.first, s.stream);
         core.driver.free_segment(base, size)?;
         core.graph_bytes(owner, size, true);
+        core.history.record(
+            Action::SegmentFree,
+            base,
+            size,
+            owner,
+            crate::tag::Tag::Untracked,
+        );
         self.index_remove(first);
         self.blocks.remove(first);
         self.segments.remove(seg);

@@ -76,6 +76,13 @@ impl Shard {
                 pooled: true,
             };
             self.segments.get_mut(seg).virt_mut().mappings.insert(va, m);
+            self.record_map(
+                core,
+                seg,
+                crate::replay::trace::Action::SegmentMap,
+                va,
+                p.bytes,
+            );
             done += p.bytes;
         }
         (done, None)

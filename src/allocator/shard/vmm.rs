@@ -22,6 +22,7 @@ use crate::allocator::graphs::is_pool_key;
 use crate::allocator::rules::{self, PoolKind};
 use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle, StreamId};
 use crate::error::{OomCause, Result};
+use crate::replay::trace::Action;
 
 /// The physical side of a virtual segment.
 #[derive(Debug)]
@@ -207,6 +208,7 @@ impl Shard {
                         pooled: false,
                     };
                     self.segments.get_mut(seg).virt_mut().mappings.insert(va, m);
+                    self.record_map(core, seg, Action::SegmentMap, va, chunk);
                     done += chunk;
                 }
                 Err(e) => return (done, Some(e)),
@@ -378,6 +380,7 @@ impl Shard {
             core.driver.unmap(va, bytes)?;
             mappings.remove(&va);
             self.spare.push(super::Spare { handle, bytes });
+            self.record_map(core, seg, Action::SegmentUnmap, va, bytes);
             return Ok((bytes, 0));
         }
         // Release first: if that fails nothing changed; a released handle stays alive until
@@ -389,6 +392,7 @@ impl Shard {
         core.driver.unmap(va, m.bytes)?;
         let bytes = m.bytes;
         mappings.remove(&va);
+        self.record_map(core, seg, Action::SegmentUnmap, va, bytes);
         Ok((bytes, bytes))
     }
 
@@ -494,6 +498,24 @@ impl Shard {
         self.reservations
             .retain(|&(st, p, _)| !(st == stream && p == pool));
         Ok(())
+    }
+}
+
+impl Shard {
+    /// Record a mapping made or removed in segment `seg` (when the history is recorded).
+    pub(super) fn record_map<D: Driver>(
+        &self,
+        core: &Core<D>,
+        seg: u32,
+        action: Action,
+        va: DevicePtr,
+        bytes: u64,
+    ) {
+        if core.history.on() {
+            let stream = self.segments.get(seg).stream;
+            core.history
+                .record(action, va, bytes, stream, crate::tag::Tag::Untracked);
+        }
     }
 }
 

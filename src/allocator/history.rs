@@ -1,0 +1,108 @@
+//! The allocation history, as PyTorch records it (`_record_memory_history`): a bounded ring of
+//! trace entries (allocations, frees requested and completed, segments allocated, freed, mapped
+//! and unmapped), off by default, written out as PyTorch's snapshot pickle so that PyTorch's
+//! memory_viz opens it and `vram-ledger replay` reads it back.
+//!
+//! Invariants:
+//! - While recording is off, the cached path pays one test of a flag in the shard it already
+//!   holds (`Shard::recording`), set and cleared under each shard's lock in turn; the ring's
+//!   lock is taken only when an entry is written.
+//! - The ring keeps the newest `max_entries` entries; older ones are dropped first, counted in
+//!   `dropped`.
+//! - Entries are written after the operation they describe succeeded, under the lock that
+//!   made it, so a shard's entries are in the order its operations happened.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use crate::driver::StreamId;
+use crate::replay::trace::Action;
+use crate::tag::Tag;
+
+/// One trace entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HistoryEntry {
+    pub action: Action,
+    pub addr: u64,
+    pub size: u64,
+    pub stream: StreamId,
+    pub tag: Tag,
+    /// Microseconds since recording started.
+    pub time_us: u64,
+}
+
+struct Ring {
+    max: usize,
+    entries: VecDeque<HistoryEntry>,
+    dropped: u64,
+    start: Instant,
+}
+
+pub(crate) struct History {
+    on: AtomicBool,
+    ring: Mutex<Ring>,
+}
+
+impl Default for History {
+    fn default() -> Self {
+        History {
+            on: AtomicBool::new(false),
+            ring: Mutex::new(Ring {
+                max: 0,
+                entries: VecDeque::new(),
+                dropped: 0,
+                start: Instant::now(),
+            }),
+        }
+    }
+}
+
+impl History {
+    /// Start (clearing what was recorded) or stop recording.
+    pub(crate) fn set(&self, enabled: bool, max_entries: usize) {
+        let mut r = self.ring.lock();
+        if enabled {
+            r.max = max_entries.max(1);
+            r.entries.clear();
+            r.dropped = 0;
+            r.start = Instant::now();
+        }
+        self.on.store(enabled, Relaxed);
+    }
+
+    /// Whether recording is on (for the slow paths: segment events).
+    pub(crate) fn on(&self) -> bool {
+        self.on.load(Relaxed)
+    }
+
+    /// Write an entry if recording is on.
+    #[cold]
+    pub(crate) fn record(&self, action: Action, addr: u64, size: u64, stream: StreamId, tag: Tag) {
+        if !self.on() {
+            return;
+        }
+        let mut r = self.ring.lock();
+        if r.entries.len() >= r.max {
+            r.entries.pop_front();
+            r.dropped += 1;
+        }
+        let time_us = r.start.elapsed().as_micros() as u64;
+        r.entries.push_back(HistoryEntry {
+            action,
+            addr,
+            size,
+            stream,
+            tag,
+            time_us,
+        });
+    }
+
+    /// The entries recorded, oldest first, and how many were dropped to keep the bound.
+    pub(crate) fn entries(&self) -> (Vec<HistoryEntry>, u64) {
+        let r = self.ring.lock();
+        (r.entries.iter().copied().collect(), r.dropped)
+    }
+}

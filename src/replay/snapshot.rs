@@ -1,0 +1,166 @@
+//! Writing PyTorch's memory snapshot (what `torch.cuda.memory._dump_snapshot` writes) from an
+//! allocator: its segments and blocks now, and the history it recorded as the device's trace,
+//! each allocation's tag as its `user_metadata`. PyTorch's memory_viz opens it and
+//! [`super::read_file`] reads it back.
+//!
+//! Virtual segments (the expandable, compact and remap modes) are written as PyTorch writes its
+//! expandable segments: one segment per contiguous mapped range, holding the blocks inside it.
+
+use serde_pickle::{HashableValue, Value};
+
+use super::trace::Action;
+use crate::allocator::rules::PoolKind;
+use crate::driver::Driver;
+use crate::invariants::{BlockDump, DumpState, SegmentDump};
+use crate::tag::Tag;
+use crate::Allocator;
+
+fn dict(pairs: Vec<(&str, Value)>) -> Value {
+    Value::Dict(
+        pairs
+            .into_iter()
+            .map(|(k, v)| (HashableValue::String(k.into()), v))
+            .collect(),
+    )
+}
+
+fn int(v: u64) -> Value {
+    Value::I64(v as i64)
+}
+
+fn action_name(a: Action) -> &'static str {
+    match a {
+        Action::Alloc => "alloc",
+        Action::FreeRequested => "free_requested",
+        Action::FreeCompleted => "free_completed",
+        Action::SegmentAlloc => "segment_alloc",
+        Action::SegmentFree => "segment_free",
+        Action::SegmentMap => "segment_map",
+        Action::SegmentUnmap => "segment_unmap",
+        Action::Oom => "oom",
+    }
+}
+
+/// A tag as PyTorch's metadata: the tag's name, and "" for untracked (as in the traces PyTorch
+/// records with `_set_memory_metadata`).
+fn metadata(t: Tag) -> Value {
+    Value::String(if t == Tag::Untracked { "" } else { t.name() }.into())
+}
+
+fn block(b: &BlockDump) -> Value {
+    let state = match b.state {
+        DumpState::Allocated => "active_allocated",
+        DumpState::Pending => "active_pending_free",
+        DumpState::Free | DumpState::Unmapped => "inactive",
+    };
+    dict(vec![
+        ("address", int(b.addr)),
+        ("size", int(b.size)),
+        ("requested_size", int(b.requested)),
+        ("state", Value::String(state.into())),
+        ("frames", Value::List(vec![])),
+    ])
+}
+
+fn segment(device: usize, s: &SegmentDump, base: u64, size: u64, blocks: &[&BlockDump]) -> Value {
+    let sum =
+        |f: &dyn Fn(&BlockDump) -> Option<u64>| blocks.iter().filter_map(|b| f(b)).sum::<u64>();
+    let allocated = sum(&|b| (b.state == DumpState::Allocated).then_some(b.size));
+    let active =
+        sum(&|b| matches!(b.state, DumpState::Allocated | DumpState::Pending).then_some(b.size));
+    let requested = sum(&|b| (b.state == DumpState::Allocated).then_some(b.requested));
+    let kind = match s.pool {
+        PoolKind::Small => "small",
+        PoolKind::Large => "large",
+    };
+    dict(vec![
+        ("device", int(device as u64)),
+        ("address", int(base)),
+        ("total_size", int(size)),
+        ("allocated_size", int(allocated)),
+        ("active_size", int(active)),
+        ("requested_size", int(requested)),
+        ("stream", int(0)),
+        ("segment_type", Value::String(kind.into())),
+        ("segment_pool_id", Value::Tuple(vec![int(0), int(0)])),
+        ("is_expandable", Value::Bool(s.expandable)),
+        ("frames", Value::List(vec![])),
+        (
+            "blocks",
+            Value::List(blocks.iter().map(|b| block(b)).collect()),
+        ),
+    ])
+}
+
+/// The segments of a dump as PyTorch lists them.
+fn segments(device: usize, dump: &[SegmentDump]) -> Vec<Value> {
+    let mut out = Vec::new();
+    for s in dump {
+        if !s.expandable {
+            let blocks: Vec<&BlockDump> = s.blocks.iter().collect();
+            out.push(segment(device, s, s.base, s.size, &blocks));
+            continue;
+        }
+        // Contiguous mapped runs.
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut mapped = s.mapped.clone();
+        mapped.sort_unstable();
+        for (a, l) in mapped {
+            match runs.last_mut() {
+                Some((ra, rl)) if *ra + *rl == a => *rl += l,
+                _ => runs.push((a, l)),
+            }
+        }
+        for (a, l) in runs {
+            let blocks: Vec<&BlockDump> = s
+                .blocks
+                .iter()
+                .filter(|b| b.state != DumpState::Unmapped && b.addr >= a && b.addr < a + l)
+                .collect();
+            out.push(segment(device, s, a, l, &blocks));
+        }
+    }
+    out
+}
+
+/// The snapshot pickle of `alloc` as device `device`: its segments now and its recorded
+/// history (empty unless [`Allocator::record_history`] was on).
+pub fn write<D: Driver>(alloc: &Allocator<D>, device: usize) -> Vec<u8> {
+    let dump = alloc.dump();
+    let (entries, _) = alloc.history();
+    let trace: Vec<Value> = entries
+        .iter()
+        .map(|e| {
+            dict(vec![
+                ("action", Value::String(action_name(e.action).into())),
+                ("addr", int(e.addr)),
+                ("size", int(e.size)),
+                ("stream", int(e.stream.0)),
+                ("time_us", int(e.time_us)),
+                ("frames", Value::List(vec![])),
+                ("user_metadata", metadata(e.tag)),
+            ])
+        })
+        .collect();
+    let mut devices = vec![Value::List(vec![]); device + 1];
+    devices[device] = Value::List(trace);
+    let top = dict(vec![
+        ("segments", Value::List(segments(device, &dump.segments))),
+        ("device_traces", Value::List(devices)),
+        (
+            "allocator_settings",
+            dict(vec![
+                (
+                    "expandable_segments",
+                    Value::Bool(alloc.mode().is_virtual()),
+                ),
+                (
+                    "vram_ledger_mode",
+                    Value::String(alloc.mode().name().into()),
+                ),
+            ]),
+        ),
+    ]);
+    serde_pickle::value_to_vec(&top, serde_pickle::SerOptions::new())
+        .expect("a tree of dicts, lists and numbers always serialises")
+}
