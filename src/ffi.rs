@@ -521,13 +521,19 @@ pub unsafe extern "C" fn vram_ledger_graph_begin(
     })
 }
 
-/// Stop routing the capture that began last on the pool (after the capture has ended and the
-/// graph is instantiated); measures what appeared outside the allocator meanwhile.
+/// Stop routing the capture that began on `stream` into the pool (after the capture has ended
+/// and the graph is instantiated); measures what appeared outside the allocator meanwhile.
+/// `stream` is only compared.
 #[no_mangle]
-pub extern "C" fn vram_ledger_graph_end(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+pub extern "C" fn vram_ledger_graph_end(
+    device: c_int,
+    stream: *mut c_void,
+    pool_a: u64,
+    pool_b: u64,
+) -> c_int {
     guard(-1, || {
         let pool = crate::GraphPool(pool_a, pool_b);
-        on_device!(state(device)?, d => d.allocator().end_graph_pool(pool))
+        on_device!(state(device)?, d => d.allocator().end_graph_pool(pool, StreamId(stream as u64)))
             .map(|()| 0)
             .map_err(|e| e.to_string())
     })

@@ -320,7 +320,7 @@ fn contract_graph_pools_are_part_of_the_budget() {
                         .unwrap(); // output
                     alloc.free(t.ptr).unwrap();
                     assert!(dev.end_capture(CAPTURE));
-                    alloc.end_graph_pool(pool).unwrap();
+                    alloc.end_graph_pool(pool, CAPTURE).unwrap();
                 },
             )
             .unwrap();

@@ -53,7 +53,7 @@ fn capture(a: &Allocator<SimDriver>, pool: GraphPool, n: u64) -> (Allocation, Al
         dev.end_capture(CAPTURE),
         "the allocator spoiled the capture"
     );
-    a.end_graph_pool(pool).unwrap();
+    a.end_graph_pool(pool, CAPTURE).unwrap();
     (tmp, out)
 }
 
@@ -122,7 +122,7 @@ fn graph_pool_side_stream_of_a_capture_is_routed_too() {
         let side = alloc(&a, 4 * MIB, SIDE);
         a.free(side.ptr).unwrap();
         assert!(dev.end_capture(CAPTURE));
-        a.end_graph_pool(P).unwrap();
+        a.end_graph_pool(P, CAPTURE).unwrap();
         let e = alloc(&a, 4 * MIB, SIDE);
         assert!(
             !overlaps(&e, &side),
@@ -236,7 +236,7 @@ fn graph_pool_outside_memory_of_a_capture_is_measured() {
     let x = alloc(&a, 5 * MIB, CAPTURE);
     assert!(dev.end_capture(CAPTURE));
     a.driver().alloc_external(82 * MIB).unwrap(); // instantiation
-    a.end_graph_pool(P).unwrap();
+    a.end_graph_pool(P, CAPTURE).unwrap();
     a.driver().alloc_external(7 * MIB).unwrap(); // after: not the graph's either
     let s = a.snapshot();
     assert_eq!(s.graph_outside_bytes, 82 * MIB);
@@ -252,7 +252,7 @@ fn graph_pool_calls_out_of_order_are_errors() {
         Err(Error::NotCapturing(_))
     ));
     assert!(matches!(
-        a.end_graph_pool(P),
+        a.end_graph_pool(P, CAPTURE),
         Err(Error::UnknownGraphPool(_))
     ));
     assert!(matches!(
@@ -286,7 +286,7 @@ fn graph_pool_figures_in_the_profile_report() {
     a.begin_graph_pool(P, CAPTURE).unwrap();
     assert!(dev.end_capture(CAPTURE));
     a.driver().alloc_external(64 * MIB).unwrap();
-    a.end_graph_pool(P).unwrap();
+    a.end_graph_pool(P, CAPTURE).unwrap();
     a.driver().alloc_external(10 * MIB).unwrap();
     let r = scope.end().unwrap();
     assert_eq!(r.graph_pools, a.graph_memory().reserved);
@@ -297,4 +297,59 @@ fn graph_pool_figures_in_the_profile_report() {
         .report_lines()
         .iter()
         .any(|l| l.starts_with("CUDA graphs: ")));
+}
+
+#[test]
+fn graph_pool_release_during_another_capture_waits_for_it() {
+    for mode in SegmentMode::ALL {
+        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let dev = a.driver().device().clone();
+        let (tmp, out) = capture(&a, P, 40 * MIB);
+        a.free(out.ptr).unwrap();
+        // A second graph is being captured when the first is destroyed: a device
+        // synchronisation now would spoil it.
+        dev.begin_capture(SIDE);
+        a.begin_graph_pool(Q, SIDE).unwrap();
+        let held = a.graph_memory().reserved;
+        a.release_graph_pool(P).unwrap();
+        let x = alloc(&a, 3 * MIB, SIDE);
+        assert!(
+            a.driver().is_accessible(tmp.ptr, tmp.size),
+            "{mode}: released during a capture"
+        );
+        assert!(
+            dev.end_capture(SIDE),
+            "{mode}: the release spoiled another capture"
+        );
+        a.end_graph_pool(Q, SIDE).unwrap();
+        // Now P goes; Q's memory stays.
+        let after = a.graph_memory();
+        assert_eq!(after.pools, 1, "{mode}");
+        assert!(after.allocated >= x.size, "{mode}");
+        assert!(
+            a.snapshot().graph_reserved_bytes.current < held + x.size,
+            "{mode}: the released pool was not given back"
+        );
+        assert!(!a.driver().is_accessible(tmp.ptr, tmp.size), "{mode}");
+        check(&a);
+    }
+}
+
+#[test]
+fn graph_pool_captures_ending_out_of_order_keep_their_routes() {
+    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    let dev = a.driver().device().clone();
+    dev.begin_capture(CAPTURE);
+    a.begin_graph_pool(P, CAPTURE).unwrap();
+    dev.begin_capture(SIDE);
+    a.begin_graph_pool(P, SIDE).unwrap();
+    // The first capture ends first: the second's allocations still go to the pool.
+    assert!(dev.end_capture(CAPTURE));
+    a.end_graph_pool(P, CAPTURE).unwrap();
+    let before = a.graph_memory().allocated;
+    let x = alloc(&a, 5 * MIB, SIDE);
+    assert_eq!(a.graph_memory().allocated, before + x.size);
+    assert!(dev.end_capture(SIDE));
+    a.end_graph_pool(P, SIDE).unwrap();
+    check(&a);
 }

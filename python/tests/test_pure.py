@@ -346,6 +346,10 @@ def test_torch_statistics_answer_with_the_ledger():
         """
         import torch
         vl._patch_torch_stats(torch)
+        # Before CUDA is initialised: nothing, and no device touched (as PyTorch answers).
+        empty = dict(torch.cuda.memory_stats(0))
+        created = vl.metrics().count("vram_ledger_reserved_bytes{")
+        torch.cuda.is_initialized = lambda: True  # what a process using its GPU would say
         p = lib.vram_ledger_malloc(3 << 20, 0, None)
         with vl.tag("activation"):
             q = lib.vram_ledger_malloc(9 << 20, 0, None)
@@ -362,6 +366,7 @@ def test_torch_statistics_answer_with_the_ledger():
         }
         torch.cuda.reset_peak_memory_stats(0)
         seen["max_after_reset"] = torch.cuda.max_memory_allocated(0)
+        seen["empty"], seen["created"] = empty, created
         print(json.dumps(seen))
         """
     )
@@ -369,6 +374,7 @@ def test_torch_statistics_answer_with_the_ledger():
     assert r["max_allocated"] > r["allocated"] > 0
     assert "Allocated memory" in r["summary"] and "GPU reserved memory" in r["summary"]
     assert r["max_after_reset"] == r["allocated"]
+    assert r["empty"] == {} and r["created"] == 0
 
 
 def test_snapshot_round_trip(tmp_path):

@@ -114,7 +114,7 @@ def _lib() -> ctypes.CDLL:
                 ("vram_ledger_record_history", [c_int, c_int, ctypes.c_int64], c_int),
                 ("vram_ledger_dump_snapshot", [c_int, c_char_p], c_int),
                 ("vram_ledger_graph_begin", [c_int, c_void_p, ctypes.c_uint64, ctypes.c_uint64], c_int),
-                ("vram_ledger_graph_end", [c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
+                ("vram_ledger_graph_end", [c_int, c_void_p, ctypes.c_uint64, ctypes.c_uint64], c_int),
                 ("vram_ledger_graph_release", [c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
                 ("vram_ledger_profile_begin", [c_int, ctypes.c_double, ctypes.c_int64], c_int),
                 ("vram_ledger_profile_end", [c_int], c_void_p),
@@ -214,12 +214,17 @@ def _patch_torch_stats(torch: Any) -> None:
         return
     from torch.cuda._utils import _get_device_index
 
+    # Before CUDA is initialised there is nothing to report (as with PyTorch's allocator), and
+    # asking the library would create a device's context and profiling baseline too early.
     def memory_stats_(device: Any = None) -> Dict[str, int]:
+        if not torch.cuda.is_initialized():
+            return collections.OrderedDict()
         stats = memory_stats(_get_device_index(device, optional=True))
         return collections.OrderedDict(sorted(stats.items()))
 
     def reset_peak_memory_stats_(device: Any = None) -> None:
-        reset_peak_memory_stats(_get_device_index(device, optional=True))
+        if torch.cuda.is_initialized():
+            reset_peak_memory_stats(_get_device_index(device, optional=True))
 
     for owner in (mem, torch.cuda):
         owner.memory_stats = memory_stats_
@@ -242,6 +247,7 @@ def _patch_graphs(torch: Any) -> None:
     def capture_begin(self: Any, *args: Any, **kwargs: Any) -> None:
         begin(self, *args, **kwargs)
         d = torch.cuda.current_device()
+        stream = torch.cuda.current_stream(d).cuda_stream
         # PyTorch names the graph's pool only once the capture is over: a shared pool is the
         # one passed in; a graph's private pool gets an id of ours, which no handle can equal.
         shared = args[0] if args else kwargs.get("pool")
@@ -250,24 +256,33 @@ def _patch_graphs(torch: Any) -> None:
             pool = _POOL_ALIASES.get(shared, shared)
         else:
             pool = (next(_PRIVATE_POOLS), 0)
-        _check(lib.vram_ledger_graph_begin(d, torch.cuda.current_stream(d).cuda_stream, pool[0], pool[1]))
+        if lib.vram_ledger_graph_begin(d, stream, pool[0], pool[1]) != 0:
+            error = VramLedgerError(_last_error())
+            # Leave no capture running behind the error (torch.cuda.graph's exit never runs).
+            try:
+                end(self)
+            except Exception as e:  # noqa: BLE001 - the first error is the one to raise
+                _LOG.error("ending the capture after a failed graph pool also failed: %s", e)
+            raise error
         # One reference per captured graph, dropped by reset() or when the graph is collected.
-        self._vram_ledger_pool = (d, pool, weakref.finalize(self, _release_pool, d, pool))
+        self._vram_ledger_pool = (d, pool, stream, weakref.finalize(self, _release_pool, d, pool))
 
     def capture_end(self: Any) -> None:
+        d, pool, stream, _ = self._vram_ledger_pool
         try:
             end(self)
             # Another graph may share this one's pool by PyTorch's name for it (`pool=g.pool()`).
-            _POOL_ALIASES.setdefault(tuple(int(x) for x in self.pool()), self._vram_ledger_pool[1])
-        finally:
-            d, pool, _ = self._vram_ledger_pool
-            _check(lib.vram_ledger_graph_end(d, pool[0], pool[1]))
+            _POOL_ALIASES.setdefault(tuple(int(x) for x in self.pool()), pool)
+        except BaseException as body_error:
+            _clean_up_after(body_error, "ending the graph pool", lambda: _check(lib.vram_ledger_graph_end(d, stream, pool[0], pool[1])))
+            raise
+        _check(lib.vram_ledger_graph_end(d, stream, pool[0], pool[1]))
 
     def reset_(self: Any) -> None:
         reset(self)
         held = getattr(self, "_vram_ledger_pool", None)
         if held is not None:
-            held[2]()  # a finalizer runs once: a later collection does nothing
+            held[3]()  # a finalizer runs once: a later collection does nothing
 
     G.capture_begin, G.capture_end, G.reset = capture_begin, capture_end, reset_
     G._vram_ledger_pools = True

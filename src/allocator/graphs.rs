@@ -16,16 +16,17 @@
 //!
 //! Invariants:
 //! - Every shard holds the same routes and the same held keys (they change under each shard's
-//!   lock in turn, in index order, while the registry's lock is held).
+//!   lock in turn, in index order).
 //! - A pool is held while a graph references it: each begin counts one reference, each
 //!   [`Allocator::release_graph_pool`] drops one. A held pool's memory is never released,
 //!   moved or unmapped, by `empty_cache`, by an out-of-memory retry or by a move.
-//! - Once the last reference goes the device is synchronised (graphs replay on streams the
-//!   allocator never sees) and the pool's free memory is released; what is still allocated
-//!   stays in the pool and goes with the next `empty_cache` once freed.
+//! - Once the last reference goes and no capture runs anywhere (a synchronisation would spoil
+//!   it), the pool's free memory is released after the device is synchronised (graphs replay on
+//!   streams the allocator never sees; `cuMemFree` waits by itself; remap keeps its pieces as
+//!   spare); what is still allocated stays in the pool and goes with the next `empty_cache`.
 //! - Routing costs the cached path one length check while no capture is routed; while one is,
-//!   each allocation in the routed shard asks the driver which capture its stream is in, as
-//!   PyTorch's allocator does during a capture.
+//!   every allocation asks the driver which capture its stream is in, as PyTorch's allocator
+//!   does during a capture.
 
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -80,6 +81,13 @@ impl GraphRoutes {
         }
     }
 
+    /// Whether a capture is routed to a pool now, anywhere (every shard holds every route):
+    /// moves between shards synchronise the device, which would spoil it.
+    #[inline]
+    pub(crate) fn capturing(&self) -> bool {
+        !self.routes.is_empty()
+    }
+
     /// Whether the memory of `owner` (a stream or a pool key) may be released or moved.
     #[inline]
     pub(crate) fn releasable(&self, owner: StreamId) -> bool {
@@ -92,8 +100,9 @@ struct PoolEntry {
     id: GraphPool,
     key: StreamId,
     refs: u32,
-    /// Captures in progress: (capture id, memory outside the allocator when it began).
-    captures: Vec<(u64, Option<u64>)>,
+    /// Captures in progress: (capture id, the stream it began on, memory outside the
+    /// allocator when it began).
+    captures: Vec<(u64, StreamId, Option<u64>)>,
 }
 
 /// The allocator's graph pools; its lock is taken only by the calls of this file.
@@ -142,7 +151,7 @@ impl<D: Driver> Allocator<D> {
         };
         let p = &mut pools[i];
         p.refs += 1;
-        p.captures.push((capture, outside));
+        p.captures.push((capture, stream, outside));
         let key = p.key;
         self.each_shard(|r| {
             r.routes.push((capture, key));
@@ -152,18 +161,24 @@ impl<D: Driver> Allocator<D> {
         })
     }
 
-    /// Stop routing to `pool` the capture that began last on it (call it once the capture has
+    /// Stop routing to `pool` the capture that began on `stream` (call it once the capture has
     /// ended and the graph is instantiated). Adds to the ledger's graph figure what appeared
     /// outside the allocator meanwhile (graph instantiation, mostly), when the driver reports
-    /// this process's usage.
-    pub fn end_graph_pool(&self, pool: GraphPool) -> Result<()> {
+    /// this process's usage. Pools released while captures ran are given back once none runs.
+    pub fn end_graph_pool(&self, pool: GraphPool, stream: StreamId) -> Result<()> {
         let mut pools = self.graphs.pools.lock();
         let p = pools
             .iter_mut()
             .find(|p| p.id == pool)
             .ok_or(Error::UnknownGraphPool(pool))?;
-        let (capture, before) = p.captures.pop().ok_or(Error::UnknownGraphPool(pool))?;
+        let i = p
+            .captures
+            .iter()
+            .rposition(|c| c.1 == stream)
+            .ok_or(Error::UnknownGraphPool(pool))?;
+        let (capture, _, before) = p.captures.remove(i);
         let key = p.key;
+        let idle = pools.iter().all(|p| p.captures.is_empty());
         drop(pools);
         if let (Some(before), Some(after)) = (before, self.outside_measured()) {
             self.core
@@ -175,12 +190,18 @@ impl<D: Driver> Allocator<D> {
             if let Some(i) = r.routes.iter().position(|&x| x == (capture, key)) {
                 r.routes.swap_remove(i);
             }
-        })
+        })?;
+        if idle {
+            self.retire_unreferenced()?;
+        }
+        Ok(())
     }
 
     /// Drop one reference to `pool` (a graph made from it was destroyed). When none remain,
-    /// the device is synchronised and the pool's free memory is given back to the driver;
-    /// blocks still allocated stay in the pool and go with the next `empty_cache` once freed.
+    /// the pool's free memory is given back to the driver (after a device synchronisation in
+    /// the virtual-memory modes; `cuMemFree` waits by itself), at once, or, while any capture
+    /// runs (a synchronisation would spoil it), when the last one ends. Blocks still allocated
+    /// stay in the pool and go with the next `empty_cache` once freed.
     pub fn release_graph_pool(&self, pool: GraphPool) -> Result<()> {
         let mut pools = self.graphs.pools.lock();
         let i = pools
@@ -188,19 +209,39 @@ impl<D: Driver> Allocator<D> {
             .position(|p| p.id == pool)
             .ok_or(Error::UnknownGraphPool(pool))?;
         pools[i].refs = pools[i].refs.saturating_sub(1);
-        if pools[i].refs > 0 || !pools[i].captures.is_empty() {
+        let idle = pools.iter().all(|p| p.captures.is_empty());
+        drop(pools);
+        if idle {
+            self.retire_unreferenced()?;
+        }
+        Ok(())
+    }
+
+    /// Give back the pools that no graph references (none captures, by the callers' check).
+    fn retire_unreferenced(&self) -> Result<()> {
+        let mut pools = self.graphs.pools.lock();
+        let mut keys = Vec::new();
+        pools.retain(|p| {
+            let gone = p.refs == 0 && p.captures.is_empty();
+            if gone {
+                keys.push(p.key);
+            }
+            !gone
+        });
+        if keys.is_empty() {
             return Ok(());
         }
-        let key = pools.swap_remove(i).key;
-        self.each_shard(|r| r.held.retain(|&k| k != key))?;
+        self.each_shard(|r| r.held.retain(|k| !keys.contains(k)))?;
         drop(pools);
         let mut first = None;
         for i in 0..self.shards.len() {
-            if let Err(e) = self
-                .lock(i)
-                .and_then(|mut sh| sh.release_owner(&self.core, key))
-            {
-                first.get_or_insert(e);
+            for &key in &keys {
+                if let Err(e) = self
+                    .lock(i)
+                    .and_then(|mut sh| sh.release_owner(&self.core, key))
+                {
+                    first.get_or_insert(e);
+                }
             }
         }
         first.map_or(Ok(()), Err)

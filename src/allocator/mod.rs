@@ -11,7 +11,10 @@
 //! - A stream's blocks live in exactly one shard (dealt by the stream table, `streams.rs`),
 //!   so a cached allocation or free takes one lock and never allocates on the heap.
 //! - Cross-shard work (releasing the cache, dumps, statistics) takes shard locks one at a
-//!   time, in index order, never while holding another, so it cannot deadlock with allocation.
+//!   time, in index order, never while holding another, so it cannot deadlock with allocation;
+//!   the one exception, moves between shards (`moves.rs`), only tries the other locks.
+//! - Code holding a shard lock never takes the graph-pool registry's lock (the registry's
+//!   holders take shard locks).
 //! - A shard whose operation panicked is poisoned: every later call that needs it gets
 //!   [`Error::Poisoned`], never its half-updated state.
 
@@ -217,17 +220,19 @@ impl<D: Driver> Allocator<D> {
             // The stream's own memory, or the graph pool its capture is routed to.
             let owner = sh.graphs.owner(&self.core.driver, stream);
             if let Some(a) = sh.try_alloc(&self.core, owner, rounded, size, tag) {
+                let a = Allocation { stream, ..a };
                 if sh.recording {
                     self.record_alloc(&a);
                 }
-                return Ok(Allocation { stream, ..a });
+                return Ok(a);
             }
             match self.grow_and_take(&mut sh, owner, rounded, size, tag)? {
                 Ok(a) => {
+                    let a = Allocation { stream, ..a };
                     if sh.recording {
                         self.record_alloc(&a);
                     }
-                    return Ok(Allocation { stream, ..a });
+                    return Ok(a);
                 }
                 Err(cause) => cause,
             }
@@ -250,7 +255,7 @@ impl<D: Driver> Allocator<D> {
     ) -> Result<std::result::Result<Allocation, OomCause>> {
         let grown = if self.core.is_virtual() {
             let left = sh.make_room(&self.core, owner, rounded);
-            if left > 0 && self.core.across_streams {
+            if left > 0 && self.core.across_streams && !sh.graphs.capturing() {
                 self.room_from_other_shards(sh, left);
             }
             sh.grow_virtual(&self.core, owner, rounded)
@@ -293,10 +298,11 @@ impl<D: Driver> Allocator<D> {
         };
         let cause = match served {
             Ok(a) => {
+                let a = Allocation { stream, ..a };
                 if sh.recording {
                     self.record_alloc(&a);
                 }
-                return Ok(Allocation { stream, ..a });
+                return Ok(a);
             }
             Err(cause) => cause,
         };

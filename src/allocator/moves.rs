@@ -7,7 +7,8 @@
 //! - The growing shard's lock is held; others are only tried (`try_lock`), never waited for, so
 //!   two shards moving memory at once cannot deadlock: a busy shard is passed over.
 //! - Only memory wholly inside free blocks is unmapped, never a graph pool's, and never while
-//!   the calling stream captures (the caller checks; `room_wanted` is 0 then).
+//!   any capture is routed to a graph pool (the device synchronisation would spoil it) or the
+//!   calling stream captures (the caller checks; `room_wanted` is 0 then).
 //! - Before unmapping another shard's memory the whole device is synchronised: its blocks
 //!   were freed on that shard's streams, whose handles may have been destroyed since.
 //! - Compact mode gives the unmapped memory back to the driver (the growth then commits new

@@ -242,7 +242,7 @@ pub fn replay_on(
                     if let Some(h) = hold {
                         // Work queued on a stream of its own, completed at free_completed.
                         alloc.record_stream(ptr, h)?;
-                        dev.submit(h);
+                        dev.submit_external(h);
                     }
                     alloc.free_on(ptr, StreamId(e.stream))?;
                     completing.insert(e.addr, (size, hold));

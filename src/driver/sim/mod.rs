@@ -98,6 +98,9 @@ struct StreamState {
     /// it would invalidate the capture, as in CUDA.
     capture: Option<u64>,
     invalidated: bool,
+    /// Work that stands for something outside this process's control (a replayed trace's other
+    /// streams): it completes only when told to, never by a synchronisation.
+    external: bool,
 }
 
 struct DeviceState {
@@ -680,7 +683,7 @@ impl Driver for SimDriver {
         for id in capturing {
             st.not_while_capturing(id, DriverCall::SyncDevice)?;
         }
-        for s in st.streams.values_mut() {
+        for s in st.streams.values_mut().filter(|s| !s.external) {
             s.completed = s.submitted;
         }
         Ok(())

@@ -16,6 +16,16 @@ impl SimDevice {
             .submitted += 1;
     }
 
+    /// Queue one unit of work that only [`SimDevice::complete`] completes: synchronising the
+    /// device does not (it stands for work the allocator cannot wait out, such as what a
+    /// replayed trace says completed later).
+    pub fn submit_external(&self, stream: StreamId) {
+        let mut st = self.state.lock();
+        let s = st.streams.entry(stream).or_default();
+        s.submitted += 1;
+        s.external = true;
+    }
+
     /// Complete all work queued so far on a stream.
     pub fn complete(&self, stream: StreamId) {
         let mut st = self.state.lock();
