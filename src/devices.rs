@@ -180,12 +180,7 @@ fn make_device(ordinal: usize) -> Result<&'static Device> {
 
 /// The devices used so far, in ordinal order.
 pub fn created() -> impl Iterator<Item = &'static Device> {
-    REGISTRY
-        .get()
-        .and_then(|r| r.as_ref().ok())
-        .into_iter()
-        .flat_map(|s| s.iter())
-        .filter_map(|s| s.get().copied())
+    created_ordinals().map(|(_, d)| d)
 }
 
 /// The devices used so far with their ordinals, in ordinal order.

@@ -118,6 +118,11 @@ fn guard<T>(on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
     }
 }
 
+/// 0 for success, or the error's message (for entry points that return 0 or -1).
+fn status(r: crate::Result<()>) -> Result<c_int, String> {
+    r.map(|()| 0).map_err(|e| e.to_string())
+}
+
 fn device_index(device: c_int) -> Result<usize, String> {
     usize::try_from(device).map_err(|_| format!("device {device} is not a device ordinal"))
 }
@@ -434,9 +439,7 @@ pub extern "C" fn vram_ledger_reset_peaks(device: c_int) -> c_int {
 #[no_mangle]
 pub extern "C" fn vram_ledger_empty_cache(device: c_int) -> c_int {
     guard(-1, || {
-        on_device!(state(device)?, d => d.allocator().empty_cache())
-            .map(|()| 0)
-            .map_err(|e| e.to_string())
+        status(on_device!(state(device)?, d => d.allocator().empty_cache()))
     })
 }
 
@@ -453,9 +456,7 @@ pub extern "C" fn vram_ledger_record_history(
             .ok()
             .filter(|&m| m > 0)
             .ok_or_else(|| format!("max_entries must be positive, not {max_entries}"))?;
-        on_device!(state(device)?, d => d.allocator().record_history(enabled != 0, max))
-            .map(|()| 0)
-            .map_err(|e| e.to_string())
+        status(on_device!(state(device)?, d => d.allocator().record_history(enabled != 0, max)))
     })
 }
 
@@ -515,9 +516,9 @@ pub unsafe extern "C" fn vram_ledger_graph_begin(
 ) -> c_int {
     guard(-1, || {
         let pool = crate::GraphPool(pool_a, pool_b);
-        on_device!(state(device)?, d => d.allocator().begin_graph_pool(pool, StreamId(stream as u64)))
-            .map(|()| 0)
-            .map_err(|e| e.to_string())
+        status(
+            on_device!(state(device)?, d => d.allocator().begin_graph_pool(pool, StreamId(stream as u64))),
+        )
     })
 }
 
@@ -533,9 +534,9 @@ pub extern "C" fn vram_ledger_graph_end(
 ) -> c_int {
     guard(-1, || {
         let pool = crate::GraphPool(pool_a, pool_b);
-        on_device!(state(device)?, d => d.allocator().end_graph_pool(pool, StreamId(stream as u64)))
-            .map(|()| 0)
-            .map_err(|e| e.to_string())
+        status(
+            on_device!(state(device)?, d => d.allocator().end_graph_pool(pool, StreamId(stream as u64))),
+        )
     })
 }
 
@@ -545,9 +546,7 @@ pub extern "C" fn vram_ledger_graph_end(
 pub extern "C" fn vram_ledger_graph_release(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
     guard(-1, || {
         let pool = crate::GraphPool(pool_a, pool_b);
-        on_device!(state(device)?, d => d.allocator().release_graph_pool(pool))
-            .map(|()| 0)
-            .map_err(|e| e.to_string())
+        status(on_device!(state(device)?, d => d.allocator().release_graph_pool(pool)))
     })
 }
 

@@ -220,20 +220,10 @@ impl<D: Driver> Allocator<D> {
             // The stream's own memory, or the graph pool its capture is routed to.
             let owner = sh.graphs.owner(&self.core.driver, stream);
             if let Some(a) = sh.try_alloc(&self.core, owner, rounded, size, tag) {
-                let a = Allocation { stream, ..a };
-                if sh.recording {
-                    self.record_alloc(&a);
-                }
-                return Ok(a);
+                return Ok(self.hand_out(&sh, a, stream));
             }
             match self.grow_and_take(&mut sh, owner, rounded, size, tag)? {
-                Ok(a) => {
-                    let a = Allocation { stream, ..a };
-                    if sh.recording {
-                        self.record_alloc(&a);
-                    }
-                    return Ok(a);
-                }
+                Ok(a) => return Ok(self.hand_out(&sh, a, stream)),
                 Err(cause) => cause,
             }
         };
@@ -297,13 +287,7 @@ impl<D: Driver> Allocator<D> {
             None => self.grow_and_take(&mut sh, owner, rounded, size, tag)?,
         };
         let cause = match served {
-            Ok(a) => {
-                let a = Allocation { stream, ..a };
-                if sh.recording {
-                    self.record_alloc(&a);
-                }
-                return Ok(a);
-            }
+            Ok(a) => return Ok(self.hand_out(&sh, a, stream)),
             Err(cause) => cause,
         };
         drop(sh);
@@ -338,6 +322,17 @@ impl<D: Driver> Allocator<D> {
             cap: self.cap(),
             cause,
         }
+    }
+
+    /// The allocation as the caller sees it (its own stream, not a graph pool's key), recorded
+    /// in the history when that is on.
+    #[inline]
+    fn hand_out(&self, sh: &Shard, a: Allocation, stream: StreamId) -> Allocation {
+        let a = Allocation { stream, ..a };
+        if sh.recording {
+            self.record_alloc(&a);
+        }
+        a
     }
 
     #[cold]
