@@ -416,3 +416,16 @@ def test_snapshot_round_trip(tmp_path):
     assert f"{len(data['device_traces'][0])} entries" in mv.trace(data)
     assert "<html" in mv.trace_plot(data).lower()
     assert "<html" in mv.segment_plot(data).lower()
+
+
+def test_install_turns_inductor_graph_trees_off():
+    # Inductor's CUDA-graph trees checkpoint PyTorch's own allocator's pools, which a pluggable
+    # allocator cannot provide; install() leaves reduce-overhead to plain torch.cuda.graph.
+    inductor = pytest.importorskip("torch._inductor.config")
+    before = inductor.triton.cudagraph_trees
+    try:
+        inductor.triton.cudagraph_trees = True
+        vl._plain_inductor_graphs()
+        assert inductor.triton.cudagraph_trees is False
+    finally:
+        inductor.triton.cudagraph_trees = before

@@ -171,13 +171,20 @@ def _address(fn: Any) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-def install(mode: Optional[str] = None, torch_stats: bool = True) -> Any:
+def install(mode: Optional[str] = None, torch_stats: bool = True, cudagraph_trees: bool = False) -> Any:
     """Make vram-ledger PyTorch's CUDA allocator for this process, with the init, empty_cache,
     memory-fraction and record_stream hooks. Must run before any CUDA use; permanent. With
     `torch_stats` (the default), torch.cuda.memory_stats() and the functions built on it
     (memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved,
     memory_summary, reset_peak_memory_stats) answer with vram-ledger's figures, which a
-    pluggable allocator otherwise cannot give."""
+    pluggable allocator otherwise cannot give.
+
+    torch.compile(mode="reduce-overhead") captures CUDA graphs. Inductor's CUDA-graph trees
+    checkpoint and restore the private pool state of PyTorch's own allocator, which a
+    pluggable allocator cannot provide, so install() turns them off
+    (torch._inductor.config.triton.cudagraph_trees = False): inductor then captures each
+    compiled graph with torch.cuda.graph, into a graph pool of vram-ledger's like any other
+    capture. `cudagraph_trees=True` leaves inductor's setting alone."""
     if "allocator" in _INSTALLED:
         return _INSTALLED["allocator"]
     if mode is not None and mode not in MODES:
@@ -202,8 +209,18 @@ def install(mode: Optional[str] = None, torch_stats: bool = True) -> Any:
     _patch_graphs(torch)
     if torch_stats:
         _patch_torch_stats(torch)
+    if not cudagraph_trees:
+        _plain_inductor_graphs()
     _INSTALLED["allocator"] = alloc
     return alloc
+
+
+def _plain_inductor_graphs() -> None:
+    try:
+        import torch._inductor.config as inductor
+    except ImportError:  # a torch without inductor has nothing to turn off
+        return
+    inductor.triton.cudagraph_trees = False
 
 
 def _patch_torch_stats(torch: Any) -> None:
