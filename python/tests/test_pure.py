@@ -33,17 +33,28 @@ def test_library_is_found():
         assert path.resolve() == inside
 
 
-def test_a_failed_free_is_reported_on_stderr():
+def test_a_failed_free_is_reported_through_logging_or_on_stderr():
     env = child_env(**SIM, VRAM_LEDGER_LIB=vl.library_path())
     env.pop("VRAM_LEDGER_LOG", None)
-    code = "import vram_ledger as vl\nlib = vl._lib()\nlib.vram_ledger_free(0x1234, 64, 0, None)\nprint('went on')\n"
+    code = (
+        "import logging, vram_ledger as vl\n"
+        "seen = []\n"
+        "class H(logging.Handler):\n"
+        "    def emit(self, r): seen.append((r.levelname, r.name, r.getMessage()))\n"
+        "logging.getLogger('vram_ledger').addHandler(H())\n"
+        "lib = vl._lib()\nlib.vram_ledger_free(0x1234, 64, 0, None)\nprint('went on', seen)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "went on" in out.stdout, out.stderr
-    assert "WARN" in out.stderr and "free of 0x1234 on device 0 failed" in out.stderr, out.stderr
-    assert "not allocated by this allocator" in out.stderr
-    # VRAM_LEDGER_LOG sets the level: off silences it.
+    # Through Python's logging: a WARNING of logger "vram_ledger" carrying the library's message.
+    assert "('WARNING', 'vram_ledger', 'free of 0x1234 on device 0 failed" in out.stdout, out.stdout
+    assert "not allocated by this allocator" in out.stdout
+    # VRAM_LEDGER_LOG keeps the library's own stderr output, at that level; off silences it.
+    loud = subprocess.run([sys.executable, "-c", code], env={**env, "VRAM_LEDGER_LOG": "warn"}, capture_output=True, text=True)
+    assert loud.returncode == 0 and "went on []" in loud.stdout, loud.stdout
+    assert "WARN" in loud.stderr and "free of 0x1234 on device 0 failed" in loud.stderr, loud.stderr
     quiet = subprocess.run([sys.executable, "-c", code], env={**env, "VRAM_LEDGER_LOG": "off"}, capture_output=True, text=True)
-    assert quiet.returncode == 0 and "free of" not in quiet.stderr, quiet.stderr
+    assert quiet.returncode == 0 and "free of" not in quiet.stderr + quiet.stdout, quiet.stderr
 
 
 def test_metrics_are_prometheus_text():

@@ -17,12 +17,14 @@ their allocations are counted as "untracked" (set a tag inside a hook to change 
 
 The shared library is found from, in order: the VRAM_LEDGER_LIB environment variable, this
 package's folder (where `pip install ./python` puts it), and the repository's target/release
-folder. Failures inside the library are logged to stderr (warnings and errors; set
-VRAM_LEDGER_LOG, e.g. `debug`, for more).
+folder. Failures inside the library (a failed free or record_stream, which return nothing, too)
+are logged through `logging` (logger "vram_ledger", level WARNING). With VRAM_LEDGER_LOG set
+(`debug`, `off`, any tracing filter) the library logs to stderr itself, at that level.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import ctypes
@@ -127,8 +129,22 @@ def _lib() -> ctypes.CDLL:
                 f = getattr(lib, name)
                 f.argtypes = args
                 f.restype = res
+            lib.vram_ledger_set_log_callback.argtypes = [ctypes.c_void_p]
+            lib.vram_ledger_set_log_callback.restype = None
+            if not os.environ.get("VRAM_LEDGER_LOG"):
+                # Failures inside the library reach `logging` (logger "vram_ledger"); an
+                # explicit VRAM_LEDGER_LOG keeps the library's own stderr output and filter.
+                # Handed back before the interpreter shuts down, after which a callback into
+                # Python could not run: frees during teardown log to stderr.
+                lib.vram_ledger_set_log_callback(ctypes.cast(_FORWARD, ctypes.c_void_p))
+                atexit.register(lib.vram_ledger_set_log_callback, None)
             _LIB = lib
         return _LIB
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p)
+def _FORWARD(level: int, message: bytes) -> None:
+    _LOG.log(level, "%s", message.decode("utf-8", "replace"))
 
 
 def _last_error() -> str:

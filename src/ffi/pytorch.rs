@@ -1,0 +1,143 @@
+//! PyTorch's pluggable-allocator entry points and hooks.
+
+use std::ffi::{c_char, c_double, c_int, c_void, CStr};
+
+use super::boundary::*;
+use crate::devices::{self, Device};
+use crate::driver::StreamId;
+use crate::Limit;
+
+/// `void* alloc(ssize_t size, int device, cudaStream_t stream)`. Size 0 returns NULL (as
+/// PyTorch's own allocator does), which is not an error.
+///
+/// # Safety
+/// On the CUDA backend `stream` is NULL (the legacy default stream) or a live `cudaStream_t` of
+/// `device`'s primary context, which stays alive while memory allocated on it is in use: the
+/// allocator hands it to the driver (capture queries, and events when the memory is freed).
+/// The simulated backend only compares it.
+#[no_mangle]
+pub unsafe extern "C" fn vram_ledger_malloc(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    guard(std::ptr::null_mut(), || {
+        let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
+        let r =
+            on_device!(state(device)?, d => d.allocator().allocate(size, StreamId(stream as u64)));
+        match r {
+            Ok(x) => Ok(x.ptr as *mut c_void),
+            Err(e) => {
+                if matches!(e, crate::Error::OutOfMemory(_)) {
+                    eprintln!("vram-ledger: {e}");
+                }
+                tracing::error!(device, "allocation failed: {e}");
+                Err(e.to_string())
+            }
+        }
+    })
+}
+
+extern "C-unwind" {
+    /// Throws a C++ `std::runtime_error` (csrc/throw.cpp); never returns.
+    fn vram_ledger_throw(out_of_memory: c_int, why: *const c_char) -> !;
+}
+
+/// [`vram_ledger_malloc`] for PyTorch's pluggable allocator, which does not check for NULL:
+/// when there is nothing to return it throws a C++ exception instead, which PyTorch turns into
+/// a Python `RuntimeError` whose message starts with "CUDA out of memory." (out of memory) and
+/// carries the breakdown. The process keeps its CUDA context and can go on.
+///
+/// # Safety
+/// As for [`vram_ledger_malloc`]; and the caller is C++ that lets exceptions pass (PyTorch).
+#[no_mangle]
+pub unsafe extern "C-unwind" fn vram_ledger_malloc_or_throw(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    // SAFETY: this function's contract is vram_ledger_malloc's.
+    let p = unsafe { vram_ledger_malloc(size, device, stream) };
+    if p.is_null() && size != 0 {
+        let why = vram_ledger_last_error();
+        // SAFETY: the last error is NUL-terminated and lives until this thread's next failure.
+        // Out-of-memory messages have their own beginning, so the success path keeps no flag.
+        let oom = unsafe { CStr::from_ptr(why) }
+            .to_bytes()
+            .starts_with(crate::error::OUT_OF_MEMORY.as_bytes());
+        // SAFETY: as above; the exception unwinds through no Rust frame that holds anything
+        // to drop.
+        unsafe { vram_ledger_throw(c_int::from(oom), why) }
+    }
+    p
+}
+
+/// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`. `ptr` is looked up,
+/// never dereferenced: NULL is ignored, and a pointer this library did not allocate is an error.
+///
+/// # Safety
+/// `stream` is as for [`vram_ledger_malloc`]. Work that uses `ptr` is queued on `stream`, or on
+/// a stream passed to [`vram_ledger_record_stream`] for it: the memory is reused once that work
+/// completes, and the driver is handed those streams to find out when.
+#[no_mangle]
+pub unsafe extern "C" fn vram_ledger_free(
+    ptr: *mut c_void,
+    _size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) {
+    guard((), || {
+        let r = on_device!(state(device)?, d => d.allocator().free_on(ptr as u64, StreamId(stream as u64)));
+        r.map_err(|e| format!("free of {ptr:?} on device {device} failed: {e}"))
+    })
+}
+
+/// `void init(int device)`. PyTorch calls it for every device at start-up, also in processes
+/// that use only one, so it creates nothing: a device's allocator and profiling baseline come
+/// with its first use.
+#[no_mangle]
+pub extern "C" fn vram_ledger_init(device: c_int) {
+    ensure_logging();
+    guard((), || device_index(device).map(|_| ()));
+}
+
+/// `void reset(void)`: `torch.cuda.empty_cache()`.
+#[no_mangle]
+pub extern "C" fn vram_ledger_reset() {
+    guard((), || {
+        for s in devices::created() {
+            on_device!(s, d => d.allocator().empty_cache()).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    });
+}
+
+/// `void memory_fraction(double fraction, int device)`.
+#[no_mangle]
+pub extern "C" fn vram_ledger_memory_fraction(fraction: c_double, device: c_int) {
+    guard((), || {
+        let limit = Some(Limit::Fraction(fraction));
+        on_device!(state(device)?, d => d.allocator().set_limit(limit)).map_err(|e| e.to_string())
+    });
+}
+
+/// `void record_stream(void* ptr, cudaStream_t stream)`: `ptr`'s memory is not reused before
+/// the work queued on `stream` so far completes. `ptr` is looked up, never dereferenced.
+///
+/// # Safety
+/// On the CUDA backend `stream` is a live `cudaStream_t` of the context of the device that
+/// `ptr` belongs to, alive until `ptr` is freed: the allocator records an event on it then.
+#[no_mangle]
+pub unsafe extern "C" fn vram_ledger_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    guard((), || {
+        let mut last = String::from("no device has been used");
+        for s in devices::created() {
+            match on_device!(s, d => d.allocator().record_stream(ptr as u64, StreamId(stream as u64)))
+            {
+                Ok(()) => return Ok(()),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(last)
+    });
+}
