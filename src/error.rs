@@ -166,6 +166,30 @@ pub enum Error {
     #[error("no capture or graph is known for graph pool {0:?}")]
     UnknownGraphPool(crate::allocator::GraphPool),
 
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    #[error("tag {0} is asleep: wake it before allocating its memory")]
+    Asleep(crate::Tag),
+
+    #[error(
+        "sleep needs a virtual-memory mode (expandable, compact or remap); this allocator is {0}"
+    )]
+    SleepNeedsVirtualMemory(crate::SegmentMode),
+
+    #[error("sleep needs the tags' memory kept apart (Config::separate_tags, or sleep=True in Python) from the allocator's start")]
+    SleepNeedsSeparateTags,
+
+    #[error("cannot {0} while a CUDA graph is being captured")]
+    Capturing(&'static str),
+
+    #[error("could not wake {tag}: {source}")]
+    Wake {
+        tag: crate::Tag,
+        #[source]
+        source: Box<Error>,
+    },
+
     #[error(
         "allocator shard {shard} was left inconsistent by a panic during an earlier operation; \
          its streams' memory can no longer be used (other shards still work)"

@@ -4,10 +4,11 @@
 //! What it checks (the contracts every part of the allocator keeps):
 //! - blocks of each segment tile it exactly, in address order (no overlap, no gap);
 //! - segments never overlap one another;
-//! - every allocated or pending block lies in mapped memory;
+//! - every allocated or pending block lies in mapped memory, or in memory asleep;
 //! - Σ tags = allocated (bytes, requested bytes, counts), and those equal what the blocks say;
-//! - allocated ≤ active ≤ reserved, active = allocated + pending, reserved = mapped bytes +
-//!   spare (held, unmapped) bytes, cached = reserved − allocated, the segment count matches,
+//! - allocated ≤ active ≤ reserved + sleeping, active = allocated + pending, reserved = mapped
+//!   bytes + spare (held, unmapped) bytes, sleeping = asleep bytes, cached = reserved +
+//!   sleeping − allocated, the segment count matches,
 //!   every peak ≥ its current;
 //! - reserved = what the driver says the allocator holds, when the driver can tell;
 //! - the shards' own structures are consistent (`problems` collected while dumping).
@@ -43,6 +44,9 @@ pub struct SegmentDump {
     pub expandable: bool,
     /// Mapped ranges, `(addr, len)`; the whole segment for a plain one.
     pub mapped: Vec<(u64, u64)>,
+    /// Ranges of an asleep tag whose memory was given back (`(addr, len)`): its allocations
+    /// stay there, with nothing mapped behind them until it wakes.
+    pub asleep: Vec<(u64, u64)>,
     pub blocks: Vec<BlockDump>,
 }
 
@@ -100,7 +104,7 @@ pub fn check(d: &StateDump) -> Result<(), Violation> {
         return Err(Violation(p.clone()));
     }
     let mut per_tag = [(0u64, 0u64, 0u64); Tag::COUNT];
-    let (mut pending, mut mapped_total) = (0u64, 0u64);
+    let (mut pending, mut mapped_total, mut asleep_total) = (0u64, 0u64, 0u64);
     let mut ranges: Vec<(u64, u64)> = Vec::new();
     for s in &d.segments {
         ranges.push((s.base, s.size));
@@ -125,15 +129,19 @@ pub fn check(d: &StateDump) -> Result<(), Violation> {
                 DumpState::Free | DumpState::Unmapped => {}
             }
             let must_be_mapped = b.state != DumpState::Unmapped;
-            ensure(
-                !must_be_mapped || covered(&s.mapped, b.addr, b.size),
-                || {
-                    format!(
-                        "{:?} block {:#x}+{} is not in mapped memory",
-                        b.state, b.addr, b.size
-                    )
-                },
-            )?;
+            let backed = if s.asleep.is_empty() {
+                covered(&s.mapped, b.addr, b.size)
+            } else {
+                let mut all = [s.mapped.as_slice(), s.asleep.as_slice()].concat();
+                all.sort_unstable();
+                covered(&all, b.addr, b.size)
+            };
+            ensure(!must_be_mapped || backed, || {
+                format!(
+                    "{:?} block {:#x}+{} is not in mapped memory",
+                    b.state, b.addr, b.size
+                )
+            })?;
         }
         ensure(cursor == s.base + s.size, || {
             format!(
@@ -142,6 +150,7 @@ pub fn check(d: &StateDump) -> Result<(), Violation> {
             )
         })?;
         mapped_total += s.mapped.iter().map(|m| m.1).sum::<u64>();
+        asleep_total += s.asleep.iter().map(|m| m.1).sum::<u64>();
     }
     ranges.sort_unstable();
     for w in ranges.windows(2) {
@@ -194,8 +203,12 @@ pub fn check(d: &StateDump) -> Result<(), Violation> {
     )?;
     let allocated = l.all.allocated_bytes.current;
     let (active, reserved) = (l.active_bytes.current, l.reserved_bytes.current);
-    ensure(allocated <= active && active <= reserved, || {
-        format!("allocated {allocated} ≤ active {active} ≤ reserved {reserved} does not hold")
+    let sleeping: u64 = l.sleeping_bytes.0.iter().sum();
+    ensure(sleeping == asleep_total, || {
+        format!("the ledger counts {sleeping} bytes asleep, the segments {asleep_total}")
+    })?;
+    ensure(allocated <= active && active <= reserved + sleeping, || {
+        format!("allocated {allocated} ≤ active {active} ≤ reserved {reserved} + sleeping {sleeping} does not hold")
     })?;
     ensure(active == allocated + pending, || {
         format!("active {active} ≠ allocated {allocated} + pending {pending}")
@@ -206,8 +219,8 @@ pub fn check(d: &StateDump) -> Result<(), Violation> {
             d.spare
         )
     })?;
-    ensure(l.cached_bytes == reserved - allocated, || {
-        "cached ≠ reserved − allocated".into()
+    ensure(l.cached_bytes == reserved + sleeping - allocated, || {
+        "cached ≠ reserved + sleeping − allocated".into()
     })?;
     let plain = d.segments.iter().filter(|s| !s.expandable).count() as u64;
     ensure(l.segments.current == plain, || {

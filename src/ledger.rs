@@ -217,6 +217,8 @@ pub struct Ledger {
     pub(crate) graph_reserved: Gauge,
     /// Memory outside the allocator that appeared while graphs were captured and instantiated.
     pub(crate) graph_outside: AtomicU64,
+    /// Bytes of each tag given back while it sleeps (not in `reserved`).
+    sleeping: [AtomicU64; Tag::COUNT],
 }
 
 impl Default for Ledger {
@@ -239,7 +241,21 @@ impl Ledger {
             usage_read_failures: AtomicU64::new(0),
             graph_reserved: Gauge::default(),
             graph_outside: AtomicU64::new(0),
+            sleeping: Default::default(),
         }
+    }
+
+    pub(crate) fn sleeping_add(&self, tag: Tag, bytes: u64) {
+        self.sleeping[tag.index()].fetch_add(bytes, Relaxed);
+    }
+
+    pub(crate) fn sleeping_sub(&self, tag: Tag, bytes: u64) {
+        self.sleeping[tag.index()].fetch_sub(bytes, Relaxed);
+    }
+
+    /// Bytes of `tag` given back while it sleeps.
+    pub fn sleeping(&self, tag: Tag) -> u64 {
+        self.sleeping[tag.index()].load(Relaxed)
     }
 
     /// The counters of shard `i`; only the holder of that shard's lock may write them.
@@ -314,8 +330,12 @@ impl Ledger {
             active = active.plus(s.active.read());
         }
         let reserved = self.reserved.read();
+        let sleeping = PerTag(std::array::from_fn(|i| self.sleeping[i].load(Relaxed)));
+        // Asleep allocations stay allocated; their memory is counted as sleeping, not reserved.
+        let backed = reserved.current + sleeping.0.iter().sum::<u64>();
         Snapshot {
-            cached_bytes: reserved.current.saturating_sub(all.allocated_bytes.current),
+            cached_bytes: backed.saturating_sub(all.allocated_bytes.current),
+            sleeping_bytes: sleeping,
             per_tag,
             all,
             active_bytes: active,
@@ -423,6 +443,10 @@ pub struct Snapshot {
     /// (measured from this process's usage at each capture's begin and end; 0 without it).
     #[serde(default)]
     pub graph_outside_bytes: u64,
+    /// Bytes of each tag given back to the driver while it sleeps (not in `reserved_bytes`;
+    /// its allocations stay allocated).
+    #[serde(default)]
+    pub sleeping_bytes: PerTag<u64>,
 }
 
 /// What changed between two snapshots (later − earlier) in the current values and totals.

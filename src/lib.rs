@@ -40,6 +40,7 @@ pub mod units;
 
 pub use allocator::{
     Allocation, Allocator, Config, GraphMemory, GraphPool, Limit, PoolStats, SegmentMode,
+    SleepReport, WakeReport,
 };
 pub use driver::{Capture, DevicePtr, Driver, StreamId};
 pub use error::{Error, OomCause, OomReport, Result};

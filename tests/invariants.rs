@@ -304,7 +304,7 @@ fn catches_a_mapping_the_ledger_does_not_reserve() {
 fn catches_cached_differing_from_reserved_minus_allocated() {
     for mut d in every_mode() {
         d.ledger.cached_bytes += 512;
-        rejected(&d, "cached ≠ reserved − allocated");
+        rejected(&d, "cached ≠ reserved + sleeping − allocated");
     }
 }
 

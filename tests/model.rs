@@ -14,17 +14,50 @@ use vram_ledger::{Allocator, Config, Error, Limit, SegmentMode, Tag};
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { size: u64, stream: u8, tag: u8 },
-    Free { pick: usize, hint: bool },
-    RecordStream { pick: usize, stream: u8 },
-    Submit { stream: u8 },
-    Complete { stream: u8 },
+    Alloc {
+        size: u64,
+        stream: u8,
+        tag: u8,
+    },
+    Free {
+        pick: usize,
+        hint: bool,
+    },
+    RecordStream {
+        pick: usize,
+        stream: u8,
+    },
+    Submit {
+        stream: u8,
+    },
+    Complete {
+        stream: u8,
+    },
     EmptyCache,
     SetLimit(Option<u64>),
     ResetPeaks,
     ResetTagPeaks(u8),
-    Fault { call: usize, nth: u64, sticky: bool },
+    Fault {
+        call: usize,
+        nth: u64,
+        sticky: bool,
+    },
     ClearFaults,
+    /// Tags by bit mask (bit i: `Tag::ALL[i]`).
+    Sleep {
+        offload: u8,
+        discard: u8,
+    },
+    Wake {
+        mask: u8,
+    },
+}
+
+fn tags_of(mask: u8) -> Vec<Tag> {
+    Tag::ALL
+        .into_iter()
+        .filter(|t| mask & (1 << t.index()) != 0)
+        .collect()
 }
 
 const FAULTABLE: [DriverCall; DriverCall::ALL.len()] = DriverCall::ALL;
@@ -71,6 +104,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         1 => (0u8..4).prop_map(Op::ResetTagPeaks),
         2 => (0..FAULTABLE.len(), 1u64..4, proptest::bool::weighted(0.2)).prop_map(|(call, nth, sticky)| Op::Fault { call, nth, sticky }),
         1 => Just(Op::ClearFaults),
+        1 => (0u8..16, 0u8..16).prop_map(|(offload, discard)| Op::Sleep { offload, discard }),
+        1 => (0u8..16).prop_map(|mask| Op::Wake { mask }),
     ]
 }
 
@@ -141,6 +176,14 @@ struct Live {
     stream: StreamId,
     tag: Tag,
     shard: usize,
+    /// Its first word still holds the stamp written at allocation (its tag was not discarded
+    /// by a sleep since).
+    intact: bool,
+}
+
+/// The word written at the start of an allocation (tag-separated runs).
+fn stamp(ptr: u64) -> u64 {
+    ptr ^ 0x5a5a_0000_0000_a5a5
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -169,9 +212,14 @@ impl Gauge {
 #[derive(Default)]
 struct Shadow {
     live: Vec<Live>,
+    /// Freed while their tag slept: still allocated until it wakes.
+    deferred: Vec<Live>,
+    asleep: [bool; 4],
     allocated: HashMap<(usize, usize), Gauge>,
     requested: HashMap<(usize, usize), Gauge>,
     global: [Gauge; 4],
+    /// Allocations carry a stamp (tag-separated runs in the virtual-memory modes).
+    stamps: bool,
 }
 
 impl Shadow {
@@ -212,8 +260,28 @@ impl Shadow {
     fn count(&self, t: usize) -> u64 {
         self.live
             .iter()
+            .chain(&self.deferred)
             .filter(|x| x.ptr != 0 && x.tag.index() == t)
             .count() as u64
+    }
+    fn asleep_tags(&self) -> Vec<Tag> {
+        Tag::ALL
+            .into_iter()
+            .filter(|t| self.asleep[t.index()])
+            .collect()
+    }
+    /// `tag` woke: the frees deferred while it slept happen now.
+    fn woke(&mut self, tag: Tag) {
+        self.asleep[tag.index()] = false;
+        let (gone, kept): (Vec<Live>, Vec<Live>) = std::mem::take(&mut self.deferred)
+            .into_iter()
+            .partition(|x| x.tag == tag);
+        self.deferred = kept;
+        for x in gone {
+            self.live.push(x);
+            let i = self.live.len() - 1;
+            self.remove(i);
+        }
     }
 }
 
@@ -249,10 +317,21 @@ fn check_all(a: &Allocator<SimDriver>, shadow: &Shadow) -> Result<(), TestCaseEr
     }
     prop_assert_eq!(
         a.live_allocations(),
-        shadow.live.iter().filter(|x| x.ptr != 0).count()
+        shadow
+            .live
+            .iter()
+            .chain(&shadow.deferred)
+            .filter(|x| x.ptr != 0)
+            .count()
     );
-    // No two live allocations overlap, and each lies in accessible device memory.
-    let mut live: Vec<_> = shadow.live.iter().filter(|x| x.ptr != 0).collect();
+    prop_assert_eq!(a.asleep_tags(), shadow.asleep_tags());
+    // No two live allocations overlap, and each awake one lies in accessible device memory
+    // (holding its stamp where one was written and its tag never discarded).
+    let mut live: Vec<_> = shadow
+        .live
+        .iter()
+        .filter(|x| x.ptr != 0 && !shadow.asleep[x.tag.index()])
+        .collect();
     live.sort_by_key(|x| x.ptr);
     for w in live.windows(2) {
         prop_assert!(
@@ -268,6 +347,14 @@ fn check_all(a: &Allocator<SimDriver>, shadow: &Shadow) -> Result<(), TestCaseEr
             "{:?} is not in mapped memory",
             x
         );
+        if shadow.stamps && x.intact {
+            prop_assert_eq!(
+                a.driver().read_word(x.ptr).ok(),
+                Some(stamp(x.ptr)),
+                "{:?} lost its contents",
+                x
+            );
+        }
     }
     Ok(())
 }
@@ -316,6 +403,16 @@ fn run_config(
     move_across_streams: bool,
     ops: Vec<Op>,
 ) -> Result<(), TestCaseError> {
+    run_full(mode, max_split, move_across_streams, false, ops)
+}
+
+fn run_full(
+    mode: SegmentMode,
+    max_split: Option<u64>,
+    move_across_streams: bool,
+    separate_tags: bool,
+    ops: Vec<Op>,
+) -> Result<(), TestCaseError> {
     let drv = SimDriver::with_config(SimConfig {
         capacity: GIB,
         context_overhead: 64 * MIB,
@@ -327,17 +424,22 @@ fn run_config(
             mode,
             max_split_size: max_split,
             move_across_streams,
+            separate_tags,
             ..Default::default()
         },
     )
     .unwrap();
+    let sleepable = separate_tags && mode != SegmentMode::Native;
     let rules = Rules {
         virtual_memory: mode != SegmentMode::Native,
         max_split: max_split.unwrap_or(u64::MAX),
     };
     let dev = a.driver().device().clone();
     place_streams(&a);
-    let mut shadow = Shadow::default();
+    let mut shadow = Shadow {
+        stamps: sleepable,
+        ..Shadow::default()
+    };
     for op in ops {
         match op {
             Op::Alloc {
@@ -379,6 +481,16 @@ fn run_config(
                             least,
                             most
                         );
+                        prop_assert!(
+                            !shadow.asleep[tag.index()] || size == 0,
+                            "{} allocated while asleep",
+                            tag
+                        );
+                        if shadow.stamps && x.ptr != 0 {
+                            a.driver()
+                                .write_word(x.ptr, stamp(x.ptr))
+                                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                        }
                         shadow.add(Live {
                             ptr: x.ptr,
                             size: x.size,
@@ -386,8 +498,10 @@ fn run_config(
                             stream: st,
                             tag,
                             shard: a.shard_of(st),
+                            intact: true,
                         });
                     }
+                    Err(Error::Asleep(t)) => prop_assert!(t == tag && shadow.asleep[t.index()]),
                     Err(Error::OutOfMemory(r)) => prop_assert_eq!(r.requested, size),
                     Err(Error::Driver(_)) => {}
                     Err(e) => return Err(TestCaseError::fail(format!("unexpected error {e}"))),
@@ -411,6 +525,13 @@ fn run_config(
                     a.free(x.ptr)
                 };
                 match r {
+                    Ok(()) if shadow.asleep[x.tag.index()] && x.ptr != 0 => {
+                        // Deferred: still allocated until its tag wakes.
+                        shadow.deferred.push(shadow.live.swap_remove(i));
+                        let before = a.snapshot();
+                        prop_assert!(matches!(a.free(x.ptr), Err(Error::UnknownPointer(_))));
+                        prop_assert_eq!(a.snapshot(), before);
+                    }
                     Ok(()) => {
                         shadow.remove(i);
                         // A second free of the same pointer is an error that changes nothing.
@@ -457,11 +578,93 @@ fn run_config(
                 }
             }
             Op::ClearFaults => a.driver().clear_faults(),
+            Op::Sleep { offload, discard } => {
+                let (off, dis) = (tags_of(offload), tags_of(discard));
+                let both = off.iter().any(|t| dis.contains(t));
+                let newly: Vec<Tag> = off
+                    .iter()
+                    .chain(&dis)
+                    .copied()
+                    .filter(|t| !shadow.asleep[t.index()])
+                    .fold(Vec::new(), |mut v, t| {
+                        if !v.contains(&t) {
+                            v.push(t);
+                        }
+                        v
+                    });
+                match a.sleep(&off, &dis) {
+                    Ok(r) => {
+                        prop_assert!(sleepable && !both);
+                        prop_assert_eq!(&r.tags, &newly);
+                        for &t in &newly {
+                            shadow.asleep[t.index()] = true;
+                            if dis.contains(&t) {
+                                for x in shadow
+                                    .live
+                                    .iter_mut()
+                                    .chain(shadow.deferred.iter_mut())
+                                    .filter(|x| x.tag == t)
+                                {
+                                    x.intact = false;
+                                }
+                            }
+                        }
+                    }
+                    Err(Error::InvalidArgument(_)) => prop_assert!(both),
+                    Err(Error::SleepNeedsVirtualMemory(_)) => {
+                        prop_assert!(mode == SegmentMode::Native && !both)
+                    }
+                    Err(Error::SleepNeedsSeparateTags) => prop_assert!(!separate_tags && !both),
+                    // A failed sleep leaves every tag awake.
+                    Err(Error::Driver(_)) => prop_assert!(sleepable),
+                    Err(e) => return Err(TestCaseError::fail(format!("sleep failed: {e}"))),
+                }
+            }
+            Op::Wake { mask } => {
+                let wanted: Vec<Tag> = tags_of(mask);
+                let expected: Vec<Tag> = Tag::ALL
+                    .into_iter()
+                    .filter(|t| {
+                        (wanted.is_empty() || wanted.contains(t)) && shadow.asleep[t.index()]
+                    })
+                    .collect();
+                match a.wake(&wanted) {
+                    Ok(r) => {
+                        prop_assert!(sleepable);
+                        prop_assert_eq!(&r.tags, &expected);
+                        for t in expected {
+                            shadow.woke(t);
+                        }
+                    }
+                    // Tags before the one that failed woke; it and the rest still sleep.
+                    Err(Error::Wake { tag, .. }) => {
+                        prop_assert!(expected.contains(&tag));
+                        for t in expected.into_iter().filter(|t| t.index() < tag.index()) {
+                            shadow.woke(t);
+                        }
+                    }
+                    Err(Error::SleepNeedsVirtualMemory(_)) => {
+                        prop_assert!(mode == SegmentMode::Native)
+                    }
+                    Err(Error::SleepNeedsSeparateTags) => prop_assert!(!separate_tags),
+                    Err(e) => return Err(TestCaseError::fail(format!("wake failed: {e}"))),
+                }
+            }
         }
         check_all(&a, &shadow)?;
     }
-    // Once faults stop, every byte can be freed and returned to the driver.
+    // Once faults stop, every tag can wake, and every byte can be freed and returned to the
+    // driver.
     a.driver().clear_faults();
+    a.set_limit(None).unwrap();
+    if sleepable {
+        a.wake(&[])
+            .map_err(|e| TestCaseError::fail(format!("final wake: {e}")))?;
+        for t in Tag::ALL {
+            shadow.woke(t);
+        }
+        check_all(&a, &shadow)?;
+    }
     while let Some(x) = shadow.live.last().copied() {
         a.free(x.ptr)
             .map_err(|e| TestCaseError::fail(format!("final free: {e}")))?;
@@ -476,6 +679,11 @@ fn run_config(
     prop_assert_eq!(s.active_bytes.current, 0);
     prop_assert_eq!(a.driver().held_bytes(), 0);
     prop_assert_eq!(a.driver().live_objects(), 0);
+    prop_assert_eq!(
+        a.driver().host_bytes(),
+        0,
+        "page-locked host memory left after wake"
+    );
     Ok(())
 }
 
@@ -549,6 +757,16 @@ proptest! {
     fn model_compact_and_remap_max_split(ops in proptest::collection::vec(op_strategy(), 1..80)) {
         run_with(SegmentMode::Compact, Some(32 * MIB), ops.clone())?;
         run_with(SegmentMode::Remap, Some(32 * MIB), ops)?;
+    }
+
+    /// Sleep and wake among every other operation, tags kept apart, in each virtual-memory
+    /// mode: asleep tags refuse allocations and defer frees, contents written at allocation
+    /// survive an offload, kept tags are untouched, and faults leave each tag asleep or awake.
+    #[test]
+    fn model_sleep_and_wake_with_tags_kept_apart(ops in proptest::collection::vec(op_strategy(), 1..80)) {
+        for mode in [SegmentMode::Expandable, SegmentMode::Compact, SegmentMode::Remap] {
+            run_full(mode, None, false, true, ops.clone())?;
+        }
     }
 }
 

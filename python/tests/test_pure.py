@@ -440,3 +440,56 @@ def test_install_turns_inductor_graph_trees_off():
         assert inductor.triton.cudagraph_trees is False
     finally:
         inductor.triton.cudagraph_trees = before
+
+
+def test_sleep_and_wake_on_two_simulated_devices():
+    r = run_on_sim(
+        """
+        assert lib.vram_ledger_configure(b"expandable") == 0
+        assert lib.vram_ledger_separate_tags(1) == 0
+        ptrs = {}
+        for d in (0, 1):
+            with vl.tag("weights"):
+                ptrs[d, "w"] = lib.vram_ledger_malloc(64 << 20, d, None)
+            with vl.tag("kv"):
+                ptrs[d, "kv"] = lib.vram_ledger_malloc(128 << 20, d, None)
+        held = {d: vl.stats(d)["reserved_bytes"]["current"] for d in (0, 1)}
+        seen = {"held": held}
+        seen["one"] = vl.sleep(offload="weights", discard=("kv",), device=1)
+        seen["asleep_reserved"] = {d: vl.stats(d)["reserved_bytes"]["current"] for d in (0, 1)}
+        seen["asleep_sleeping"] = vl.stats(1)["sleeping_bytes"]
+        # Allocating a sleeping tag is refused with the library's message; freeing is deferred.
+        with vl.tag("weights"):
+            seen["refused"] = lib.vram_ledger_malloc(1 << 20, 1, None) is None
+            seen["refusal"] = vl._last_error()
+        lib.vram_ledger_free(ptrs[1, "kv"], 128 << 20, 1, None)
+        seen["wake"] = vl.wake(device=1)
+        seen["after"] = vl.stats(1)["reserved_bytes"]["current"]
+        seen["all"] = sorted(vl.sleep(offload=["weights"]).keys())
+        seen["woken"] = sorted(vl.wake().keys())
+        try:
+            vl.sleep(offload="weights", discard="weights")
+        except vl.VramLedgerError as e:
+            seen["both"] = str(e)
+        try:
+            vl.sleep(offload="fast")
+        except ValueError as e:
+            seen["unknown"] = str(e)
+        print(json.dumps(seen))
+        """
+    )
+    one = r["one"]["1"] if "1" in r["one"] else r["one"][1]
+    assert one["tags"] == ["weights", "kv_cache"] and one["offloaded_bytes"] >= 64 << 20, r
+    assert r["asleep_reserved"]["0"] == r["held"]["0"], "the other device is left alone"
+    assert r["held"]["1"] - r["asleep_reserved"]["1"] >= (64 + 128) << 20, r
+    assert r["asleep_sleeping"]["weights"] >= 64 << 20 and r["asleep_sleeping"]["kv_cache"] >= 128 << 20, r
+    assert r["refused"] and "tag weights is asleep" in r["refusal"], r
+    assert r["after"] >= 64 << 20, r
+    assert r["all"] == [0, 1] and r["woken"] == [0, 1], r
+    assert "both offloaded and discarded" in r["both"], r
+    assert "unknown tag 'fast'" in r["unknown"], r
+
+
+def test_install_sleep_needs_a_virtual_memory_mode():
+    with pytest.raises(ValueError, match="needs a virtual-memory mode"):
+        vl.install(sleep=True)

@@ -125,6 +125,10 @@ def _lib() -> ctypes.CDLL:
                 ("vram_ledger_device_count", [], c_int),
                 ("vram_ledger_malloc", [ctypes.c_ssize_t, c_int, c_void_p], c_void_p),
                 ("vram_ledger_free", [c_void_p, ctypes.c_ssize_t, c_int, c_void_p], None),
+                ("vram_ledger_separate_tags", [c_int], c_int),
+                ("vram_ledger_sleep", [c_int, c_int, c_int], c_void_p),
+                ("vram_ledger_wake", [c_int, c_int], c_void_p),
+                ("vram_ledger_set_retain_host", [c_int, c_int], c_int),
             ]:
                 f = getattr(lib, name)
                 f.argtypes = args
@@ -187,7 +191,7 @@ def _address(fn: Any) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-def install(mode: Optional[str] = None, torch_stats: bool = True, cudagraph_trees: bool = False) -> Any:
+def install(mode: Optional[str] = None, torch_stats: bool = True, cudagraph_trees: bool = False, sleep: bool = False) -> Any:
     """Make vram-ledger PyTorch's CUDA allocator for this process, with the init, empty_cache,
     memory-fraction and record_stream hooks. Must run before any CUDA use; permanent. With
     `torch_stats` (the default), torch.cuda.memory_stats() and the functions built on it
@@ -200,11 +204,17 @@ def install(mode: Optional[str] = None, torch_stats: bool = True, cudagraph_tree
     pluggable allocator cannot provide, so install() turns them off
     (torch._inductor.config.triton.cudagraph_trees = False): inductor then captures each
     compiled graph with torch.cuda.graph, into a graph pool of vram-ledger's like any other
-    capture. `cudagraph_trees=True` leaves inductor's setting alone."""
+    capture. `cudagraph_trees=True` leaves inductor's setting alone.
+
+    `sleep=True` keeps each tag's memory apart so that `sleep()` can give a tag's memory back
+    and `wake()` restore it at the same addresses; it needs a virtual-memory mode
+    (expandable, compact or remap)."""
     if "allocator" in _INSTALLED:
         return _INSTALLED["allocator"]
     if mode is not None and mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if sleep and mode in (None, "native"):
+        raise ValueError("sleep=True needs a virtual-memory mode: install(mode='expandable', sleep=True), or compact, or remap")
     import torch
 
     # Checked before anything is configured: a refused install leaves the library as it was.
@@ -213,6 +223,8 @@ def install(mode: Optional[str] = None, torch_stats: bool = True, cudagraph_tree
     if mode is not None:
         _check(_lib().vram_ledger_configure(mode.encode()))
     lib = _lib()
+    if sleep:
+        _check(lib.vram_ledger_separate_tags(1))
     # The throwing hook: PyTorch does not check for NULL, so out of memory is an exception
     # ("CUDA out of memory. ..."), not a tensor at address 0.
     alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc_or_throw", "vram_ledger_free")
@@ -504,6 +516,50 @@ def _end_profile(d: int, p: Profile) -> None:
         r = _json(_lib().vram_ledger_profile_end(d))
         p.report = r.pop("report", [])
         p.result = r
+
+
+_TAG_BITS = {"weights": 1, "activation": 2, "kv_cache": 4, "kv": 4, "untracked": 8}
+
+
+def _mask(tags: Any, what: str) -> int:
+    if isinstance(tags, str):
+        tags = (tags,)
+    mask = 0
+    for t in tags or ():
+        if t not in _TAG_BITS:
+            raise ValueError(f"{what}: unknown tag {t!r}; expected one of weights, activation, kv_cache (or kv), untracked")
+        mask |= _TAG_BITS[t]
+    return mask
+
+
+def _per_device(ptr: Optional[int]) -> Dict[int, Any]:
+    return {int(k): v for k, v in _json(ptr).items()}
+
+
+def sleep(offload: Any = (), discard: Any = (), device: Optional[int] = None) -> Dict[int, Any]:
+    """Give the memory of the `offload` tags (copied to page-locked host memory first) and of
+    the `discard` tags (contents lost) back to the GPU, keeping their addresses: pointers and
+    captured CUDA graphs stay valid for after `wake()`. The cache of every tag is given back
+    too. Needs `install(mode=..., sleep=True)`. Every device in use unless `device` is given;
+    returns each device's report (bytes offloaded, discarded, given back; host bytes; seconds).
+    Tensors of a sleeping tag must not be used until it wakes; freeing them is deferred."""
+    d = -1 if device is None else _device(device)
+    return _per_device(_lib().vram_ledger_sleep(d, _mask(offload, "offload"), _mask(discard, "discard")))
+
+
+def wake(tags: Any = None, device: Optional[int] = None) -> Dict[int, Any]:
+    """Map fresh memory at the sleeping tags' addresses (all of them, or `tags`) and copy the
+    offloaded contents back. If the device lacks room the error says so, the tag stays asleep
+    with nothing lost, and wake can be retried."""
+    d = -1 if device is None else _device(device)
+    return _per_device(_lib().vram_ledger_wake(d, _mask(tags, "tags")))
+
+
+def set_retain_host(retain: bool = True, device: Optional[int] = None) -> None:
+    """Keep the page-locked host memory of offloaded tags after wake, so that the next sleep
+    does not pin it again (default: freed at wake)."""
+    d = -1 if device is None else _device(device)
+    _check(_lib().vram_ledger_set_retain_host(d, 1 if retain else 0))
 
 
 def record_history(enabled: bool = True, max_entries: int = 100_000, device: Optional[int] = None) -> None:

@@ -120,6 +120,11 @@ pub struct Config {
     /// synchronised), so that memory cached for one stream serves another. Off by default
     /// until its device synchronisations are measured on a GPU; replay turns it on.
     pub move_across_streams: bool,
+    /// Keep each tag's memory in segments (and free lists) of its own, per stream, so that a
+    /// tag can be put to sleep ([`crate::Allocator::sleep`]) without touching another tag's
+    /// memory. Graph pools are not split. Costs at most a partly used page per tag, stream and
+    /// pool; off by default (PyTorch's layout).
+    pub separate_tags: bool,
 }
 
 impl Config {

@@ -52,6 +52,8 @@ pub(crate) struct Core<D> {
     pub(crate) outside_floor: AtomicU64,
     /// The allocation history, when recording (`history.rs`).
     pub(crate) history: super::history::History,
+    /// [`Config::separate_tags`].
+    pub(crate) separate_tags: bool,
     committed: AtomicU64,
 }
 
@@ -81,6 +83,7 @@ impl<D: Driver> Core<D> {
             cap: AtomicU64::new(NONE),
             outside_floor: AtomicU64::new(0),
             history: Default::default(),
+            separate_tags: config.separate_tags,
             committed: AtomicU64::new(0),
         })
     }
@@ -137,7 +140,7 @@ impl<D: Driver> Core<D> {
         if super::graphs::is_pool_key(owner) {
             self.driver.sync_device()
         } else {
-            self.driver.sync_stream(owner)
+            self.driver.sync_stream(super::regions::stream_of(owner))
         }
     }
 
@@ -149,6 +152,17 @@ impl<D: Driver> Core<D> {
             } else {
                 self.ledger.graph_reserved.add(bytes);
             }
+        }
+    }
+
+    /// The owner of `tag`'s memory for `owner` (a stream or a graph pool): the stream's region
+    /// of the tag when tags are kept apart.
+    #[inline]
+    pub(crate) fn region(&self, owner: StreamId, tag: Tag) -> StreamId {
+        if self.separate_tags {
+            super::regions::with_region(owner, tag)
+        } else {
+            owner
         }
     }
 

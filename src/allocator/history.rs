@@ -94,7 +94,8 @@ impl History {
             action,
             addr,
             size,
-            stream,
+            // The caller's stream, not the tag region it is filed under.
+            stream: super::regions::stream_of(stream),
             tag,
             time_us,
         });

@@ -26,8 +26,10 @@ mod graphs;
 mod history;
 mod moves;
 mod planted;
+mod regions;
 pub mod rules;
 mod shard;
+mod sleep;
 mod spin;
 mod streams;
 
@@ -43,6 +45,7 @@ pub use self::graphs::{GraphMemory, GraphPool};
 pub use self::history::HistoryEntry;
 pub use self::shard::PoolStats;
 use self::shard::{GrowError, Shard};
+pub use self::sleep::{SleepReport, WakeReport};
 use self::spin::{SpinGuard, SpinLock};
 use self::streams::{StreamTable, SHARDS};
 use crate::driver::counting::DriverCalls;
@@ -62,6 +65,7 @@ pub struct Allocator<D: Driver> {
     streams: StreamTable,
     shards: Box<[CachePadded<SpinLock<Shard>>]>,
     graphs: GraphRegistry,
+    sleep: parking_lot::Mutex<self::sleep::SleepState>,
 }
 
 impl<D: Driver> Allocator<D> {
@@ -75,6 +79,7 @@ impl<D: Driver> Allocator<D> {
                 .map(|id| CachePadded::new(SpinLock::new(Shard::new(id))))
                 .collect(),
             graphs: GraphRegistry::default(),
+            sleep: Default::default(),
         };
         a.set_limit(config.limit)?;
         Ok(a)
@@ -217,8 +222,11 @@ impl<D: Driver> Allocator<D> {
             if !sh.pending.is_empty() && !self.core.driver.is_capturing(stream) {
                 sh.process_pending(&self.core, false)?;
             }
-            // The stream's own memory, or the graph pool its capture is routed to.
-            let owner = sh.graphs.owner(&self.core.driver, stream);
+            // The stream's own memory (its tag's region of it when tags are kept apart), or the
+            // graph pool its capture is routed to.
+            let owner = self
+                .core
+                .region(sh.graphs.owner(&self.core.driver, stream), tag);
             if let Some(a) = sh.try_alloc(&self.core, owner, rounded, size, tag) {
                 return Ok(self.hand_out(&sh, a, stream));
             }
@@ -243,6 +251,9 @@ impl<D: Driver> Allocator<D> {
         size: u64,
         tag: Tag,
     ) -> Result<std::result::Result<Allocation, OomCause>> {
+        if sh.sleeps(owner) {
+            return Err(Error::Asleep(tag));
+        }
         let grown = if self.core.is_virtual() {
             let left = sh.make_room(&self.core, owner, rounded);
             if left > 0 && self.core.across_streams && !sh.graphs.capturing() {
@@ -281,7 +292,9 @@ impl<D: Driver> Allocator<D> {
             }
         }
         let mut sh = self.lock(self.streams.shard(stream))?;
-        let owner = sh.graphs.owner(&self.core.driver, stream);
+        let owner = self
+            .core
+            .region(sh.graphs.owner(&self.core.driver, stream), tag);
         let served = match sh.try_alloc(&self.core, owner, rounded, size, tag) {
             Some(a) => Ok(a),
             None => self.grow_and_take(&mut sh, owner, rounded, size, tag)?,

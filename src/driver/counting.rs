@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Capture, DevicePtr, Driver, DriverCall, DriverResult, EventId, MemInfo, PhysHandle, StreamId,
+    Capture, DevicePtr, Driver, DriverCall, DriverResult, EventId, HostPtr, MemInfo, PhysHandle,
+    StreamId,
 };
 
 const N: usize = DriverCall::ALL.len();
@@ -215,6 +216,38 @@ impl<D: Driver> Driver for Counting<D> {
     fn sync_device(&self) -> DriverResult<()> {
         self.counts.bump(DriverCall::SyncDevice);
         self.inner.sync_device()
+    }
+    fn host_alloc(&self, bytes: u64) -> DriverResult<HostPtr> {
+        self.counts.bump(DriverCall::HostAlloc);
+        self.inner.host_alloc(bytes)
+    }
+    fn host_free(&self, ptr: HostPtr) -> DriverResult<()> {
+        self.counts.bump(DriverCall::HostFree);
+        self.inner.host_free(ptr)
+    }
+    fn create_stream(&self) -> DriverResult<StreamId> {
+        self.counts.bump(DriverCall::CreateStream);
+        self.inner.create_stream()
+    }
+    fn copy_to_host(
+        &self,
+        dst: HostPtr,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> DriverResult<()> {
+        self.counts.bump(DriverCall::CopyToHost);
+        self.inner.copy_to_host(dst, src, bytes, stream)
+    }
+    fn copy_to_device(
+        &self,
+        dst: DevicePtr,
+        src: HostPtr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> DriverResult<()> {
+        self.counts.bump(DriverCall::CopyToDevice);
+        self.inner.copy_to_device(dst, src, bytes, stream)
     }
     fn capture(&self, stream: StreamId) -> Capture {
         self.inner.capture(stream)

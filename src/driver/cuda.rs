@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 use super::nvml::Nvml;
 use super::{
     Capture, DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
-    MemInfo, PhysHandle, StreamId,
+    HostPtr, MemInfo, PhysHandle, StreamId,
 };
 
 fn check(call: DriverCall, r: CUresult) -> DriverResult<()> {
@@ -164,6 +164,8 @@ pub struct CudaDriver {
     uuid: String,
     nvml: Result<Nvml, String>,
     events: Mutex<Vec<sys::CUevent>>,
+    /// Page-locked host buffers by address, with their sizes (`pinned.rs`).
+    pinned: Mutex<std::collections::HashMap<u64, usize>>,
 }
 
 // SAFETY: CUDA contexts, events and device pointers may be used from any thread; the context is
@@ -204,6 +206,7 @@ impl CudaDriver {
             uuid: String::new(),
             nvml: Err("not opened".into()),
             events: Mutex::new(Vec::new()),
+            pinned: Mutex::new(std::collections::HashMap::new()),
         };
         d.current(DriverCall::PrimaryContext)?;
         let mut uuid = sys::CUuuid { bytes: [0; 16] };
@@ -289,6 +292,20 @@ impl Drop for CudaDriver {
                 sys::cuEventDestroy_v2(e);
             }
             sys::cuDevicePrimaryCtxRelease_v2(self.device);
+        }
+    }
+}
+
+fn pin_error(call: DriverCall, e: super::pinned::PinError) -> DriverError {
+    match e {
+        super::pinned::PinError::Driver(r) => error(call, r, describe(r)),
+        super::pinned::PinError::Os(e) => {
+            let kind = if e.raw_os_error() == Some(libc::ENOMEM) {
+                DriverErrorKind::OutOfMemory
+            } else {
+                DriverErrorKind::Other(e.raw_os_error().unwrap_or(-1))
+            };
+            DriverError::new(call, kind, format!("host memory: {e}"))
         }
     }
 }
@@ -474,6 +491,81 @@ impl Driver for CudaDriver {
         const CALL: DriverCall = DriverCall::SyncDevice;
         // SAFETY: the primary context is current.
         self.relaxed(CALL, || check(CALL, unsafe { sys::cuCtxSynchronize() }))
+    }
+
+    fn host_alloc(&self, bytes: u64) -> DriverResult<HostPtr> {
+        const CALL: DriverCall = DriverCall::HostAlloc;
+        self.current(CALL)?;
+        let (p, size) = super::pinned::alloc(bytes).map_err(|e| pin_error(CALL, e))?;
+        self.pinned.lock().insert(p as u64, size);
+        Ok(HostPtr(p as u64))
+    }
+
+    fn host_free(&self, ptr: HostPtr) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::HostFree;
+        self.current(CALL)?;
+        let size = self.pinned.lock().get(&ptr.0).copied().ok_or_else(|| {
+            DriverError::new(
+                CALL,
+                DriverErrorKind::InvalidValue,
+                format!("{:#x} is not a host buffer", ptr.0),
+            )
+        })?;
+        super::pinned::free(ptr.0 as *mut std::ffi::c_void, size)
+            .map_err(|e| pin_error(CALL, e))?;
+        self.pinned.lock().remove(&ptr.0);
+        Ok(())
+    }
+
+    fn create_stream(&self) -> DriverResult<StreamId> {
+        const CALL: DriverCall = DriverCall::CreateStream;
+        self.current(CALL)?;
+        let mut s = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: a valid out-pointer.
+        check(CALL, unsafe { sys::cuStreamCreate(&mut s, flags) })?;
+        Ok(StreamId(s as u64))
+    }
+
+    fn copy_to_host(
+        &self,
+        dst: HostPtr,
+        src: DevicePtr,
+        bytes: u64,
+        s: StreamId,
+    ) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::CopyToHost;
+        self.current(CALL)?;
+        // SAFETY: `src` is accessible device memory and `dst` page-locked host memory of at
+        // least `bytes`, both alive until the stream is synchronised (the caller's contract).
+        check(CALL, unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.0 as *mut std::ffi::c_void,
+                src,
+                bytes as usize,
+                stream(s),
+            )
+        })
+    }
+
+    fn copy_to_device(
+        &self,
+        dst: DevicePtr,
+        src: HostPtr,
+        bytes: u64,
+        s: StreamId,
+    ) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::CopyToDevice;
+        self.current(CALL)?;
+        // SAFETY: as for copy_to_host, the other way.
+        check(CALL, unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst,
+                src.0 as *const std::ffi::c_void,
+                bytes as usize,
+                stream(s),
+            )
+        })
     }
 
     fn capture(&self, s: StreamId) -> Capture {

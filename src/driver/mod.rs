@@ -17,6 +17,7 @@ pub mod cost;
 pub mod counting;
 pub mod cuda;
 pub mod nvml;
+mod pinned;
 pub mod sim;
 
 use std::fmt;
@@ -39,6 +40,11 @@ impl StreamId {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PhysHandle(pub u64);
 
+/// Page-locked host memory from [`Driver::host_alloc`] (an address; `HostPtr(base + k)` is
+/// `k` bytes into a buffer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostPtr(pub u64);
+
 /// An event recorded on a stream by [`Driver::record_event`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct EventId(pub u64);
@@ -50,7 +56,7 @@ pub struct MemInfo {
     pub total: u64,
 }
 
-/// A driver call, named in every [`DriverError`]. The first sixteen are the allocator's
+/// A driver call, named in every [`DriverError`]. The first twenty-two are the allocator's
 /// primitives ([`DriverCall::ALL`]: counted and faulted by the simulated driver); the rest
 /// ([`DriverCall::SETUP`]) are the CUDA backend's one-off set-up of a device, which no allocator
 /// path makes and no simulated device counts.
@@ -74,6 +80,11 @@ pub enum DriverCall {
     DestroyEvent,
     SyncStream,
     SyncDevice,
+    HostAlloc,
+    HostFree,
+    CreateStream,
+    CopyToHost,
+    CopyToDevice,
     // Set-up calls: after the primitives, so that a primitive's discriminant is its index.
     Init,
     DeviceCount,
@@ -84,7 +95,7 @@ pub enum DriverCall {
 }
 
 impl DriverCall {
-    pub const ALL: [DriverCall; 17] = [
+    pub const ALL: [DriverCall; 22] = [
         DriverCall::AllocSegment,
         DriverCall::FreeSegment,
         DriverCall::ReserveVa,
@@ -102,6 +113,11 @@ impl DriverCall {
         DriverCall::DestroyEvent,
         DriverCall::SyncStream,
         DriverCall::SyncDevice,
+        DriverCall::HostAlloc,
+        DriverCall::HostFree,
+        DriverCall::CreateStream,
+        DriverCall::CopyToHost,
+        DriverCall::CopyToDevice,
     ];
 
     /// The CUDA backend's set-up calls, none of which is in [`DriverCall::ALL`].
@@ -148,6 +164,11 @@ impl DriverCall {
             DriverCall::DestroyEvent => "destroy_event",
             DriverCall::SyncStream => "sync_stream",
             DriverCall::SyncDevice => "sync_device",
+            DriverCall::HostAlloc => "host_alloc",
+            DriverCall::HostFree => "host_free",
+            DriverCall::CreateStream => "create_stream",
+            DriverCall::CopyToHost => "copy_to_host",
+            DriverCall::CopyToDevice => "copy_to_device",
             DriverCall::Init => "init",
             DriverCall::DeviceCount => "device_count",
             DriverCall::DeviceGet => "device_get",
@@ -265,6 +286,33 @@ pub trait Driver: Send + Sync + 'static {
     /// Block until all work on the device completes (`cuCtxSynchronize`): for memory that
     /// graphs replayed on streams the allocator never saw.
     fn sync_device(&self) -> DriverResult<()>;
+
+    /// Allocate `bytes` of page-locked host memory (`cuMemHostAlloc`): copies to and from it
+    /// run at the copy engine's full speed.
+    fn host_alloc(&self, bytes: u64) -> DriverResult<HostPtr>;
+    /// Free page-locked host memory (`cuMemFreeHost`). No copy queued on it may be pending.
+    fn host_free(&self, ptr: HostPtr) -> DriverResult<()>;
+    /// A stream of the allocator's own that does not wait for the legacy default stream
+    /// (`cuStreamCreate`, non-blocking): sleep's and wake's copies.
+    fn create_stream(&self) -> DriverResult<StreamId>;
+    /// Queue a copy of `bytes` from device `src` to host `dst` on `stream`
+    /// (`cuMemcpyDtoHAsync`).
+    fn copy_to_host(
+        &self,
+        dst: HostPtr,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> DriverResult<()>;
+    /// Queue a copy of `bytes` from host `src` to device `dst` on `stream`
+    /// (`cuMemcpyHtoDAsync`).
+    fn copy_to_device(
+        &self,
+        dst: DevicePtr,
+        src: HostPtr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> DriverResult<()>;
 
     /// Whether `stream` is capturing a CUDA graph, and which capture. Not counted: it queues
     /// nothing and reads no memory figure.

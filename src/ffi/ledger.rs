@@ -22,7 +22,7 @@ pub unsafe extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
             .map_err(|e| format!("{e}"))?;
         devices::configure(Config {
             mode,
-            ..Default::default()
+            ..devices::configured()
         });
         Ok(0)
     })

@@ -41,6 +41,7 @@ mod graphs;
 mod ledger;
 mod profile;
 mod pytorch;
+mod sleep;
 
 pub use self::boundary::{
     vram_ledger_device_count, vram_ledger_last_error, vram_ledger_string_free,
@@ -49,3 +50,4 @@ pub use self::graphs::*;
 pub use self::ledger::*;
 pub use self::profile::*;
 pub use self::pytorch::*;
+pub use self::sleep::*;

@@ -47,7 +47,12 @@ impl Shard {
             p.segments += 1;
             p.reserved_bytes += match &s.kind {
                 SegmentKind::Plain => s.size,
-                SegmentKind::Virtual(v) => v.mappings.values().map(|m| m.bytes).sum(),
+                SegmentKind::Virtual(v) => v
+                    .mappings
+                    .values()
+                    .filter(|m| !m.gone())
+                    .map(|m| m.bytes)
+                    .sum(),
             };
             let split = self.blocks[s.first].next != NIL;
             let mut id = s.first;
@@ -99,11 +104,13 @@ impl Shard {
                 });
                 id = b.next;
             }
-            let mapped = match &s.kind {
-                SegmentKind::Plain => vec![(s.base, s.size)],
-                SegmentKind::Virtual(v) => {
-                    v.mappings.iter().map(|(&va, m)| (va, m.bytes)).collect()
-                }
+            let (mapped, asleep) = match &s.kind {
+                SegmentKind::Plain => (vec![(s.base, s.size)], Vec::new()),
+                SegmentKind::Virtual(v) => v
+                    .mappings
+                    .iter()
+                    .map(|(&va, m)| (va, m.bytes))
+                    .partition(|(va, _)| !v.mappings[va].gone()),
             };
             out.segments.push(SegmentDump {
                 base: s.base,
@@ -111,6 +118,7 @@ impl Shard {
                 size: s.size,
                 expandable: s.is_virtual(),
                 mapped,
+                asleep,
                 blocks,
             });
         }
@@ -139,7 +147,10 @@ impl Shard {
                     BlockState::Free => {
                         free_seen += 1;
                         let listed = self
-                            .pools_of(b.stream)
+                            .index
+                            .iter()
+                            .chain(&self.detached)
+                            .find(|p| p.stream == b.stream)
                             .is_some_and(|p| p.pools[b.pool as usize].contains(&self.blocks, id));
                         if !listed {
                             problems.push(format!(
@@ -189,7 +200,7 @@ impl Shard {
             }
         }
         let mut indexed = 0;
-        for p in &self.index {
+        for p in self.index.iter().chain(&self.detached) {
             for (k, idx) in p.pools.iter().enumerate() {
                 indexed += idx.len();
                 for id in idx.listed(&self.blocks) {

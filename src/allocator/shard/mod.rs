@@ -29,6 +29,7 @@
 
 mod check;
 mod plain;
+pub(crate) mod sleep;
 mod spare;
 mod vmm;
 
@@ -72,7 +73,7 @@ impl Hasher for PtrHasher {
 
 /// The free lists of one stream.
 #[derive(Debug)]
-struct StreamPools {
+pub(crate) struct StreamPools {
     stream: StreamId,
     pools: [FreeIndex; 2],
 }
@@ -209,6 +210,12 @@ pub(crate) struct Shard {
     pub(crate) graphs: GraphRoutes,
     /// The allocation history is being recorded (`history.rs`).
     pub(crate) recording: bool,
+    /// Tags asleep in this shard, one bit per tag index (`sleep.rs`).
+    pub(crate) asleep: u8,
+    /// The free lists of asleep regions, out of the index while their memory sleeps.
+    pub(crate) detached: Vec<StreamPools>,
+    /// Frees of asleep memory, applied when it wakes.
+    pub(crate) deferred: Vec<DevicePtr>,
 }
 
 impl Shard {
@@ -408,6 +415,9 @@ impl Shard {
         let Some(&id) = self.live.get(&ptr) else {
             return Err(Error::UnknownPointer(ptr));
         };
+        if self.asleep != 0 && self.sleeps(self.blocks[id].stream) {
+            return self.defer_free(ptr);
+        }
         if self.blocks[id].used_streams.is_empty() {
             self.live.remove(&ptr);
             let b = &self.blocks[id];
@@ -453,7 +463,7 @@ impl Shard {
     pub(crate) fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
         let &id = self.live.get(&ptr).ok_or(Error::UnknownPointer(ptr))?;
         let b = &mut self.blocks[id];
-        if stream != b.stream && !b.used_streams.contains(&stream) {
+        if stream != super::regions::stream_of(b.stream) && !b.used_streams.contains(&stream) {
             b.used_streams.push(stream);
         }
         Ok(())

@@ -25,7 +25,10 @@ impl Shard {
         let pool = rules::pool_for(rounded);
         let size = rules::segment_size(rounded);
         core.commit(size)?;
-        let base = match core.driver.alloc_segment(size, stream) {
+        let base = match core
+            .driver
+            .alloc_segment(size, crate::allocator::regions::stream_of(stream))
+        {
             Ok(p) => p,
             Err(e) => {
                 core.uncommit(size);

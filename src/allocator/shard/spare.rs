@@ -74,6 +74,7 @@ impl Shard {
                 handle: p.handle,
                 released: false,
                 pooled: true,
+                sleep: None,
             };
             self.segments.get_mut(seg).virt_mut().mappings.insert(va, m);
             self.record_map(

@@ -19,6 +19,7 @@ use crate::allocator::block::{BlockId, BlockState, NIL};
 use crate::allocator::config::SegmentMode;
 use crate::allocator::core::Core;
 use crate::allocator::graphs::is_pool_key;
+use crate::allocator::regions;
 use crate::allocator::rules::{self, PoolKind};
 use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle, StreamId};
 use crate::error::{OomCause, Result};
@@ -47,6 +48,15 @@ pub(crate) struct Mapping {
     /// Remap mode: unmapping keeps the handle as a spare piece (to be mapped again where it
     /// is needed) instead of releasing it.
     pub pooled: bool,
+    /// Asleep (`sleep.rs`): where its contents wait, and whether its memory was given back.
+    pub sleep: Option<super::sleep::Slept>,
+}
+
+impl Mapping {
+    /// Asleep with its memory given back: nothing is mapped at its range.
+    pub(crate) fn gone(&self) -> bool {
+        self.sleep.is_some_and(|s| s.gone)
+    }
 }
 
 impl Shard {
@@ -206,6 +216,7 @@ impl Shard {
                         handle,
                         released: false,
                         pooled: false,
+                        sleep: None,
                     };
                     self.segments.get_mut(seg).virt_mut().mappings.insert(va, m);
                     self.record_map(core, seg, Action::SegmentMap, va, chunk);
@@ -245,7 +256,7 @@ impl Shard {
         match core.mode {
             // A capture records the addresses it uses: grow, move nothing, while it runs (a
             // graph pool grows only during a capture).
-            _ if is_pool_key(stream) || core.driver.is_capturing(stream) => 0,
+            _ if is_pool_key(stream) || core.driver.is_capturing(regions::stream_of(stream)) => 0,
             SegmentMode::Remap => {
                 let g = core.granularity;
                 (rounded.div_ceil(g) * g).saturating_sub(self.spare_bytes())
@@ -293,6 +304,10 @@ impl Shard {
         budget: u64,
         device_sync: bool,
     ) -> Result<u64> {
+        // Asleep memory is neither given back nor moved: its free lists are detached.
+        if self.sleeps(self.segments.get(seg).stream) {
+            return Ok(0);
+        }
         // Runs of contiguous mappings inside each free block.
         let mut runs: Vec<(BlockId, Vec<DevicePtr>)> = Vec::new();
         let s = self.segments.get(seg);
@@ -520,7 +535,7 @@ impl Shard {
 }
 
 /// Create physical memory of `bytes` and map it at `va`; on failure undo what this did.
-fn map_one<D: Driver>(
+pub(super) fn map_one<D: Driver>(
     driver: &D,
     va: DevicePtr,
     bytes: u64,

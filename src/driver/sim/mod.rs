@@ -25,15 +25,22 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 mod faults;
+mod host;
+mod inspect;
 mod streams;
+
+use self::streams::real_stream;
 
 use self::faults::{Fault, Faults};
 use super::{
     Capture, DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
-    MemInfo, PhysHandle, StreamId,
+    HostPtr, MemInfo, PhysHandle, StreamId,
 };
 
 use crate::units::{GIB, MIB};
+
+/// Streams made by [`Driver::create_stream`] start here, away from the small ids tests use.
+const OWN_STREAMS: u64 = 0x7000_0000_0000;
 
 /// Construction parameters of a simulated device.
 #[derive(Clone, Debug)]
@@ -67,6 +74,10 @@ struct Process {
     /// Mapped ranges: va -> (bytes, handle, access set).
     mappings: BTreeMap<DevicePtr, Mapping>,
     usage_visible: bool,
+    /// What tests wrote into physical handles, by handle (`host.rs`).
+    contents: HashMap<u64, BTreeMap<u64, u64>>,
+    /// Page-locked host buffers by address (`host.rs`).
+    host: BTreeMap<u64, host::HostBuf>,
 }
 
 struct Phys {
@@ -263,69 +274,6 @@ impl SimDriver {
         self.faults.clear();
     }
 
-    /// Allocate memory behind the allocator's back (a library calling cudaMalloc directly).
-    pub fn alloc_external(&self, bytes: u64) -> DriverResult<()> {
-        let mut st = self.device.state.lock();
-        self.check_room(&st, bytes, DriverCall::AllocSegment)?;
-        st.processes
-            .get_mut(&self.pid)
-            .expect("process exists")
-            .external += bytes;
-        Ok(())
-    }
-
-    /// Free memory allocated with [`SimDriver::alloc_external`].
-    pub fn free_external(&self, bytes: u64) {
-        let mut st = self.device.state.lock();
-        let p = st.processes.get_mut(&self.pid).expect("process exists");
-        p.external = p.external.saturating_sub(bytes);
-    }
-
-    /// Whether `process_usage` can see this process (false models PID namespaces).
-    pub fn set_usage_visible(&self, visible: bool) {
-        self.device
-            .state
-            .lock()
-            .processes
-            .get_mut(&self.pid)
-            .expect("process exists")
-            .usage_visible = visible;
-    }
-
-    /// Bytes of plain segments plus physical handles this process holds through the driver
-    /// (what an allocator on it has reserved), excluding context and external memory.
-    pub fn held_bytes(&self) -> u64 {
-        let st = self.device.state.lock();
-        let p = &st.processes[&self.pid];
-        p.segments.values().sum::<u64>() + p.phys.values().map(|h| h.bytes).sum::<u64>()
-    }
-
-    /// Number of live driver objects: segments, physical handles, reservations, mappings.
-    pub fn live_objects(&self) -> usize {
-        let st = self.device.state.lock();
-        let p = &st.processes[&self.pid];
-        p.segments.len() + p.phys.len() + p.reservations.len() + p.mappings.len()
-    }
-
-    /// Whether `[ptr, ptr+bytes)` lies inside this process's accessible device memory.
-    pub fn is_accessible(&self, ptr: DevicePtr, bytes: u64) -> bool {
-        let st = self.device.state.lock();
-        let p = &st.processes[&self.pid];
-        if let Some((&base, &size)) = p.segments.iter().find(|(&b, &s)| ptr >= b && ptr < b + s) {
-            return ptr + bytes <= base + size;
-        }
-        // Walk mappings covering the range in address order.
-        let mut cursor = ptr;
-        let end = ptr + bytes;
-        while cursor < end {
-            match p.mappings.range(..=cursor).next_back() {
-                Some((&va, m)) if cursor < va + m.bytes && m.accessible => cursor = va + m.bytes,
-                _ => return false,
-            }
-        }
-        true
-    }
-
     /// The size of a physical handle of this process (0 if unknown).
     fn handle_bytes(&self, handle: PhysHandle) -> u64 {
         let st = self.device.state.lock();
@@ -500,6 +448,7 @@ impl Driver for SimDriver {
                 ph.released = true;
                 if ph.mapped == 0 {
                     p.phys.remove(&handle.0);
+                    p.contents.remove(&handle.0);
                 }
                 Ok(())
             }
@@ -589,6 +538,7 @@ impl Driver for SimDriver {
         ph.mapped -= 1;
         if ph.released && ph.mapped == 0 {
             p.phys.remove(&m.handle);
+            p.contents.remove(&m.handle);
         }
         Ok(())
     }
@@ -611,6 +561,7 @@ impl Driver for SimDriver {
     }
 
     fn record_event(&self, stream: StreamId) -> DriverResult<EventId> {
+        real_stream(stream);
         self.count(DriverCall::RecordEvent, 0)?;
         let mut st = self.device.state.lock();
         let s = st.streams.entry(stream).or_default();
@@ -663,6 +614,7 @@ impl Driver for SimDriver {
     }
 
     fn sync_stream(&self, stream: StreamId) -> DriverResult<()> {
+        real_stream(stream);
         self.count(DriverCall::SyncStream, 0)?;
         let mut st = self.device.state.lock();
         st.not_while_capturing(stream, DriverCall::SyncStream)?;
@@ -689,7 +641,49 @@ impl Driver for SimDriver {
         Ok(())
     }
 
+    fn host_alloc(&self, bytes: u64) -> DriverResult<HostPtr> {
+        self.count(DriverCall::HostAlloc, bytes)?;
+        self.alloc_host(bytes)
+    }
+
+    fn host_free(&self, ptr: HostPtr) -> DriverResult<()> {
+        self.count(DriverCall::HostFree, 0)?;
+        self.free_host(ptr)
+    }
+
+    fn create_stream(&self) -> DriverResult<StreamId> {
+        self.count(DriverCall::CreateStream, 0)?;
+        let mut st = self.device.state.lock();
+        let id = StreamId(OWN_STREAMS + st.next_handle);
+        st.next_handle += 1;
+        st.streams.insert(id, StreamState::default());
+        Ok(id)
+    }
+
+    fn copy_to_host(
+        &self,
+        dst: HostPtr,
+        src: DevicePtr,
+        bytes: u64,
+        s: StreamId,
+    ) -> DriverResult<()> {
+        self.count(DriverCall::CopyToHost, bytes)?;
+        self.copy(host::Direction::ToHost, dst, src, bytes, s)
+    }
+
+    fn copy_to_device(
+        &self,
+        dst: DevicePtr,
+        src: HostPtr,
+        bytes: u64,
+        s: StreamId,
+    ) -> DriverResult<()> {
+        self.count(DriverCall::CopyToDevice, bytes)?;
+        self.copy(host::Direction::ToDevice, src, dst, bytes, s)
+    }
+
     fn capture(&self, stream: StreamId) -> Capture {
+        real_stream(stream);
         let st = self.device.state.lock();
         match st.streams.get(&stream).and_then(|s| s.capture) {
             Some(id) => Capture::Active(id),

@@ -97,3 +97,12 @@ impl DeviceState {
         Ok(())
     }
 }
+
+/// A CUDA driver dereferences a stream: an allocator's internal key (a graph pool's, a tag
+/// region's: bits 59 and up) reaching it would crash a real process, so here it panics.
+pub(super) fn real_stream(stream: StreamId) {
+    assert!(
+        stream.0 >> 59 == 0,
+        "the driver was given {stream:?}, an allocator key, not a stream"
+    );
+}

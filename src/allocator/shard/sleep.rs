@@ -1,0 +1,256 @@
+//! Sleep and wake in one shard: a tag's regions (its segments, with `Config::separate_tags`)
+//! lose their physical memory and keep their addresses; waking maps fresh memory at the same
+//! addresses. The allocator (`allocator/sleep.rs`) holds every shard's lock throughout and
+//! does the copies; this file keeps the shard's tables true.
+//!
+//! Invariants:
+//! - A tag is asleep in a shard exactly when its bit is set in `asleep`; then its regions'
+//!   free lists are in `detached` (not in the index, so nothing is served from them), its
+//!   regions' segments are neither grown, released nor moved, and every mapping of them has
+//!   `sleep` set.
+//! - An asleep mapping with `gone` has no memory behind its range (released and unmapped,
+//!   counted in the ledger's sleeping bytes, not in reserved); without `gone` it still holds
+//!   its memory (a release or unmap failed), mapped as before and counted in reserved.
+//! - A free of asleep memory is deferred (`deferred`) and applied once the tag wakes: nothing
+//!   is put back into a detached free list while it sleeps.
+
+use super::vmm::map_one;
+use super::{Shard, StreamPools};
+use crate::allocator::core::Core;
+use crate::allocator::regions;
+use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
+use crate::error::{Error, Result};
+use crate::tag::Tag;
+
+/// An asleep mapping's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Slept {
+    /// Where its contents wait in the tag's host memory (an offset), or [`DISCARDED`].
+    pub host: u64,
+    /// Its memory was given back (released and unmapped).
+    pub gone: bool,
+}
+
+/// [`Slept::host`] of a mapping whose contents are not kept.
+pub(crate) const DISCARDED: u64 = u64::MAX;
+
+/// One mapping of an asleep tag: its segment, address and size.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TagMapping {
+    pub seg: u32,
+    pub va: DevicePtr,
+    pub bytes: u64,
+}
+
+#[inline]
+fn bit(tag: Tag) -> u8 {
+    1 << tag.index()
+}
+
+impl Shard {
+    /// Whether `owner`'s memory is asleep.
+    #[inline]
+    pub(crate) fn sleeps(&self, owner: crate::driver::StreamId) -> bool {
+        self.asleep != 0 && regions::region_of(owner).is_some_and(|t| self.asleep & bit(t) != 0)
+    }
+
+    pub(crate) fn tag_asleep(&self, tag: Tag) -> bool {
+        self.asleep & bit(tag) != 0
+    }
+
+    /// Keep the free of asleep memory for when it wakes. A second free of the same pointer is
+    /// refused as any double free is.
+    #[cold]
+    pub(super) fn defer_free(&mut self, ptr: DevicePtr) -> Result<()> {
+        if self.deferred.contains(&ptr) {
+            return Err(Error::UnknownPointer(ptr));
+        }
+        self.deferred.push(ptr);
+        Ok(())
+    }
+
+    /// Every mapping of `tag`'s regions in this shard, in segment and address order.
+    pub(crate) fn tag_mappings(&self, tag: Tag) -> Vec<TagMapping> {
+        let mut out = Vec::new();
+        for (seg, s) in self.segments.iter() {
+            if regions::region_of(s.stream) != Some(tag) || !s.is_virtual() {
+                continue;
+            }
+            for (&va, m) in &s.virt().mappings {
+                out.push(TagMapping {
+                    seg,
+                    va,
+                    bytes: m.bytes,
+                });
+            }
+        }
+        out
+    }
+
+    /// Put `tag` to sleep here: its free lists leave the index, each of its mappings is
+    /// marked with where its contents wait (`hosts`, in [`Shard::tag_mappings`] order), and
+    /// its memory is given back. Returns (bytes given back, bytes still held because a release
+    /// or unmap failed; those stay mapped with their contents).
+    pub(crate) fn put_to_sleep<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        tag: Tag,
+        maps: &[TagMapping],
+        hosts: &[u64],
+    ) -> (u64, u64) {
+        self.asleep |= bit(tag);
+        let mut i = 0;
+        while i < self.index.len() {
+            if regions::region_of(self.index[i].stream) == Some(tag) {
+                let p: StreamPools = self.index.swap_remove(i);
+                self.detached.push(p);
+            } else {
+                i += 1;
+            }
+        }
+        let (mut gone, mut held) = (0, 0);
+        for (m, &host) in maps.iter().zip(hosts) {
+            let ok = self.give_back(core, m);
+            let map = self.mapping_mut(m);
+            map.sleep = Some(Slept { host, gone: ok });
+            if ok {
+                gone += m.bytes;
+                core.ledger.on_unreserve(m.bytes, false);
+                core.ledger.sleeping_add(tag, m.bytes);
+                core.uncommit(m.bytes);
+            } else {
+                held += m.bytes;
+            }
+        }
+        (gone, held)
+    }
+
+    /// Release and unmap one mapping; false (logged) when either fails: it then keeps its
+    /// memory and its contents.
+    fn give_back<D: Driver>(&mut self, core: &Core<D>, m: &TagMapping) -> bool {
+        let map = self.mapping_mut(m);
+        // Release first: a released handle stays alive while mapped, so a failed unmap after
+        // it leaves a consistent (mapped, released) mapping.
+        if !map.released {
+            if let Err(e) = core.driver.release_physical(map.handle) {
+                tracing::warn!(error = %e, va = m.va, "sleep could not release a mapping's memory; it stays held");
+                return false;
+            }
+            map.released = true;
+            // A released handle cannot serve as a spare piece (remap mode) when unmapped.
+            map.pooled = false;
+        }
+        if let Err(e) = core.driver.unmap(m.va, m.bytes) {
+            tracing::warn!(error = %e, va = m.va, "sleep could not unmap a mapping; its memory stays held");
+            return false;
+        }
+        true
+    }
+
+    fn mapping_mut(&mut self, m: &TagMapping) -> &mut super::vmm::Mapping {
+        self.segments
+            .get_mut(m.seg)
+            .virt_mut()
+            .mappings
+            .get_mut(&m.va)
+            .expect("an asleep tag's mapping stays in its segment")
+    }
+
+    /// Map fresh memory under every given-back mapping of asleep `tag`, pushing each one made
+    /// onto `made` (for [`Shard::unmake`] if the wake fails later). The bytes were committed
+    /// by the caller.
+    pub(crate) fn remake<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        tag: Tag,
+        made: &mut Vec<(TagMapping, PhysHandle)>,
+    ) -> std::result::Result<(), DriverError> {
+        for m in self.tag_mappings(tag) {
+            let map = self.mapping_mut(&m);
+            if !map.sleep.is_some_and(|s| s.gone) {
+                continue;
+            }
+            let h = map_one(&core.driver, m.va, m.bytes)?;
+            let map = self.mapping_mut(&m);
+            map.handle = h;
+            map.released = false;
+            map.pooled = false;
+            map.sleep = Some(Slept {
+                gone: false,
+                ..map.sleep.expect("checked above")
+            });
+            made.push((m, h));
+        }
+        Ok(())
+    }
+
+    /// Undo one mapping a failed wake made: give its memory back again; if that fails too it
+    /// stays mapped (and held, counted in reserved). Returns whether it was given back.
+    pub(crate) fn unmake<D: Driver>(&mut self, core: &Core<D>, tag: Tag, m: &TagMapping) -> bool {
+        let ok = self.give_back(core, m);
+        let map = self.mapping_mut(m);
+        let s = map.sleep.expect("a mapping made by wake is asleep");
+        map.sleep = Some(Slept { gone: ok, ..s });
+        if !ok {
+            // It holds memory now, as any mapping does.
+            core.ledger.on_reserve(m.bytes, false);
+            core.ledger.sleeping_sub(tag, m.bytes);
+        }
+        ok
+    }
+
+    /// The offloaded mappings of asleep `tag`: (address, bytes, host offset).
+    pub(crate) fn offloaded(&self, tag: Tag) -> Vec<(DevicePtr, u64, u64)> {
+        self.tag_mappings(tag)
+            .into_iter()
+            .filter_map(|m| {
+                let s = self.segments.get(m.seg).virt().mappings[&m.va].sleep?;
+                (s.host != DISCARDED).then_some((m.va, m.bytes, s.host))
+            })
+            .collect()
+    }
+
+    /// `tag` is awake again here: its mappings are marked awake (those remade counted in
+    /// reserved, no longer sleeping), its free lists rejoin the index, and the frees deferred
+    /// while it slept are applied (failures logged).
+    pub(crate) fn awake<D: Driver>(&mut self, core: &Core<D>, tag: Tag, remade: u64) {
+        for m in self.tag_mappings(tag) {
+            self.mapping_mut(&m).sleep = None;
+        }
+        core.ledger.on_reserve(remade, false);
+        core.ledger.sleeping_sub(tag, remade);
+        self.asleep &= !bit(tag);
+        let mut i = 0;
+        while i < self.detached.len() {
+            if regions::region_of(self.detached[i].stream) == Some(tag) {
+                let p = self.detached.swap_remove(i);
+                self.index.push(p);
+            } else {
+                i += 1;
+            }
+        }
+        let deferred = std::mem::take(&mut self.deferred);
+        for ptr in deferred {
+            if self.sleeps(self.live_owner(ptr)) {
+                self.deferred.push(ptr);
+                continue;
+            }
+            // No stream can still be using it: sleep synchronised the device, and nothing
+            // touched the memory while it slept. So the free needs no events and cannot fail.
+            if let Some(&id) = self.live.get(&ptr) {
+                self.blocks[id].used_streams.clear();
+            }
+            if let Err(e) = self.free(core, ptr) {
+                tracing::warn!(error = %e, ptr, "a free deferred while its memory slept failed");
+            }
+        }
+    }
+
+    fn live_owner(&self, ptr: DevicePtr) -> crate::driver::StreamId {
+        self.live
+            .get(&ptr)
+            .map_or(crate::driver::StreamId::DEFAULT, |&id| {
+                self.blocks[id].stream
+            })
+    }
+}

@@ -1,0 +1,454 @@
+//! Sleep and wake by tag: give a tag's device memory back and restore it later at the same
+//! addresses, so that every pointer the engine holds and every CUDA graph it captured stays
+//! valid. Needs a virtual-memory mode and [`super::Config::separate_tags`] (each tag's memory
+//! in segments of its own).
+//!
+//! Sleep synchronises the device, gives back every shard's cache (all tags), copies the
+//! offloaded tags' mappings to page-locked host memory on a stream of its own (queued all at
+//! once, one synchronisation), then releases and unmaps the sleeping tags' memory. Wake maps
+//! fresh memory at the same addresses, queues the copies back, and synchronises once.
+//!
+//! Invariants:
+//! - Sleep and wake hold every shard's lock from start to end (allocations on other threads
+//!   wait): a tag is wholly asleep or wholly awake, in every shard at once.
+//! - A sleep that fails before its memory is given back (the copies, the host memory) changes
+//!   nothing. Once the copies are complete the tag is asleep; a release or unmap that fails
+//!   then leaves that mapping's memory held (reported, counted in reserved), never lost.
+//! - A wake that fails gives back what it mapped (or keeps it, counted, where that fails
+//!   too); the tag stays asleep with its host copy, and wake can be retried.
+//! - Host memory is pinned in chunks, reused while a tag sleeps again if asked to retain it,
+//!   and otherwise freed once the tag is awake. A chunk that cannot be freed is kept (and
+//!   freed by a later wake), never forgotten.
+
+use std::time::Instant;
+
+use super::shard::sleep::{TagMapping, DISCARDED};
+use super::shard::{GrowError, Shard};
+use super::spin::SpinGuard;
+use super::Allocator;
+use crate::driver::{Driver, DriverResult, HostPtr, PhysHandle, StreamId};
+use crate::error::{Error, Result};
+use crate::tag::Tag;
+use crate::units::MIB;
+
+/// Page-locked host memory is pinned in pieces of this size: pinning starts sooner and a
+/// piece is reused whole.
+const CHUNK: u64 = 256 * MIB;
+
+/// What one sleep did.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct SleepReport {
+    /// Tags put to sleep by this call (tags already asleep are left as they are).
+    pub tags: Vec<Tag>,
+    /// Device bytes copied to host memory.
+    pub offloaded_bytes: u64,
+    /// Device bytes of discarded tags.
+    pub discarded_bytes: u64,
+    /// Bytes given back to the driver (the sleeping tags' mappings; the cache of every tag
+    /// is given back too, beforehand, and not counted here).
+    pub given_back_bytes: u64,
+    /// Bytes of sleeping tags still held because a release or unmap failed.
+    pub held_bytes: u64,
+    /// Page-locked host memory holding the offloaded tags.
+    pub host_bytes: u64,
+    pub seconds: f64,
+}
+
+/// What one wake did.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct WakeReport {
+    pub tags: Vec<Tag>,
+    /// Fresh device memory mapped at the sleeping addresses.
+    pub mapped_bytes: u64,
+    /// Bytes copied back from host memory.
+    pub restored_bytes: u64,
+    /// Page-locked host memory still held after the wake (retained, or not freeable).
+    pub host_bytes_after: u64,
+    pub seconds: f64,
+}
+
+/// Page-locked host memory of one tag: chunks that together hold its offloaded contents.
+#[derive(Default, Debug)]
+struct HostArena {
+    chunks: Vec<(HostPtr, u64)>,
+}
+
+impl HostArena {
+    fn capacity(&self) -> u64 {
+        self.chunks.iter().map(|c| c.1).sum()
+    }
+
+    /// Pin chunks until `need` bytes fit, on several threads at once (pinning is the kernel
+    /// faulting in and locking pages: it scales with threads, and it, not the copy, is what
+    /// a first sleep waits for). What was pinned stays on failure.
+    fn grow_to<D: Driver>(&mut self, d: &D, need: u64) -> DriverResult<()> {
+        let mut sizes = Vec::new();
+        let mut have = self.capacity();
+        while have < need {
+            let n = (need - have).min(CHUNK);
+            sizes.push(n);
+            have += n;
+        }
+        let results = on_threads(&sizes, |&n| d.host_alloc(n).map(|p| (p, n)));
+        let mut first = None;
+        for r in results {
+            match r {
+                Ok(c) => self.chunks.push(c),
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Free every chunk (on several threads, as pinning); one that cannot be freed is kept
+    /// (logged).
+    fn free_all<D: Driver>(&mut self, d: &D) {
+        let chunks = std::mem::take(&mut self.chunks);
+        let results = on_threads(&chunks, |&(p, _)| d.host_free(p));
+        for (c, r) in chunks.into_iter().zip(results) {
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "could not free page-locked host memory; kept for later");
+                self.chunks.push(c);
+            }
+        }
+    }
+
+    /// The host pieces of `[off, off + len)` of the arena.
+    fn pieces(&self, mut off: u64, mut len: u64) -> Vec<(HostPtr, u64)> {
+        let mut out = Vec::new();
+        for &(p, size) in &self.chunks {
+            if len == 0 {
+                break;
+            }
+            if off >= size {
+                off -= size;
+                continue;
+            }
+            let n = (size - off).min(len);
+            out.push((HostPtr(p.0 + off), n));
+            off = 0;
+            len -= n;
+        }
+        assert_eq!(len, 0, "the arena was sized for every offloaded byte");
+        out
+    }
+}
+
+/// Threads that pin or free host memory at once.
+const HOST_THREADS: usize = 8;
+
+/// `f` over `items` on up to [`HOST_THREADS`] threads; the results in the items' order.
+fn on_threads<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    if items.len() <= 1 {
+        return items.iter().map(f).collect();
+    }
+    let per = items.len().div_ceil(HOST_THREADS);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = items
+            .chunks(per)
+            .map(|part| s.spawn(|| part.iter().map(&f).collect::<Vec<R>>()))
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("a host-memory thread panicked"))
+            .collect()
+    })
+}
+
+/// Sleep's state beside the shards: the copy stream and each tag's host memory.
+#[derive(Default, Debug)]
+pub(crate) struct SleepState {
+    stream: Option<StreamId>,
+    host: [HostArena; Tag::COUNT],
+    retain_host: bool,
+}
+
+impl SleepState {
+    fn stream<D: Driver>(&mut self, d: &D) -> DriverResult<StreamId> {
+        if let Some(s) = self.stream {
+            return Ok(s);
+        }
+        let s = d.create_stream()?;
+        self.stream = Some(s);
+        Ok(s)
+    }
+
+    fn host_bytes(&self) -> u64 {
+        self.host.iter().map(HostArena::capacity).sum()
+    }
+}
+
+impl<D: Driver> Allocator<D> {
+    /// Every shard, locked, in index order (the order every cross-shard operation uses).
+    fn lock_all(&self) -> Result<Vec<SpinGuard<'_, Shard>>> {
+        (0..self.shards.len()).map(|i| self.lock(i)).collect()
+    }
+
+    fn check_sleepable(&self, shards: &[SpinGuard<'_, Shard>], what: &'static str) -> Result<()> {
+        if !self.core.is_virtual() {
+            return Err(Error::SleepNeedsVirtualMemory(self.core.mode));
+        }
+        if !self.core.separate_tags {
+            return Err(Error::SleepNeedsSeparateTags);
+        }
+        if shards.iter().any(|s| s.graphs.capturing()) {
+            return Err(Error::Capturing(what));
+        }
+        Ok(())
+    }
+
+    /// Tags asleep now.
+    pub fn asleep_tags(&self) -> Vec<Tag> {
+        let Ok(sh) = self.lock(0) else {
+            return Vec::new();
+        };
+        Tag::ALL.into_iter().filter(|&t| sh.tag_asleep(t)).collect()
+    }
+
+    /// Keep the page-locked host memory of offloaded tags after they wake, for the next sleep
+    /// (default: freed at wake).
+    pub fn set_retain_host(&self, retain: bool) {
+        self.sleep.lock().retain_host = retain;
+    }
+
+    /// Put tags to sleep: the `offload` tags' contents are copied to page-locked host memory,
+    /// the `discard` tags' are dropped (their contents after wake are unspecified); then their
+    /// device memory is given back, keeping its addresses. The cache of every tag is given back
+    /// first. Allocating a sleeping tag's memory fails with [`Error::Asleep`] until it wakes;
+    /// freeing it is deferred to the wake. Tags already asleep are left as they are.
+    pub fn sleep(&self, offload: &[Tag], discard: &[Tag]) -> Result<SleepReport> {
+        let t0 = Instant::now();
+        if let Some(t) = offload.iter().find(|t| discard.contains(t)) {
+            return Err(Error::InvalidArgument(format!(
+                "tag {t} cannot be both offloaded and discarded"
+            )));
+        }
+        let mut st = self.sleep.lock();
+        let mut shards = self.lock_all()?;
+        self.check_sleepable(&shards, "sleep")?;
+        let d = &self.core.driver;
+        d.sync_device()?;
+        for sh in shards.iter_mut() {
+            sh.release_cached(&self.core)?;
+        }
+        let mut plan: Vec<(Tag, bool)> = Vec::new();
+        for &t in offload.iter().chain(discard) {
+            if !shards[0].tag_asleep(t) && !plan.iter().any(|&(p, _)| p == t) {
+                plan.push((t, offload.contains(&t)));
+            }
+        }
+        let maps: Vec<Vec<Vec<TagMapping>>> = plan
+            .iter()
+            .map(|&(t, _)| shards.iter().map(|sh| sh.tag_mappings(t)).collect())
+            .collect();
+        // The copies, all queued and then waited for once: until they are complete nothing
+        // has changed, and a failure leaves every tag awake.
+        let mut report = SleepReport::default();
+        let copied = self.offload(&mut st, &plan, &maps, &mut report);
+        let hosts = match copied {
+            Ok(h) => h,
+            Err(e) => {
+                if !st.retain_host {
+                    for &(t, _) in &plan {
+                        st.host[t.index()].free_all(d);
+                    }
+                }
+                return Err(e);
+            }
+        };
+        for (k, &(t, keep)) in plan.iter().enumerate() {
+            for (i, sh) in shards.iter_mut().enumerate() {
+                let (gone, held) = sh.put_to_sleep(&self.core, t, &maps[k][i], &hosts[k][i]);
+                report.given_back_bytes += gone;
+                report.held_bytes += held;
+                let bytes: u64 = maps[k][i].iter().map(|m| m.bytes).sum();
+                if !keep {
+                    report.discarded_bytes += bytes;
+                }
+            }
+            report.tags.push(t);
+        }
+        report.host_bytes = st.host_bytes();
+        report.seconds = t0.elapsed().as_secs_f64();
+        if report.held_bytes > 0 {
+            tracing::warn!(
+                held = report.held_bytes,
+                "sleep could not give back all of the sleeping tags' memory"
+            );
+        }
+        Ok(report)
+    }
+
+    /// Copy the offloaded tags of `plan` to host memory; returns each mapping's host offset
+    /// (by plan entry, shard, mapping), [`DISCARDED`] for discarded tags.
+    fn offload(
+        &self,
+        st: &mut SleepState,
+        plan: &[(Tag, bool)],
+        maps: &[Vec<Vec<TagMapping>>],
+        report: &mut SleepReport,
+    ) -> Result<Vec<Vec<Vec<u64>>>> {
+        let d = &self.core.driver;
+        let mut hosts = Vec::with_capacity(plan.len());
+        let mut queued = false;
+        let stream = st.stream(d)?;
+        for (k, &(t, keep)) in plan.iter().enumerate() {
+            if !keep {
+                hosts.push(maps[k].iter().map(|m| vec![DISCARDED; m.len()]).collect());
+                continue;
+            }
+            let need: u64 = maps[k].iter().flatten().map(|m| m.bytes).sum();
+            let arena = &mut st.host[t.index()];
+            arena.grow_to(d, need)?;
+            let mut off = 0;
+            let mut per_shard = Vec::with_capacity(maps[k].len());
+            for shard_maps in &maps[k] {
+                let mut offs = Vec::with_capacity(shard_maps.len());
+                for m in shard_maps {
+                    let mut va = m.va;
+                    for (h, n) in arena.pieces(off, m.bytes) {
+                        queued = true;
+                        if let Err(e) = d.copy_to_host(h, va, n, stream) {
+                            // Queued copies still write into the host memory: wait for them
+                            // before it can be freed.
+                            let _ = d.sync_stream(stream);
+                            return Err(e.into());
+                        }
+                        va += n;
+                    }
+                    offs.push(off);
+                    off += m.bytes;
+                }
+                per_shard.push(offs);
+            }
+            report.offloaded_bytes += need;
+            hosts.push(per_shard);
+        }
+        if queued {
+            d.sync_stream(stream)?;
+        }
+        Ok(hosts)
+    }
+
+    /// Wake sleeping tags (all of them when `tags` is empty): fresh memory is mapped at their
+    /// addresses and the offloaded contents are copied back. Tags are woken one at a time; the
+    /// first that cannot be woken (the device lacks room, a driver call fails) stays asleep,
+    /// with nothing lost, and its error is returned; wake can be retried.
+    pub fn wake(&self, tags: &[Tag]) -> Result<WakeReport> {
+        let t0 = Instant::now();
+        let mut st = self.sleep.lock();
+        let mut shards = self.lock_all()?;
+        self.check_sleepable(&shards, "wake")?;
+        let mut report = WakeReport::default();
+        for t in Tag::ALL {
+            if (tags.is_empty() || tags.contains(&t)) && shards[0].tag_asleep(t) {
+                self.wake_tag(&mut st, &mut shards, t, &mut report)
+                    .map_err(|e| Error::Wake {
+                        tag: t,
+                        source: Box::new(e),
+                    })?;
+                report.tags.push(t);
+            }
+        }
+        // Host memory of awake tags that an earlier wake could not free goes now.
+        if !st.retain_host {
+            for t in Tag::ALL.into_iter().filter(|&t| !shards[0].tag_asleep(t)) {
+                st.host[t.index()].free_all(&self.core.driver);
+            }
+        }
+        report.host_bytes_after = st.host_bytes();
+        report.seconds = t0.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    fn wake_tag(
+        &self,
+        st: &mut SleepState,
+        shards: &mut [SpinGuard<'_, Shard>],
+        tag: Tag,
+        report: &mut WakeReport,
+    ) -> Result<()> {
+        let d = &self.core.driver;
+        let gone = self.core.ledger.sleeping(tag);
+        match self.core.commit(gone) {
+            Ok(()) => {}
+            Err(GrowError::Memory(cause)) => {
+                return Err(Error::OutOfMemory(Box::new(
+                    self.oom_report(gone, gone, cause),
+                )))
+            }
+            Err(GrowError::Driver(e)) => return Err(e.into()),
+        }
+        let mut made: Vec<Vec<(TagMapping, PhysHandle)>> = vec![Vec::new(); shards.len()];
+        let mut failure = None;
+        for (i, sh) in shards.iter_mut().enumerate() {
+            if let Err(e) = sh.remake(&self.core, tag, &mut made[i]) {
+                failure = Some(Error::from(e));
+                break;
+            }
+        }
+        if failure.is_none() {
+            failure = self.restore(st, shards, tag, report).err();
+        }
+        if let Some(e) = failure {
+            // Give back what this wake mapped; what cannot be given back stays held and
+            // counted, and the tag stays asleep.
+            let mut held = 0;
+            for (i, sh) in shards.iter_mut().enumerate() {
+                for (m, _) in &made[i] {
+                    if !sh.unmake(&self.core, tag, m) {
+                        held += m.bytes;
+                    }
+                }
+            }
+            self.core.uncommit(gone - held);
+            return Err(e);
+        }
+        for (i, sh) in shards.iter_mut().enumerate() {
+            let remade: u64 = made[i].iter().map(|(m, _)| m.bytes).sum();
+            report.mapped_bytes += remade;
+            sh.awake(&self.core, tag, remade);
+        }
+        // Memory still held from a failed give-back was committed when it was mapped first.
+        let remade_all: u64 = made.iter().flatten().map(|(m, _)| m.bytes).sum();
+        self.core.uncommit(gone - remade_all);
+        if !st.retain_host {
+            st.host[tag.index()].free_all(d);
+        }
+        Ok(())
+    }
+
+    /// Copy `tag`'s offloaded contents back (all queued, one synchronisation).
+    fn restore(
+        &self,
+        st: &mut SleepState,
+        shards: &[SpinGuard<'_, Shard>],
+        tag: Tag,
+        report: &mut WakeReport,
+    ) -> Result<()> {
+        let d = &self.core.driver;
+        let stream = st.stream(d)?;
+        let arena = &st.host[tag.index()];
+        let mut queued = false;
+        for sh in shards {
+            for (va, bytes, off) in sh.offloaded(tag) {
+                let mut dst = va;
+                for (h, n) in arena.pieces(off, bytes) {
+                    queued = true;
+                    if let Err(e) = d.copy_to_device(dst, h, n, stream) {
+                        let _ = d.sync_stream(stream);
+                        return Err(e.into());
+                    }
+                    dst += n;
+                }
+                report.restored_bytes += bytes;
+            }
+        }
+        if queued {
+            d.sync_stream(stream)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,94 @@
+//! Page-locked host memory for the CUDA backend, made fast to pin. `cuMemHostAlloc` faults in
+//! and locks fresh 4 KiB pages one at a time: about 2.3 GB/s on an H200 host (16 GiB took 7 s),
+//! whatever the number of calling threads. Here the memory is anonymous, asks for transparent
+//! huge pages, is faulted in by several threads at once, and is then registered with the
+//! driver (`cuMemHostRegister`), which pins pages that are already there.
+//!
+//! Invariant: every buffer handed out is registered and mapped until `free` unregisters and
+//! unmaps it, with the size it was made with.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys;
+
+const HUGE: usize = 2 << 20;
+const THREADS: usize = 8;
+
+/// A registered buffer of at least `bytes`; `Err` carries the failed call's result or errno.
+pub(super) fn alloc(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
+    let size = (bytes as usize).div_ceil(HUGE) * HUGE;
+    // Over-map by a huge page so that the buffer can start on a huge-page boundary.
+    let span = size + HUGE;
+    // SAFETY: an anonymous private mapping; no file, no fixed address.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return Err(PinError::Os(std::io::Error::last_os_error()));
+    }
+    let start = (raw as usize).next_multiple_of(HUGE);
+    let (head, tail) = (start - raw as usize, raw as usize + span - (start + size));
+    // SAFETY: the trimmed pieces lie inside the mapping just made and are not used.
+    unsafe {
+        if head > 0 {
+            libc::munmap(raw, head);
+        }
+        if tail > 0 {
+            libc::munmap((start + size) as *mut c_void, tail);
+        }
+        // Advice only: without transparent huge pages the memory is still correct.
+        libc::madvise(start as *mut c_void, size, libc::MADV_HUGEPAGE);
+    }
+    // Fault the pages in on several threads: the kernel zero-fills them in parallel.
+    let per = size.div_ceil(THREADS).next_multiple_of(HUGE);
+    std::thread::scope(|s| {
+        for k in 0..THREADS {
+            let (lo, hi) = (k * per, ((k + 1) * per).min(size));
+            s.spawn(move || {
+                let mut off = lo;
+                while off < hi {
+                    // SAFETY: inside the mapping, which no one else uses yet.
+                    unsafe { std::ptr::write_volatile((start + off) as *mut u8, 0) };
+                    off += 4096;
+                }
+            });
+        }
+    });
+    let p = start as *mut c_void;
+    // SAFETY: a mapped, writable range of `size` bytes.
+    let r = unsafe { sys::cuMemHostRegister_v2(p, size, sys::CU_MEMHOSTREGISTER_PORTABLE) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: the mapping made above, not registered.
+        unsafe { libc::munmap(p, size) };
+        return Err(PinError::Driver(r));
+    }
+    Ok((p, size))
+}
+
+/// Unregister and unmap a buffer from [`alloc`].
+pub(super) fn free(p: *mut c_void, size: usize) -> Result<(), PinError> {
+    // SAFETY: a buffer registered by `alloc`, with no copy pending on it (the caller's
+    // contract).
+    let r = unsafe { sys::cuMemHostUnregister(p) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(PinError::Driver(r));
+    }
+    // SAFETY: the mapping of `size` bytes made by `alloc`, no longer registered.
+    if unsafe { libc::munmap(p, size) } != 0 {
+        return Err(PinError::Os(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+#[derive(Debug)]
+pub(super) enum PinError {
+    Driver(sys::CUresult),
+    Os(std::io::Error),
+}

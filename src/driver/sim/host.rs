@@ -1,0 +1,180 @@
+//! Simulated page-locked host memory, copies between it and the device, and the contents of
+//! device memory: 8-byte words that tests write and read back through mapped addresses, kept
+//! per physical handle, so that what sleep offloads and wake restores can be checked.
+//!
+//! Invariants:
+//! - Contents belong to a handle (at an offset into it), not to an address: unmapping keeps
+//!   them while the handle lives, and releasing the handle's last mapping drops them.
+//! - A copy touches only accessible mapped memory and the inside of one host buffer; anything
+//!   else fails as an invalid value and copies nothing (a real copy would fault).
+//! - Copies complete when queued (a simulated stream has nothing to overlap them with).
+
+use std::collections::BTreeMap;
+
+use super::SimDriver;
+use crate::driver::{DevicePtr, DriverCall, DriverResult, HostPtr, StreamId};
+
+/// Host buffers start here, far from device addresses.
+const HOST_BASE: u64 = 1 << 52;
+
+pub(super) struct HostBuf {
+    bytes: u64,
+    /// Words copied into the buffer, by offset.
+    words: BTreeMap<u64, u64>,
+}
+
+pub(super) enum Direction {
+    ToHost,
+    ToDevice,
+}
+
+impl SimDriver {
+    pub(super) fn alloc_host(&self, bytes: u64) -> DriverResult<HostPtr> {
+        if bytes == 0 {
+            return Err(Self::invalid(
+                DriverCall::HostAlloc,
+                "zero-byte host buffer",
+            ));
+        }
+        let mut st = self.device.state.lock();
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        // Leave a gap after each buffer so that two never look contiguous.
+        let base = p.host.last_key_value().map_or(HOST_BASE, |(&b, h)| {
+            (b + h.bytes).next_multiple_of(1 << 21) + (1 << 21)
+        });
+        p.host.insert(
+            base,
+            HostBuf {
+                bytes,
+                words: BTreeMap::new(),
+            },
+        );
+        Ok(HostPtr(base))
+    }
+
+    pub(super) fn free_host(&self, ptr: HostPtr) -> DriverResult<()> {
+        let mut st = self.device.state.lock();
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        p.host.remove(&ptr.0).map(|_| ()).ok_or_else(|| {
+            Self::invalid(
+                DriverCall::HostFree,
+                format!("{:#x} is not a host buffer", ptr.0),
+            )
+        })
+    }
+
+    /// Copy `bytes` between host `host` and device `dev`, in `dir`.
+    pub(super) fn copy(
+        &self,
+        dir: Direction,
+        host: HostPtr,
+        dev: DevicePtr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> DriverResult<()> {
+        let call = match dir {
+            Direction::ToHost => DriverCall::CopyToHost,
+            Direction::ToDevice => DriverCall::CopyToDevice,
+        };
+        let mut st = self.device.state.lock();
+        if st.streams.get(&stream).is_some_and(|s| s.capture.is_some()) {
+            return Err(Self::invalid(call, "copy queued on a capturing stream"));
+        }
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        let (&base, buf) = p
+            .host
+            .range(..=host.0)
+            .next_back()
+            .filter(|(&b, h)| host.0 + bytes <= b + h.bytes)
+            .ok_or_else(|| Self::invalid(call, "host range is not inside one host buffer"))?;
+        let host_off = host.0 - base;
+        // The device side, mapping by mapping: (handle, offset in it, offset in the copy, length).
+        let mut pieces = Vec::new();
+        let mut cursor = dev;
+        while cursor < dev + bytes {
+            match p.mappings.range(..=cursor).next_back() {
+                Some((&va, m)) if cursor < va + m.bytes && m.accessible => {
+                    let len = (va + m.bytes).min(dev + bytes) - cursor;
+                    pieces.push((m.handle, cursor - va, cursor - dev, len));
+                    cursor += len;
+                }
+                _ => {
+                    return Err(Self::invalid(
+                        call,
+                        format!("{cursor:#x} is not accessible device memory"),
+                    ))
+                }
+            }
+        }
+        let _ = buf;
+        for (handle, dev_off, copy_off, len) in pieces {
+            let h = host_off + copy_off;
+            match dir {
+                Direction::ToHost => {
+                    let words: Vec<(u64, u64)> = p
+                        .contents
+                        .get(&handle)
+                        .map(|c| {
+                            c.range(dev_off..dev_off + len)
+                                .map(|(&o, &w)| (o, w))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let hb = p.host.get_mut(&base).expect("found above");
+                    hb.words.retain(|&o, _| o < h || o >= h + len);
+                    hb.words
+                        .extend(words.into_iter().map(|(o, w)| (o - dev_off + h, w)));
+                }
+                Direction::ToDevice => {
+                    let words: Vec<(u64, u64)> = p.host[&base]
+                        .words
+                        .range(h..h + len)
+                        .map(|(&o, &w)| (o, w))
+                        .collect();
+                    let c = p.contents.entry(handle).or_default();
+                    c.retain(|&o, _| o < dev_off || o >= dev_off + len);
+                    c.extend(words.into_iter().map(|(o, w)| (o - h + dev_off, w)));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Write an 8-byte word at `va` (accessible mapped memory), as a kernel would.
+    pub fn write_word(&self, va: DevicePtr, value: u64) -> DriverResult<()> {
+        let mut st = self.device.state.lock();
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        let (handle, off) = Self::resolve(p, va)?;
+        p.contents.entry(handle).or_default().insert(off, value);
+        Ok(())
+    }
+
+    /// The 8-byte word at `va` (0 where nothing was written); an error where `va` is not
+    /// accessible mapped memory, which on a GPU would be an illegal address.
+    pub fn read_word(&self, va: DevicePtr) -> DriverResult<u64> {
+        let st = self.device.state.lock();
+        let p = &st.processes[&self.pid];
+        let (handle, off) = Self::resolve(p, va)?;
+        Ok(p.contents
+            .get(&handle)
+            .and_then(|c| c.get(&off))
+            .copied()
+            .unwrap_or(0))
+    }
+
+    /// Bytes of page-locked host memory this process holds.
+    pub fn host_bytes(&self) -> u64 {
+        let st = self.device.state.lock();
+        st.processes[&self.pid].host.values().map(|h| h.bytes).sum()
+    }
+
+    fn resolve(p: &super::Process, va: DevicePtr) -> DriverResult<(u64, u64)> {
+        match p.mappings.range(..=va).next_back() {
+            Some((&m, mm)) if va + 8 <= m + mm.bytes && mm.accessible => Ok((mm.handle, va - m)),
+            _ => Err(Self::invalid(
+                DriverCall::CopyToDevice,
+                format!("{va:#x} is not accessible mapped memory"),
+            )),
+        }
+    }
+}

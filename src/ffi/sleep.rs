@@ -1,0 +1,98 @@
+//! Sleep and wake by tag (see `Allocator::sleep`). Tags are given as bit masks: bit `i` is
+//! `Tag::ALL[i]` (1 weights, 2 activation, 4 kv_cache, 8 untracked). A negative device means
+//! every device in use, one after the other.
+
+use std::ffi::{c_char, c_int};
+
+use super::boundary::*;
+use crate::devices::{self, Device};
+use crate::{Config, Tag};
+
+fn tags(mask: c_int, what: &str) -> Result<Vec<Tag>, String> {
+    if !(0..1 << Tag::COUNT).contains(&mask) {
+        return Err(format!(
+            "{what} {mask} is not a mask of tags (0 to {})",
+            (1 << Tag::COUNT) - 1
+        ));
+    }
+    Ok(Tag::ALL
+        .into_iter()
+        .filter(|t| mask & (1 << t.index()) != 0)
+        .collect())
+}
+
+/// `f` on `device`, or on every device in use when it is negative; the reports as one JSON
+/// object keyed by ordinal.
+fn each_device(
+    device: c_int,
+    f: impl Fn(&'static Device) -> Result<serde_json::Value, String>,
+) -> Result<*mut c_char, String> {
+    let mut out = serde_json::Map::new();
+    if device < 0 {
+        for (ordinal, d) in devices::created_ordinals() {
+            out.insert(
+                ordinal.to_string(),
+                f(d).map_err(|e| format!("device {ordinal}: {e}"))?,
+            );
+        }
+    } else {
+        out.insert(device.to_string(), f(state(device)?)?);
+    }
+    Ok(into_c_string(serde_json::Value::Object(out).to_string()))
+}
+
+/// Keep each tag's memory apart (`Config::separate_tags`), which sleep needs, in allocators
+/// created from now on (call before the first use of a device, as `vram_ledger_configure`).
+#[no_mangle]
+pub extern "C" fn vram_ledger_separate_tags(enabled: c_int) -> c_int {
+    guard(-1, || {
+        devices::configure(Config {
+            separate_tags: enabled != 0,
+            ..devices::configured()
+        });
+        Ok(0)
+    })
+}
+
+/// Put the `offload` tags (copied to page-locked host memory) and the `discard` tags to sleep.
+/// Returns a JSON report per device (free it with `vram_ledger_string_free`), NULL on error.
+#[no_mangle]
+pub extern "C" fn vram_ledger_sleep(device: c_int, offload: c_int, discard: c_int) -> *mut c_char {
+    guard(std::ptr::null_mut(), || {
+        let (offload, discard) = (tags(offload, "offload")?, tags(discard, "discard")?);
+        each_device(device, |d| {
+            let r = on_device!(d, d => d.allocator().sleep(&offload, &discard))
+                .map_err(|e| e.to_string())?;
+            serde_json::to_value(r).map_err(|e| e.to_string())
+        })
+    })
+}
+
+/// Wake the tags of `mask` (0: every sleeping tag). Returns a JSON report per device, NULL on
+/// error (the tag that failed stays asleep; wake can be retried).
+#[no_mangle]
+pub extern "C" fn vram_ledger_wake(device: c_int, mask: c_int) -> *mut c_char {
+    guard(std::ptr::null_mut(), || {
+        let wake = tags(mask, "mask")?;
+        each_device(device, |d| {
+            let r = on_device!(d, d => d.allocator().wake(&wake)).map_err(|e| e.to_string())?;
+            serde_json::to_value(r).map_err(|e| e.to_string())
+        })
+    })
+}
+
+/// Keep (non-zero) or free (0, the default) offloaded tags' page-locked host memory at wake.
+#[no_mangle]
+pub extern "C" fn vram_ledger_set_retain_host(device: c_int, retain: c_int) -> c_int {
+    guard(-1, || {
+        each_device(device, |d| {
+            on_device!(d, d => d.allocator().set_retain_host(retain != 0));
+            Ok(serde_json::Value::Null)
+        })
+        .map(|s| {
+            // SAFETY: a string this library just returned.
+            unsafe { crate::ffi::vram_ledger_string_free(s) };
+            0
+        })
+    })
+}

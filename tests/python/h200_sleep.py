@@ -1,0 +1,224 @@
+"""Sleep and wake under install(), on a real GPU, one process per case. Prints one JSON object
+per case and exits 1 if any case failed.
+
+    python3 tests/python/h200_sleep.py [bench[:MODE]|model[:MODE]|two[:MODE] ...]
+
+- bench: 16 GiB of weights (offloaded) and 32 GiB of KV cache (discarded): sleep and wake
+  seconds and GB/s, this process's NVML usage at its start (CUDA context, before any
+  allocation), with everything allocated, asleep and after wake; page-locked host memory after
+  wake; the weights' contents checked after wake against checksums taken before. Three rounds:
+  two with host memory freed at wake (the default), one more with it retained and reused.
+- model: a transformers Llama (random bf16 weights) and a CUDA graph of its forward captured
+  before sleep; after sleep and wake the eager forward and the graph's replay must be
+  bit-identical to the outputs before.
+- two: the model's process sleeps; a second process allocates most of the memory it gave
+  back, fills and checks it, and exits; the first wakes and its outputs are bit-identical.
+"""
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+
+MODES = ["expandable", "compact", "remap"]
+G = 1 << 30
+
+
+def emit(**kv):
+    print("RESULT " + json.dumps(kv), flush=True)
+
+
+def nvml_usage():
+    """This process's used GPU memory from NVML, read through ctypes (not through the library)."""
+
+    class Proc(ctypes.Structure):
+        _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
+                    ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
+
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    assert nvml.nvmlInit_v2() == 0
+    dev = ctypes.c_void_p()
+    assert nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(dev)) == 0
+    n = ctypes.c_uint(64)
+    procs = (Proc * 64)()
+    assert nvml.nvmlDeviceGetComputeRunningProcesses_v3(dev, ctypes.byref(n), procs) == 0
+    for i in range(n.value):
+        if procs[i].pid == os.getpid():
+            return int(procs[i].usedGpuMemory)
+    return 0
+
+
+def rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def checksum(ts):
+    import torch
+
+    return [int(t.view(torch.int64).sum(dtype=torch.int64)) for t in ts]
+
+
+def case_bench(mode):
+    import torch
+    import vram_ledger as vl
+
+    vl.install(mode=mode, sleep=True)
+    torch.cuda.init()
+    torch.cuda.synchronize()
+    usage_start = nvml_usage()
+    with vl.tag("weights"):
+        weights = [torch.randint(-2**31, 2**31 - 1, (G // 4,), dtype=torch.int32, device="cuda") for _ in range(16)]
+    with vl.tag("kv"):
+        kv = [torch.ones(G // 2, dtype=torch.bfloat16, device="cuda") for _ in range(32)]
+    torch.cuda.synchronize()
+    sums = checksum(weights)
+    ptrs = [w.data_ptr() for w in weights] + [k.data_ptr() for k in kv]
+    rounds = []
+    for r in range(3):
+        if r == 2:
+            vl.set_retain_host(True)
+        usage_full = nvml_usage()
+        t0 = time.perf_counter()
+        s = vl.sleep(offload="weights", discard="kv")[0]
+        t_sleep = time.perf_counter() - t0
+        usage_asleep = nvml_usage()
+        t1 = time.perf_counter()
+        w = vl.wake()[0]
+        t_wake = time.perf_counter() - t1
+        torch.cuda.synchronize()
+        usage_after = nvml_usage()
+        intact = checksum(weights) == sums and [x.data_ptr() for x in weights + kv] == ptrs
+        kv[0].fill_(2.0)  # the discarded memory is usable again
+        torch.cuda.synchronize()
+        rounds.append(dict(
+            sleep_s=round(t_sleep, 4), wake_s=round(t_wake, 4), lib_sleep_s=round(s["seconds"], 4), lib_wake_s=round(w["seconds"], 4),
+            sleep_gbps=round(s["offloaded_bytes"] / t_sleep / 1e9, 1), wake_gbps=round(w["restored_bytes"] / t_wake / 1e9, 1),
+            offloaded=s["offloaded_bytes"], discarded=s["discarded_bytes"], given_back=s["given_back_bytes"], held=s["held_bytes"],
+            usage_start=usage_start, usage_full=usage_full, usage_asleep=usage_asleep, usage_after=usage_after,
+            asleep_over_start=round(usage_asleep / usage_start - 1, 5), host_after=w["host_bytes_after"], rss_after=rss(),
+            retained=r == 2, intact=intact,
+        ))
+        if r == 2:
+            # With the host memory retained, the next sleep pins nothing: its time is the copy's.
+            t0 = time.perf_counter()
+            s = vl.sleep(offload="weights", discard="kv")[0]
+            t_sleep = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            w = vl.wake()[0]
+            t_wake = time.perf_counter() - t1
+            rounds.append(dict(sleep_s=round(t_sleep, 4), wake_s=round(t_wake, 4), retained_reuse=True,
+                               sleep_gbps=round(s["offloaded_bytes"] / t_sleep / 1e9, 1),
+                               wake_gbps=round(w["restored_bytes"] / t_wake / 1e9, 1),
+                               intact=checksum(weights) == sums, host_after=w["host_bytes_after"]))
+            vl.set_retain_host(False)
+    # Asleep, the process keeps what it held at its start, plus at most 1% of what it held
+    # before sleeping (the kept tags, the graph pools, kernels loaded since its start).
+    ok = all(r["intact"] for r in rounds) and all(
+        r["usage_asleep"] - r["usage_start"] <= 0.01 * r["usage_full"] for r in rounds if "usage_asleep" in r)
+    emit(case="bench", mode=mode, ok=ok, rounds=rounds)
+
+
+def llama():
+    import torch
+    import vram_ledger as vl
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    with vl.tag("weights"):
+        m = LlamaForCausalLM(cfg).to(dtype=torch.bfloat16, device="cuda").eval()
+    with vl.tag("kv"):
+        kv = torch.randn(8 * G // 2, dtype=torch.bfloat16, device="cuda")  # 8 GiB standing in for a KV cache
+    return m, kv
+
+
+def forward_and_graph(m):
+    """Eager logits for fixed tokens, and a graph of the same forward with its output."""
+    import torch
+
+    ids = torch.randint(0, 32000, (4, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        eager = m(ids, use_cache=False).logits.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                m(ids, use_cache=False)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = m(ids, use_cache=False).logits
+    g.replay()
+    torch.cuda.synchronize()
+    return ids, eager, g, out
+
+
+def case_model(mode, second_process=False):
+    import torch
+    import vram_ledger as vl
+
+    vl.install(mode=mode, sleep=True)
+    m, kv = llama()
+    ids, eager, g, out = forward_and_graph(m)
+    graph_before = out.clone()
+    usage_full = nvml_usage()
+    report = vl.sleep(offload="weights", discard="kv")[0]
+    usage_asleep = nvml_usage()
+    tenant = None
+    if second_process:
+        # Most of what this process gave back, taken, used and given back by another process.
+        want = int((usage_full - usage_asleep) * 0.9)
+        code = (
+            "import torch, sys\n"
+            f"x = torch.empty({want}, dtype=torch.uint8, device='cuda')\n"
+            "x.fill_(7); torch.cuda.synchronize()\n"
+            "ok = int(x[::1<<20].sum()) == 7 * len(x[::1<<20])\n"
+            "print('TENANT', x.numel(), ok)\n"
+        )
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        tenant = dict(rc=r.returncode, out=r.stdout.strip()[-200:], err=r.stderr[-400:], bytes=want)
+    woke = vl.wake()[0]
+    with torch.no_grad():
+        again = m(ids, use_cache=False).logits
+    g.replay()
+    torch.cuda.synchronize()
+    eager_same = torch.equal(again, eager)
+    graph_same = torch.equal(out, graph_before)
+    ok = eager_same and graph_same and (tenant is None or (tenant["rc"] == 0 and tenant["out"].endswith("True")))
+    emit(case="two" if second_process else "model", mode=mode, ok=ok, eager_bit_identical=eager_same,
+         graph_bit_identical=graph_same, usage_full=usage_full, usage_asleep=usage_asleep, sleep=report, wake=woke,
+         tenant=tenant)
+    del kv
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "_case":
+        name, mode = sys.argv[2], sys.argv[3]
+        return {"bench": case_bench, "model": case_model, "two": lambda m: case_model(m, True)}[name](mode)
+    cases = []
+    for arg in sys.argv[1:] or ["bench", "model", "two"]:
+        name, _, mode = arg.partition(":")
+        cases += [(name, m) for m in ([mode] if mode else MODES)]
+    failed = 0
+    for name, mode in cases:
+        r = subprocess.run([sys.executable, __file__, "_case", name, mode], capture_output=True, text=True, timeout=600)
+        lines = [l[7:] for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+        ok = r.returncode == 0 and lines and all(json.loads(l).get("ok") for l in lines)
+        failed += not ok
+        for l in lines:
+            print(l)
+        if r.returncode != 0 or not lines:
+            print(json.dumps({"case": name, "mode": mode, "ok": False, "returncode": r.returncode, "stderr": r.stderr[-2500:]}))
+        sys.stdout.flush()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,401 @@
+//! Sleep and wake by tag on the simulated device, in every virtual-memory mode. The simulated
+//! device keeps what is written into its physical memory, so "nothing is lost" is checked on
+//! the contents themselves: words written into every allocation before sleep are read back
+//! after wake at the same addresses; while asleep the offloaded and discarded memory is not
+//! accessible at all (a kernel touching it would fault), and the kept tags' memory is.
+//! Faults are injected into every driver call sleep and wake make; each tag ends wholly asleep
+//! or wholly awake, and nothing leaks (driver objects and page-locked host memory).
+
+use vram_ledger::driver::sim::{SimConfig, SimDriver};
+use vram_ledger::driver::{DriverCall, StreamId};
+use vram_ledger::units::{GIB, MIB};
+use vram_ledger::{invariants, Allocation, Allocator, Config, Error, SegmentMode, Tag};
+
+const VIRTUAL: [SegmentMode; 3] = [
+    SegmentMode::Expandable,
+    SegmentMode::Compact,
+    SegmentMode::Remap,
+];
+const S: StreamId = StreamId(0x10);
+const OTHER: StreamId = StreamId(0x20);
+
+fn allocator(mode: SegmentMode, capacity: u64) -> Allocator<SimDriver> {
+    let d = SimDriver::with_config(SimConfig {
+        capacity,
+        ..SimConfig::default()
+    });
+    let config = Config {
+        separate_tags: true,
+        ..Config::with_mode(mode)
+    };
+    Allocator::new(d, config).unwrap()
+}
+
+fn check(a: &Allocator<SimDriver>) {
+    let mut d = a.dump();
+    d.driver_held = Some(a.driver().held_bytes());
+    invariants::check(&d).unwrap();
+}
+
+/// Distinct words at the start and end of an allocation.
+fn stamp(a: &Allocator<SimDriver>, x: &Allocation, seed: u64) {
+    let d = a.driver();
+    d.write_word(x.ptr, seed).unwrap();
+    d.write_word(x.ptr + x.requested / 8 * 8 - 8, !seed)
+        .unwrap();
+}
+
+fn stamped(a: &Allocator<SimDriver>, x: &Allocation, seed: u64) -> bool {
+    let d = a.driver();
+    d.read_word(x.ptr).ok() == Some(seed)
+        && d.read_word(x.ptr + x.requested / 8 * 8 - 8).ok() == Some(!seed)
+}
+
+fn readable(a: &Allocator<SimDriver>, x: &Allocation) -> bool {
+    a.driver().read_word(x.ptr).is_ok()
+}
+
+/// An engine's memory: weights of several sizes (small and large pool), a KV cache, an
+/// activation kept alive, on two streams.
+struct Engine {
+    weights: Vec<Allocation>,
+    kv: Vec<Allocation>,
+    act: Allocation,
+}
+
+fn engine(a: &Allocator<SimDriver>) -> Engine {
+    let w = |n, s| a.allocate_tagged(n, s, Tag::Weights).unwrap();
+    let weights = vec![
+        w(4096, S),
+        w(700 << 10, S),
+        w(30 * MIB, S),
+        w(130 * MIB + 512, S),
+        w(3 * MIB, OTHER),
+    ];
+    let kv = vec![
+        a.allocate_tagged(200 * MIB, S, Tag::KvCache).unwrap(),
+        a.allocate_tagged(64 * MIB, OTHER, Tag::KvCache).unwrap(),
+    ];
+    let act = a.allocate_tagged(5 * MIB, S, Tag::Activation).unwrap();
+    // Freed activations leave cache behind, which sleep gives back too.
+    let tmp = a.allocate_tagged(50 * MIB, S, Tag::Activation).unwrap();
+    a.free(tmp.ptr).unwrap();
+    for (i, x) in weights.iter().chain(&kv).chain([&act]).enumerate() {
+        stamp(a, x, 0x1000 + i as u64);
+    }
+    Engine { weights, kv, act }
+}
+
+#[test]
+fn sleep_offloads_and_wake_restores_at_the_same_addresses() {
+    for mode in VIRTUAL {
+        let a = allocator(mode, 80 * GIB);
+        let e = engine(&a);
+        let held_before = a.driver().held_bytes();
+        let weights: u64 = e.weights.iter().map(|x| x.size).sum();
+        let kv: u64 = e.kv.iter().map(|x| x.size).sum();
+
+        let r = a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
+        assert_eq!(r.tags, vec![Tag::Weights, Tag::KvCache], "{mode}");
+        assert_eq!(a.asleep_tags(), vec![Tag::Weights, Tag::KvCache]);
+        assert!(
+            r.offloaded_bytes >= weights && r.discarded_bytes >= kv,
+            "{mode}: {r:?}"
+        );
+        assert_eq!(r.held_bytes, 0);
+        // Asleep memory is gone from the device; the kept activation is still there.
+        assert!(
+            e.weights.iter().chain(&e.kv).all(|x| !readable(&a, x)),
+            "{mode}"
+        );
+        assert!(
+            stamped(&a, &e.act, 0x1000 + 7),
+            "{mode}: the kept tag's contents"
+        );
+        let held_asleep = a.driver().held_bytes();
+        assert!(
+            held_before - held_asleep >= weights + kv,
+            "{mode}: {held_before} -> {held_asleep}"
+        );
+        assert!(a.driver().host_bytes() >= r.offloaded_bytes);
+        let snap = a.snapshot();
+        assert_eq!(
+            snap.sleeping_bytes[Tag::Weights] + snap.sleeping_bytes[Tag::KvCache],
+            r.given_back_bytes
+        );
+        assert_eq!(
+            snap.reserved_bytes.current, held_asleep,
+            "{mode}: reserved is what the driver holds"
+        );
+        check(&a);
+
+        // While asleep: its allocations are refused, the others' served.
+        assert!(matches!(
+            a.allocate_tagged(1 << 20, S, Tag::Weights),
+            Err(Error::Asleep(Tag::Weights))
+        ));
+        let more = a.allocate_tagged(8 * MIB, S, Tag::Activation).unwrap();
+        a.free(more.ptr).unwrap();
+
+        let w = a.wake(&[]).unwrap();
+        assert_eq!(w.tags, vec![Tag::Weights, Tag::KvCache]);
+        assert_eq!(w.restored_bytes, r.offloaded_bytes);
+        assert!(a.asleep_tags().is_empty());
+        for (i, x) in e.weights.iter().enumerate() {
+            assert!(
+                stamped(&a, x, 0x1000 + i as u64),
+                "{mode}: weights {i} restored"
+            );
+        }
+        assert!(
+            e.kv.iter().all(|x| readable(&a, x)),
+            "{mode}: the discarded memory is back"
+        );
+        assert_eq!(
+            a.driver().host_bytes(),
+            0,
+            "{mode}: host memory freed at wake"
+        );
+        assert_eq!(a.snapshot().sleeping_bytes[Tag::Weights], 0);
+        check(&a);
+        // The woken memory is served and freed as before.
+        for x in e.weights.iter().chain(&e.kv) {
+            a.free(x.ptr).unwrap();
+        }
+        a.allocate_tagged(30 * MIB, S, Tag::Weights).unwrap();
+        check(&a);
+    }
+}
+
+#[test]
+fn sleep_in_native_mode_or_without_separate_tags_is_a_clear_error() {
+    let native = Allocator::new(
+        SimDriver::new(),
+        Config {
+            separate_tags: true,
+            ..Config::default()
+        },
+    )
+    .unwrap();
+    let e = native.sleep(&[Tag::Weights], &[]).unwrap_err();
+    assert!(matches!(
+        e,
+        Error::SleepNeedsVirtualMemory(SegmentMode::Native)
+    ));
+    assert!(
+        e.to_string().contains("expandable, compact or remap"),
+        "{e}"
+    );
+    let mixed =
+        Allocator::new(SimDriver::new(), Config::with_mode(SegmentMode::Expandable)).unwrap();
+    let e = mixed.sleep(&[Tag::Weights], &[]).unwrap_err();
+    assert!(matches!(e, Error::SleepNeedsSeparateTags), "{e}");
+    let a = allocator(SegmentMode::Expandable, 80 * GIB);
+    let e = a.sleep(&[Tag::Weights], &[Tag::Weights]).unwrap_err();
+    assert!(
+        e.to_string().contains("both offloaded and discarded"),
+        "{e}"
+    );
+}
+
+#[test]
+fn sleep_frees_while_asleep_are_deferred_to_the_wake() {
+    for mode in VIRTUAL {
+        let a = allocator(mode, 80 * GIB);
+        let e = engine(&a);
+        a.record_stream(e.kv[0].ptr, OTHER).unwrap();
+        a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
+        let live = a.live_allocations();
+        a.free(e.weights[2].ptr).unwrap();
+        a.free(e.kv[0].ptr).unwrap();
+        assert!(
+            matches!(a.free(e.kv[0].ptr), Err(Error::UnknownPointer(_))),
+            "double free"
+        );
+        assert_eq!(a.live_allocations(), live, "{mode}: deferred, not applied");
+        check(&a);
+        a.wake(&[]).unwrap();
+        assert_eq!(a.live_allocations(), live - 2, "{mode}: applied at wake");
+        assert!(stamped(&a, &e.weights[3], 0x1003), "{mode}");
+        check(&a);
+    }
+}
+
+#[test]
+fn sleep_wake_without_room_is_a_clear_error_and_can_be_retried() {
+    for mode in VIRTUAL {
+        let a = allocator(mode, 4 * GIB);
+        let e = engine(&a);
+        a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
+        // Another process takes the freed memory.
+        let other = a.driver().device().spawn_process().unwrap();
+        let free = a.driver().device().config().capacity - a.driver().device().used();
+        other.alloc_external(free - 8 * MIB).unwrap();
+        let err = a.wake(&[Tag::Weights]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Wake {
+                    tag: Tag::Weights,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("could not wake weights"), "{err}");
+        assert_eq!(
+            a.asleep_tags(),
+            vec![Tag::Weights, Tag::KvCache],
+            "{mode}: still asleep"
+        );
+        assert!(a.driver().host_bytes() > 0, "{mode}: the host copy is kept");
+        check(&a);
+        other.free_external(free - 8 * MIB);
+        a.wake(&[]).unwrap();
+        for (i, x) in e.weights.iter().enumerate() {
+            assert!(stamped(&a, x, 0x1000 + i as u64), "{mode}: weights {i}");
+        }
+        check(&a);
+    }
+}
+
+#[test]
+fn sleep_and_wake_faults_leave_each_tag_wholly_asleep_or_awake_with_nothing_leaked() {
+    let calls = [
+        DriverCall::SyncDevice,
+        DriverCall::HostAlloc,
+        DriverCall::HostFree,
+        DriverCall::CreateStream,
+        DriverCall::CopyToHost,
+        DriverCall::CopyToDevice,
+        DriverCall::SyncStream,
+        DriverCall::ReleasePhysical,
+        DriverCall::Unmap,
+        DriverCall::CreatePhysical,
+        DriverCall::Map,
+        DriverCall::SetAccess,
+    ];
+    let mut struck = std::collections::BTreeSet::new();
+    for mode in VIRTUAL {
+        for call in calls {
+            for nth in [1, 2, 5] {
+                for during_wake in [false, true] {
+                    let a = allocator(mode, 80 * GIB);
+                    let e = engine(&a);
+                    if during_wake {
+                        a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
+                    }
+                    let before = a.driver().calls(call);
+                    a.driver().fail_nth(call, nth);
+                    let r = if during_wake {
+                        a.wake(&[]).map(|_| ())
+                    } else {
+                        a.sleep(&[Tag::Weights], &[Tag::KvCache]).map(|_| ())
+                    };
+                    let hit = a.driver().calls(call) >= before + nth;
+                    a.driver().clear_faults();
+                    if hit {
+                        struck.insert(call);
+                    }
+                    let asleep = a.asleep_tags();
+                    // Wholly: a tag is asleep or awake in every shard, and an awake tag's
+                    // memory is all there.
+                    for tag in [Tag::Weights, Tag::KvCache] {
+                        let mine: Vec<&Allocation> = if tag == Tag::Weights {
+                            e.weights.iter().collect()
+                        } else {
+                            e.kv.iter().collect()
+                        };
+                        if !asleep.contains(&tag) {
+                            assert!(mine.iter().all(|x| readable(&a, x)), "{mode} {call} #{nth} wake={during_wake}: awake {tag} is all there ({r:?})");
+                        }
+                    }
+                    check(&a);
+                    // Whatever happened, a wake now brings everything back, contents included.
+                    a.wake(&[]).unwrap();
+                    for (i, x) in e.weights.iter().enumerate() {
+                        assert!(
+                            stamped(&a, x, 0x1000 + i as u64),
+                            "{mode} {call} #{nth} wake={during_wake}: weights {i} ({r:?})"
+                        );
+                    }
+                    assert!(stamped(&a, &e.act, 0x1007));
+                    check(&a);
+                    // Nothing leaked: once everything is freed and the cache emptied, the
+                    // driver holds nothing of ours and no host memory is left pinned.
+                    for x in e.weights.iter().chain(&e.kv).chain([&e.act]) {
+                        a.free(x.ptr).unwrap();
+                    }
+                    a.empty_cache().unwrap_or_else(|e| {
+                        panic!("{mode} {call} #{nth} wake={during_wake}: {e} ({r:?})")
+                    });
+                    assert_eq!(
+                        a.driver().held_bytes(),
+                        0,
+                        "{mode} {call} #{nth} wake={during_wake}"
+                    );
+                    assert_eq!(
+                        a.driver().host_bytes(),
+                        0,
+                        "{mode} {call} #{nth} wake={during_wake}"
+                    );
+                }
+            }
+        }
+    }
+    // Every kind of call sleep or wake makes was struck at least once.
+    assert_eq!(struck.len(), calls.len(), "struck: {struck:?}");
+}
+
+#[test]
+fn sleep_per_device_leaves_other_devices_alone() {
+    let a = allocator(SegmentMode::Expandable, 80 * GIB);
+    let b = allocator(SegmentMode::Expandable, 80 * GIB);
+    let ea = engine(&a);
+    let eb = engine(&b);
+    a.sleep(&[Tag::Weights], &[]).unwrap();
+    assert!(ea.weights.iter().all(|x| !readable(&a, x)));
+    assert!(eb
+        .weights
+        .iter()
+        .enumerate()
+        .all(|(i, x)| stamped(&b, x, 0x1000 + i as u64)));
+    assert!(b.asleep_tags().is_empty());
+    a.wake(&[]).unwrap();
+    assert!(ea
+        .weights
+        .iter()
+        .enumerate()
+        .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)));
+}
+
+#[test]
+fn sleep_retained_host_memory_is_reused_by_the_next_sleep() {
+    let a = allocator(SegmentMode::Compact, 80 * GIB);
+    let e = engine(&a);
+    a.set_retain_host(true);
+    let r1 = a.sleep(&[Tag::Weights], &[]).unwrap();
+    a.wake(&[]).unwrap();
+    assert_eq!(
+        a.driver().host_bytes(),
+        r1.host_bytes,
+        "retained after wake"
+    );
+    let pins = a.driver().calls(DriverCall::HostAlloc);
+    a.sleep(&[Tag::Weights], &[]).unwrap();
+    assert_eq!(
+        a.driver().calls(DriverCall::HostAlloc),
+        pins,
+        "no new pinning"
+    );
+    a.wake(&[]).unwrap();
+    assert!(e
+        .weights
+        .iter()
+        .enumerate()
+        .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)));
+    a.set_retain_host(false);
+    a.sleep(&[Tag::Weights], &[]).unwrap();
+    a.wake(&[]).unwrap();
+    assert_eq!(a.driver().host_bytes(), 0);
+}
