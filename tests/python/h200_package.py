@@ -14,15 +14,13 @@ Without a mode a part runs in every mode. VRAM_LEDGER_BIN names the CLI for the 
 import json
 import os
 import subprocess
-import sys
 import tempfile
+
+import cases
+from cases import emit
 
 MODES = ["native", "expandable", "compact", "remap"]
 PARTS = ["stats", "snapshot", "compile"]
-
-
-def emit(**kv):
-    print("RESULT " + json.dumps(kv), flush=True)
 
 
 def model():
@@ -168,26 +166,5 @@ def run_part(name, mode):
     raise SystemExit(f"unknown part {name}")
 
 
-def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "_case":
-        return run_part(sys.argv[2], sys.argv[3])
-    cases = []
-    for arg in sys.argv[1:] or PARTS:
-        name, _, mode = arg.partition(":")
-        cases += [(name, m) for m in ([mode] if mode else MODES)]
-    failed = 0
-    for name, mode in cases:
-        r = subprocess.run([sys.executable, __file__, "_case", name, mode], capture_output=True, text=True, timeout=900)
-        lines = [l[7:] for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-        ok = r.returncode == 0 and lines and all(json.loads(l).get("ok") for l in lines)
-        failed += not ok
-        for l in lines:
-            print(l)
-        if r.returncode != 0 or not lines:
-            print(json.dumps({"part": name, "mode": mode, "ok": False, "returncode": r.returncode, "stderr": r.stderr[-2500:]}))
-        sys.stdout.flush()
-    sys.exit(1 if failed else 0)
-
-
 if __name__ == "__main__":
-    main()
+    cases.main(__file__, run_part, PARTS, MODES)

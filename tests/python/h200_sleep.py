@@ -13,21 +13,20 @@ per case and exits 1 if any case failed.
   bit-identical to the outputs before.
 - two: the model's process sleeps; a second process allocates most of the memory it gave
   back, fills and checks it, and exits; the first wakes and its outputs are bit-identical.
+- devices (two GPUs): 4 GiB of weights on each; sleep() and wake() act on both devices.
 """
 
 import ctypes
-import json
 import os
 import subprocess
 import sys
 import time
 
+import cases
+from cases import emit
+
 MODES = ["expandable", "compact", "remap"]
 G = 1 << 30
-
-
-def emit(**kv):
-    print("RESULT " + json.dumps(kv), flush=True)
 
 
 def nvml_usage():
@@ -198,27 +197,35 @@ def case_model(mode, second_process=False):
     del kv
 
 
-def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "_case":
-        name, mode = sys.argv[2], sys.argv[3]
-        return {"bench": case_bench, "model": case_model, "two": lambda m: case_model(m, True)}[name](mode)
-    cases = []
-    for arg in sys.argv[1:] or ["bench", "model", "two"]:
-        name, _, mode = arg.partition(":")
-        cases += [(name, m) for m in ([mode] if mode else MODES)]
-    failed = 0
-    for name, mode in cases:
-        r = subprocess.run([sys.executable, __file__, "_case", name, mode], capture_output=True, text=True, timeout=600)
-        lines = [l[7:] for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-        ok = r.returncode == 0 and lines and all(json.loads(l).get("ok") for l in lines)
-        failed += not ok
-        for l in lines:
-            print(l)
-        if r.returncode != 0 or not lines:
-            print(json.dumps({"case": name, "mode": mode, "ok": False, "returncode": r.returncode, "stderr": r.stderr[-2500:]}))
-        sys.stdout.flush()
-    sys.exit(1 if failed else 0)
+def case_devices(mode):
+    """Two GPUs in one process: sleep() and wake() act on every device in use; each device's
+    weights come back intact at the same addresses."""
+    import torch
+    import vram_ledger as vl
+
+    vl.install(mode=mode, sleep=True)
+    weights, sums = [], []
+    for d in range(2):
+        with torch.cuda.device(d), vl.tag("weights"):
+            w = torch.randint(-2**31, 2**31 - 1, (G,), dtype=torch.int32, device=f"cuda:{d}")  # 4 GiB
+        weights.append(w)
+        sums.append(checksum([w]))
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    held = {d: vl.stats(d)["reserved_bytes"]["current"] for d in range(2)}
+    slept = vl.sleep(offload="weights")
+    asleep = {d: vl.stats(d)["reserved_bytes"]["current"] for d in range(2)}
+    sleeping = {d: vl.stats(d)["sleeping_bytes"]["weights"] for d in range(2)}
+    woke = vl.wake()
+    intact = [checksum([w]) == s for w, s in zip(weights, sums)]
+    ok = sorted(slept) == [0, 1] and sorted(woke) == [0, 1] and all(intact) and all(sleeping[d] >= 4 * G for d in range(2))
+    emit(case="devices", mode=mode, ok=ok, held=held, asleep=asleep, sleeping=sleeping, intact=intact,
+         sleep_s={d: r["seconds"] for d, r in slept.items()}, wake_s={d: r["seconds"] for d, r in woke.items()})
+
+
+def run_case(name, mode):
+    return {"bench": case_bench, "model": case_model, "two": lambda m: case_model(m, True), "devices": case_devices}[name](mode)
 
 
 if __name__ == "__main__":
-    main()
+    cases.main(__file__, run_case, ["bench", "model", "two"], MODES, timeout=600)
