@@ -21,6 +21,12 @@ enum Op {
     Limit { mib: Option<u16> },
     ResetPeaks,
     Fault { call: u8, nth: u8 },
+    Sleep { offload: u8, discard: u8 },
+    Wake { mask: u8 },
+}
+
+fn tags(mask: u8) -> Vec<Tag> {
+    Tag::ALL.into_iter().filter(|t| mask & (1 << t.index()) != 0).collect()
 }
 
 #[derive(Arbitrary, Debug)]
@@ -42,7 +48,8 @@ fn check(a: &Allocator<SimDriver>) {
 fuzz_target!(|input: Input| {
     let mode = [SegmentMode::Native, SegmentMode::Expandable, SegmentMode::Compact, SegmentMode::Remap][input.mode as usize % 4];
     let drv = SimDriver::with_config(SimConfig { capacity: 2 * GIB, context_overhead: 64 * MIB, ..Default::default() });
-    let a = Allocator::new(drv, Config { mode, move_across_streams: input.mode & 4 != 0, ..Default::default() }).unwrap();
+    let config = Config { mode, move_across_streams: input.mode & 4 != 0, separate_tags: input.mode & 8 != 0, ..Default::default() };
+    let a = Allocator::new(drv, config).unwrap();
     let dev = a.driver().device().clone();
     let mut live = Vec::new();
     for op in input.ops.into_iter().take(200) {
@@ -83,16 +90,29 @@ fuzz_target!(|input: Input| {
                 a.driver().clear_faults();
                 a.driver().fail_nth(CALLS[call as usize % CALLS.len()], u64::from(nth % 4) + 1);
             }
+            Op::Sleep { offload, discard } => {
+                let _ = a.sleep(&tags(offload), &tags(discard));
+            }
+            Op::Wake { mask } => {
+                let _ = a.wake(&tags(mask));
+            }
             _ => {}
         }
         check(&a);
     }
     a.driver().clear_faults();
+    a.set_limit(None).unwrap();
+    // Frees of sleeping memory are deferred; with the rest given back, what slept fits again.
     for x in live {
         a.free(x.ptr).unwrap();
     }
     dev.complete_all();
     a.empty_cache().unwrap();
+    if input.mode & 8 != 0 && mode != SegmentMode::Native {
+        a.wake(&[]).unwrap();
+        a.empty_cache().unwrap();
+    }
     check(&a);
     assert_eq!(a.driver().held_bytes(), 0);
+    assert_eq!(a.driver().host_bytes(), 0);
 });

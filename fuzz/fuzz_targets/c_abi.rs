@@ -28,6 +28,8 @@ enum Call {
     ProfileBegin { device: i8, utilization: f64, margin: i64 },
     ProfileEnd(i8),
     Reset,
+    Sleep { device: i8, offload: i32, discard: i32 },
+    Wake { device: i8, mask: i32 },
 }
 
 fuzz_target!(|calls: Vec<Call>| {
@@ -99,6 +101,11 @@ fuzz_target!(|calls: Vec<Call>| {
             // SAFETY: NULL or a string from the library, freed once.
             Call::ProfileEnd(d) => unsafe { vram_ledger_string_free(vram_ledger_profile_end(i32::from(d % 3))) },
             Call::Reset => vram_ledger_reset(),
+            // Native devices here: argument checks and the refusal, across the boundary.
+            Call::Sleep { device, offload, discard } => unsafe {
+                vram_ledger_string_free(vram_ledger_sleep(i32::from(device % 3), offload, discard))
+            },
+            Call::Wake { device, mask } => unsafe { vram_ledger_string_free(vram_ledger_wake(i32::from(device % 3), mask)) },
         }
         let _ = vram_ledger_last_error();
     }
