@@ -399,3 +399,57 @@ fn sleep_retained_host_memory_is_reused_by_the_next_sleep() {
     a.wake(&[]).unwrap();
     assert_eq!(a.driver().host_bytes(), 0);
 }
+
+#[test]
+fn sleep_pins_every_tag_before_copying_any() {
+    // Host memory that a queued copy may still write into must never be freed: every tag's
+    // host memory is pinned before the first copy, so a failure to pin leaves nothing queued.
+    let a = allocator(SegmentMode::Expandable, 80 * GIB);
+    let e = engine(&a);
+    let pins = a.driver().calls(DriverCall::HostAlloc);
+    a.driver().fail_from(DriverCall::HostAlloc, 2);
+    let err = a.sleep(&[Tag::Weights, Tag::KvCache], &[]).unwrap_err();
+    a.driver().clear_faults();
+    assert!(matches!(err, Error::Driver(_)), "{err}");
+    assert!(a.driver().calls(DriverCall::HostAlloc) >= pins + 2);
+    assert_eq!(
+        a.driver().calls(DriverCall::CopyToHost),
+        0,
+        "a copy was queued before pinning ended"
+    );
+    assert!(a.asleep_tags().is_empty());
+    assert_eq!(a.driver().host_bytes(), 0, "what was pinned is freed");
+    assert!(e
+        .weights
+        .iter()
+        .enumerate()
+        .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)));
+    check(&a);
+}
+
+#[test]
+fn sleep_wake_gives_back_the_cache_of_awake_tags_when_it_needs_room() {
+    for mode in VIRTUAL {
+        let a = allocator(mode, 4 * GIB);
+        let e = engine(&a);
+        a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
+        // While they sleep, activations fill the device and leave it all cached.
+        let mut acts = Vec::new();
+        while let Ok(x) = a.allocate_tagged(64 * MIB, S, Tag::Activation) {
+            acts.push(x);
+        }
+        for x in acts {
+            a.free(x.ptr).unwrap();
+        }
+        assert!(a.snapshot().cached_bytes > 2 * GIB, "{mode}");
+        a.wake(&[]).unwrap();
+        assert!(
+            e.weights
+                .iter()
+                .enumerate()
+                .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)),
+            "{mode}"
+        );
+        check(&a);
+    }
+}

@@ -493,3 +493,11 @@ def test_sleep_and_wake_on_two_simulated_devices():
 def test_install_sleep_needs_a_virtual_memory_mode():
     with pytest.raises(ValueError, match="needs a virtual-memory mode"):
         vl.install(sleep=True)
+
+
+def test_sleep_refuses_untracked_without_force_and_an_empty_wake_wakes_nothing():
+    with pytest.raises(ValueError, match="force=True"):
+        vl.sleep(discard="untracked")
+    with pytest.raises(ValueError, match="force=True"):
+        vl.sleep(offload=["weights", "untracked"])
+    assert vl.wake(()) == {}

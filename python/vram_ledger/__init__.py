@@ -521,6 +521,10 @@ def _end_profile(d: int, p: Profile) -> None:
 _TAG_BITS = {"weights": 1, "activation": 2, "kv_cache": 4, "kv": 4, "untracked": 8}
 
 
+def _names(tags: Any) -> List[str]:
+    return [tags] if isinstance(tags, str) else list(tags or ())
+
+
 def _mask(tags: Any, what: str) -> int:
     if isinstance(tags, str):
         tags = (tags,)
@@ -536,13 +540,19 @@ def _per_device(ptr: Optional[int]) -> Dict[int, Any]:
     return {int(k): v for k, v in _json(ptr).items()}
 
 
-def sleep(offload: Any = (), discard: Any = (), device: Optional[int] = None) -> Dict[int, Any]:
+def sleep(offload: Any = (), discard: Any = (), device: Optional[int] = None, force: bool = False) -> Dict[int, Any]:
     """Give the memory of the `offload` tags (copied to page-locked host memory first) and of
     the `discard` tags (contents lost) back to the GPU, keeping their addresses: pointers and
     captured CUDA graphs stay valid for after `wake()`. The cache of every tag is given back
     too. Needs `install(mode=..., sleep=True)`. Every device in use unless `device` is given;
     returns each device's report (bytes offloaded, discarded, given back; host bytes; seconds).
-    Tensors of a sleeping tag must not be used until it wakes; freeing them is deferred."""
+    Tensors of a sleeping tag must not be used until it wakes; freeing them is deferred.
+
+    "untracked" is refused unless `force=True`: PyTorch keeps its own buffers there (cuBLAS
+    workspaces, for instance), and the next kernel that touches one while it sleeps would end
+    the process's CUDA context."""
+    if not force and "untracked" in (_names(offload) + _names(discard)):
+        raise ValueError("sleeping 'untracked' would take PyTorch's own buffers (cuBLAS workspaces, ...) away; pass force=True if nothing uses them")
     d = -1 if device is None else _device(device)
     return _per_device(_lib().vram_ledger_sleep(d, _mask(offload, "offload"), _mask(discard, "discard")))
 
@@ -551,8 +561,11 @@ def wake(tags: Any = None, device: Optional[int] = None) -> Dict[int, Any]:
     """Map fresh memory at the sleeping tags' addresses (all of them, or `tags`) and copy the
     offloaded contents back. If the device lacks room the error says so, the tag stays asleep
     with nothing lost, and wake can be retried."""
+    mask = _mask(tags, "tags")
+    if tags is not None and mask == 0:
+        return {}  # an empty selection wakes nothing (None wakes every tag)
     d = -1 if device is None else _device(device)
-    return _per_device(_lib().vram_ledger_wake(d, _mask(tags, "tags")))
+    return _per_device(_lib().vram_ledger_wake(d, mask))
 
 
 def set_retain_host(retain: bool = True, device: Optional[int] = None) -> None:

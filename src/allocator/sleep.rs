@@ -145,16 +145,34 @@ fn on_threads<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<
         return items.iter().map(f).collect();
     }
     let per = items.len().div_ceil(HOST_THREADS);
+    let f = &f;
     std::thread::scope(|s| {
+        // A thread that cannot be started leaves its part to this one (no panic while every
+        // shard is locked).
         let handles: Vec<_> = items
             .chunks(per)
-            .map(|part| s.spawn(|| part.iter().map(&f).collect::<Vec<R>>()))
+            .map(|part| {
+                std::thread::Builder::new()
+                    .spawn_scoped(s, move || part.iter().map(f).collect::<Vec<R>>())
+                    .map_err(|_| part)
+            })
             .collect();
         handles
             .into_iter()
-            .flat_map(|h| h.join().expect("a host-memory thread panicked"))
+            .flat_map(|h| match h {
+                Ok(h) => h.join().expect("a host-memory thread panicked"),
+                Err(part) => part.iter().map(f).collect(),
+            })
             .collect()
     })
+}
+
+fn is_out_of_memory(e: &Error) -> bool {
+    match e {
+        Error::OutOfMemory(_) => true,
+        Error::Driver(d) => d.is_out_of_memory(),
+        _ => false,
+    }
 }
 
 /// Sleep's state beside the shards: the copy stream and each tag's host memory.
@@ -249,8 +267,11 @@ impl<D: Driver> Allocator<D> {
         let copied = self.offload(&mut st, &plan, &maps, &mut report);
         let hosts = match copied {
             Ok(h) => h,
-            Err(e) => {
-                if !st.retain_host {
+            Err((e, settled)) => {
+                // Host memory is freed only once no copy can still be writing into it; if
+                // that is unknown (the stream could not be synchronised) it is kept, and the
+                // next wake or sleep frees it.
+                if settled && !st.retain_host {
                     for &(t, _) in &plan {
                         st.host[t.index()].free_all(d);
                     }
@@ -282,26 +303,36 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// Copy the offloaded tags of `plan` to host memory; returns each mapping's host offset
-    /// (by plan entry, shard, mapping), [`DISCARDED`] for discarded tags.
+    /// (by plan entry, shard, mapping), [`DISCARDED`] for discarded tags. On failure, whether
+    /// no copy can still be running (host memory may then be freed).
+    #[allow(clippy::type_complexity)]
     fn offload(
         &self,
         st: &mut SleepState,
         plan: &[(Tag, bool)],
         maps: &[Vec<Vec<TagMapping>>],
         report: &mut SleepReport,
-    ) -> Result<Vec<Vec<Vec<u64>>>> {
+    ) -> std::result::Result<Vec<Vec<Vec<u64>>>, (Error, bool)> {
         let d = &self.core.driver;
+        let need = |k: usize| -> u64 { maps[k].iter().flatten().map(|m| m.bytes).sum() };
+        // Everything is pinned before the first copy is queued: a failure to pin then leaves
+        // no copy in flight.
+        let stream = st.stream(d).map_err(|e| (e.into(), true))?;
+        for (k, &(t, keep)) in plan.iter().enumerate() {
+            if keep {
+                st.host[t.index()]
+                    .grow_to(d, need(k))
+                    .map_err(|e| (e.into(), true))?;
+            }
+        }
         let mut hosts = Vec::with_capacity(plan.len());
         let mut queued = false;
-        let stream = st.stream(d)?;
         for (k, &(t, keep)) in plan.iter().enumerate() {
             if !keep {
                 hosts.push(maps[k].iter().map(|m| vec![DISCARDED; m.len()]).collect());
                 continue;
             }
-            let need: u64 = maps[k].iter().flatten().map(|m| m.bytes).sum();
-            let arena = &mut st.host[t.index()];
-            arena.grow_to(d, need)?;
+            let arena = &st.host[t.index()];
             let mut off = 0;
             let mut per_shard = Vec::with_capacity(maps[k].len());
             for shard_maps in &maps[k] {
@@ -309,13 +340,13 @@ impl<D: Driver> Allocator<D> {
                 for m in shard_maps {
                     let mut va = m.va;
                     for (h, n) in arena.pieces(off, m.bytes) {
-                        queued = true;
                         if let Err(e) = d.copy_to_host(h, va, n, stream) {
                             // Queued copies still write into the host memory: wait for them
                             // before it can be freed.
-                            let _ = d.sync_stream(stream);
-                            return Err(e.into());
+                            let settled = !queued || d.sync_stream(stream).is_ok();
+                            return Err((e.into(), settled));
                         }
+                        queued = true;
                         va += n;
                     }
                     offs.push(off);
@@ -323,11 +354,11 @@ impl<D: Driver> Allocator<D> {
                 }
                 per_shard.push(offs);
             }
-            report.offloaded_bytes += need;
+            report.offloaded_bytes += need(k);
             hosts.push(per_shard);
         }
         if queued {
-            d.sync_stream(stream)?;
+            d.sync_stream(stream).map_err(|e| (e.into(), false))?;
         }
         Ok(hosts)
     }
@@ -344,11 +375,21 @@ impl<D: Driver> Allocator<D> {
         let mut report = WakeReport::default();
         for t in Tag::ALL {
             if (tags.is_empty() || tags.contains(&t)) && shards[0].tag_asleep(t) {
-                self.wake_tag(&mut st, &mut shards, t, &mut report)
-                    .map_err(|e| Error::Wake {
-                        tag: t,
-                        source: Box::new(e),
-                    })?;
+                let mut woke = self.wake_tag(&mut st, &mut shards, t, &mut report);
+                if woke.as_ref().is_err_and(is_out_of_memory) {
+                    // What the awake tags cached since the sleep may be what is missing: give
+                    // it back and try once more, as an allocation would.
+                    for sh in shards.iter_mut() {
+                        if let Err(e) = sh.release_cached(&self.core) {
+                            tracing::warn!(error = %e, "releasing the cache before retrying a wake failed");
+                        }
+                    }
+                    woke = self.wake_tag(&mut st, &mut shards, t, &mut report);
+                }
+                woke.map_err(|e| Error::Wake {
+                    tag: t,
+                    source: Box::new(e),
+                })?;
                 report.tags.push(t);
             }
         }
@@ -389,8 +430,12 @@ impl<D: Driver> Allocator<D> {
                 break;
             }
         }
+        let mut restored = 0;
         if failure.is_none() {
-            failure = self.restore(st, shards, tag, report).err();
+            match self.restore(st, shards, tag) {
+                Ok(n) => restored = n,
+                Err(e) => failure = Some(e),
+            }
         }
         if let Some(e) = failure {
             // Give back what this wake mapped; what cannot be given back stays held and
@@ -406,6 +451,7 @@ impl<D: Driver> Allocator<D> {
             self.core.uncommit(gone - held);
             return Err(e);
         }
+        report.restored_bytes += restored;
         for (i, sh) in shards.iter_mut().enumerate() {
             let remade: u64 = made[i].iter().map(|(m, _)| m.bytes).sum();
             report.mapped_bytes += remade;
@@ -420,14 +466,15 @@ impl<D: Driver> Allocator<D> {
         Ok(())
     }
 
-    /// Copy `tag`'s offloaded contents back (all queued, one synchronisation).
+    /// Copy `tag`'s offloaded contents back (all queued, one synchronisation); returns the
+    /// bytes copied.
     fn restore(
         &self,
         st: &mut SleepState,
         shards: &[SpinGuard<'_, Shard>],
         tag: Tag,
-        report: &mut WakeReport,
-    ) -> Result<()> {
+    ) -> Result<u64> {
+        let mut restored = 0;
         let d = &self.core.driver;
         let stream = st.stream(d)?;
         let arena = &st.host[tag.index()];
@@ -443,12 +490,23 @@ impl<D: Driver> Allocator<D> {
                     }
                     dst += n;
                 }
-                report.restored_bytes += bytes;
+                restored += bytes;
             }
         }
         if queued {
             d.sync_stream(stream)?;
         }
-        Ok(())
+        Ok(restored)
+    }
+}
+
+impl<D: Driver> Drop for Allocator<D> {
+    /// Host memory kept for the next sleep goes with the allocator (device memory goes with
+    /// the process's context).
+    fn drop(&mut self) {
+        let st = self.sleep.get_mut();
+        for arena in &mut st.host {
+            arena.free_all(&self.core.driver);
+        }
     }
 }

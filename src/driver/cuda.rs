@@ -504,16 +504,21 @@ impl Driver for CudaDriver {
     fn host_free(&self, ptr: HostPtr) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::HostFree;
         self.current(CALL)?;
-        let size = self.pinned.lock().get(&ptr.0).copied().ok_or_else(|| {
+        // Out of the table first, so that an address reused by a concurrent host_alloc is
+        // never confused with this one; back in only if the buffer is still registered.
+        let size = self.pinned.lock().remove(&ptr.0).ok_or_else(|| {
             DriverError::new(
                 CALL,
                 DriverErrorKind::InvalidValue,
                 format!("{:#x} is not a host buffer", ptr.0),
             )
         })?;
-        super::pinned::free(ptr.0 as *mut std::ffi::c_void, size)
-            .map_err(|e| pin_error(CALL, e))?;
-        self.pinned.lock().remove(&ptr.0);
+        if let Err(e) = super::pinned::free(ptr.0 as *mut std::ffi::c_void, size) {
+            if matches!(e, super::pinned::PinError::Driver(_)) {
+                self.pinned.lock().insert(ptr.0, size);
+            }
+            return Err(pin_error(CALL, e));
+        }
         Ok(())
     }
 

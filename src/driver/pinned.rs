@@ -48,17 +48,24 @@ pub(super) fn alloc(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
     }
     // Fault the pages in on several threads: the kernel zero-fills them in parallel.
     let per = size.div_ceil(THREADS).next_multiple_of(HUGE);
+    let touch = move |lo: usize, hi: usize| {
+        let mut off = lo;
+        while off < hi {
+            // SAFETY: inside the mapping, which no one else uses yet.
+            unsafe { std::ptr::write_volatile((start + off) as *mut u8, 0) };
+            off += 4096;
+        }
+    };
     std::thread::scope(|s| {
         for k in 0..THREADS {
             let (lo, hi) = (k * per, ((k + 1) * per).min(size));
-            s.spawn(move || {
-                let mut off = lo;
-                while off < hi {
-                    // SAFETY: inside the mapping, which no one else uses yet.
-                    unsafe { std::ptr::write_volatile((start + off) as *mut u8, 0) };
-                    off += 4096;
-                }
-            });
+            // A thread that cannot be started leaves its part to this one.
+            if std::thread::Builder::new()
+                .spawn_scoped(s, move || touch(lo, hi))
+                .is_err()
+            {
+                touch(lo, hi);
+            }
         }
     });
     let p = start as *mut c_void;

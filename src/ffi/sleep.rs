@@ -25,7 +25,7 @@ fn tags(mask: c_int, what: &str) -> Result<Vec<Tag>, String> {
 /// object keyed by ordinal.
 fn each_device(
     device: c_int,
-    f: impl Fn(&'static Device) -> Result<serde_json::Value, String>,
+    mut f: impl FnMut(&'static Device) -> Result<serde_json::Value, String>,
 ) -> Result<*mut c_char, String> {
     let mut out = serde_json::Map::new();
     if device < 0 {
@@ -56,15 +56,27 @@ pub extern "C" fn vram_ledger_separate_tags(enabled: c_int) -> c_int {
 
 /// Put the `offload` tags (copied to page-locked host memory) and the `discard` tags to sleep.
 /// Returns a JSON report per device (free it with `vram_ledger_string_free`), NULL on error.
+/// When one of several devices fails, those this call already put to sleep are woken again,
+/// so that an error means nothing was left asleep by it.
 #[no_mangle]
 pub extern "C" fn vram_ledger_sleep(device: c_int, offload: c_int, discard: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {
         let (offload, discard) = (tags(offload, "offload")?, tags(discard, "discard")?);
-        each_device(device, |d| {
+        let mut slept: Vec<(&'static Device, Vec<Tag>)> = Vec::new();
+        let r = each_device(device, |d| {
             let r = on_device!(d, d => d.allocator().sleep(&offload, &discard))
                 .map_err(|e| e.to_string())?;
+            slept.push((d, r.tags.clone()));
             serde_json::to_value(r).map_err(|e| e.to_string())
-        })
+        });
+        if r.is_err() {
+            for (d, tags) in slept.into_iter().filter(|(_, t)| !t.is_empty()) {
+                if let Err(e) = on_device!(d, d => d.allocator().wake(&tags)) {
+                    tracing::warn!(error = %e, "waking a device after another failed to sleep also failed");
+                }
+            }
+        }
+        r
     })
 }
 
