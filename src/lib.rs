@@ -36,6 +36,7 @@ pub mod replay;
 pub mod report;
 pub mod stats;
 pub mod tag;
+mod threads;
 pub mod units;
 
 pub use allocator::{

@@ -232,11 +232,15 @@ impl Shadow {
     }
     fn remove(&mut self, i: usize) -> Live {
         let x = self.live.swap_remove(i);
+        self.uncount(&x);
+        x
+    }
+    /// `x` is no longer allocated.
+    fn uncount(&mut self, x: &Live) {
         let k = (x.shard, x.tag.index());
         self.allocated.get_mut(&k).unwrap().sub(x.size);
         self.requested.get_mut(&k).unwrap().sub(x.requested);
         self.global[x.tag.index()].sub(x.size);
-        x
     }
     fn reset(&mut self, tag: Option<usize>) {
         let hit = |t: usize| tag.is_none_or(|x| x == t);
@@ -277,10 +281,8 @@ impl Shadow {
             .into_iter()
             .partition(|x| x.tag == tag);
         self.deferred = kept;
-        for x in gone {
-            self.live.push(x);
-            let i = self.live.len() - 1;
-            self.remove(i);
+        for x in &gone {
+            self.uncount(x);
         }
     }
 }

@@ -526,10 +526,8 @@ def _names(tags: Any) -> List[str]:
 
 
 def _mask(tags: Any, what: str) -> int:
-    if isinstance(tags, str):
-        tags = (tags,)
     mask = 0
-    for t in tags or ():
+    for t in _names(tags):
         if t not in _TAG_BITS:
             raise ValueError(f"{what}: unknown tag {t!r}; expected one of weights, activation, kv_cache (or kv), untracked")
         mask |= _TAG_BITS[t]

@@ -222,11 +222,7 @@ impl<D: Driver> Allocator<D> {
             if !sh.pending.is_empty() && !self.core.driver.is_capturing(stream) {
                 sh.process_pending(&self.core, false)?;
             }
-            // The stream's own memory (its tag's region of it when tags are kept apart), or the
-            // graph pool its capture is routed to.
-            let owner = self
-                .core
-                .region(sh.graphs.owner(&self.core.driver, stream), tag);
+            let owner = self.owner(&sh, stream, tag);
             if let Some(a) = sh.try_alloc(&self.core, owner, rounded, size, tag) {
                 return Ok(self.hand_out(&sh, a, stream));
             }
@@ -236,6 +232,14 @@ impl<D: Driver> Allocator<D> {
             }
         };
         self.retry_after_release(stream, rounded, size, tag, cause)
+    }
+
+    /// Whose memory serves `tag` on `stream`: the stream's own (its tag's region of it when
+    /// tags are kept apart), or the graph pool its capture is routed to.
+    #[inline]
+    fn owner(&self, sh: &Shard, stream: StreamId, tag: Tag) -> StreamId {
+        self.core
+            .region(sh.graphs.owner(&self.core.driver, stream), tag)
     }
 
     /// Serve a request the cache could not serve from new memory for `owner` (the calling
@@ -292,9 +296,7 @@ impl<D: Driver> Allocator<D> {
             }
         }
         let mut sh = self.lock(self.streams.shard(stream))?;
-        let owner = self
-            .core
-            .region(sh.graphs.owner(&self.core.driver, stream), tag);
+        let owner = self.owner(&sh, stream, tag);
         let served = match sh.try_alloc(&self.core, owner, rounded, size, tag) {
             Some(a) => Ok(a),
             None => self.grow_and_take(&mut sh, owner, rounded, size, tag)?,

@@ -26,7 +26,7 @@ use super::shard::sleep::{TagMapping, DISCARDED};
 use super::shard::{GrowError, Shard};
 use super::spin::SpinGuard;
 use super::Allocator;
-use crate::driver::{Driver, DriverResult, HostPtr, PhysHandle, StreamId};
+use crate::driver::{DevicePtr, Driver, DriverResult, HostPtr, PhysHandle, StreamId};
 use crate::error::{Error, Result};
 use crate::tag::Tag;
 use crate::units::MIB;
@@ -89,7 +89,7 @@ impl HostArena {
             sizes.push(n);
             have += n;
         }
-        let results = on_threads(&sizes, |&n| d.host_alloc(n).map(|p| (p, n)));
+        let results = crate::threads::on_threads(&sizes, |&n| d.host_alloc(n).map(|p| (p, n)));
         let mut first = None;
         for r in results {
             match r {
@@ -106,7 +106,7 @@ impl HostArena {
     /// (logged).
     fn free_all<D: Driver>(&mut self, d: &D) {
         let chunks = std::mem::take(&mut self.chunks);
-        let results = on_threads(&chunks, |&(p, _)| d.host_free(p));
+        let results = crate::threads::on_threads(&chunks, |&(p, _)| d.host_free(p));
         for (c, r) in chunks.into_iter().zip(results) {
             if let Err(e) = r {
                 tracing::warn!(error = %e, "could not free page-locked host memory; kept for later");
@@ -136,35 +136,33 @@ impl HostArena {
     }
 }
 
-/// Threads that pin or free host memory at once.
-const HOST_THREADS: usize = 8;
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    ToHost,
+    ToDevice,
+}
+use Direction::{ToDevice, ToHost};
 
-/// `f` over `items` on up to [`HOST_THREADS`] threads; the results in the items' order.
-fn on_threads<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
-    if items.len() <= 1 {
-        return items.iter().map(f).collect();
+/// Queue the copies between the `bytes` at device address `va` and the arena from `off`, piece
+/// by piece (a mapping may span host chunks).
+fn queue_copies<D: Driver>(
+    d: &D,
+    arena: &HostArena,
+    off: u64,
+    va: DevicePtr,
+    bytes: u64,
+    stream: StreamId,
+    dir: Direction,
+) -> DriverResult<()> {
+    let mut dev = va;
+    for (h, n) in arena.pieces(off, bytes) {
+        match dir {
+            ToHost => d.copy_to_host(h, dev, n, stream)?,
+            ToDevice => d.copy_to_device(dev, h, n, stream)?,
+        }
+        dev += n;
     }
-    let per = items.len().div_ceil(HOST_THREADS);
-    let f = &f;
-    std::thread::scope(|s| {
-        // A thread that cannot be started leaves its part to this one (no panic while every
-        // shard is locked).
-        let handles: Vec<_> = items
-            .chunks(per)
-            .map(|part| {
-                std::thread::Builder::new()
-                    .spawn_scoped(s, move || part.iter().map(f).collect::<Vec<R>>())
-                    .map_err(|_| part)
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| match h {
-                Ok(h) => h.join().expect("a host-memory thread panicked"),
-                Err(part) => part.iter().map(f).collect(),
-            })
-            .collect()
-    })
+    Ok(())
 }
 
 fn is_out_of_memory(e: &Error) -> bool {
@@ -326,7 +324,6 @@ impl<D: Driver> Allocator<D> {
             }
         }
         let mut hosts = Vec::with_capacity(plan.len());
-        let mut queued = false;
         for (k, &(t, keep)) in plan.iter().enumerate() {
             if !keep {
                 hosts.push(maps[k].iter().map(|m| vec![DISCARDED; m.len()]).collect());
@@ -338,16 +335,10 @@ impl<D: Driver> Allocator<D> {
             for shard_maps in &maps[k] {
                 let mut offs = Vec::with_capacity(shard_maps.len());
                 for m in shard_maps {
-                    let mut va = m.va;
-                    for (h, n) in arena.pieces(off, m.bytes) {
-                        if let Err(e) = d.copy_to_host(h, va, n, stream) {
-                            // Queued copies still write into the host memory: wait for them
-                            // before it can be freed.
-                            let settled = !queued || d.sync_stream(stream).is_ok();
-                            return Err((e.into(), settled));
-                        }
-                        queued = true;
-                        va += n;
+                    if let Err(e) = queue_copies(d, arena, off, m.va, m.bytes, stream, ToHost) {
+                        // Queued copies still write into the host memory: wait for them
+                        // before it can be freed.
+                        return Err((e.into(), d.sync_stream(stream).is_ok()));
                     }
                     offs.push(off);
                     off += m.bytes;
@@ -357,9 +348,7 @@ impl<D: Driver> Allocator<D> {
             report.offloaded_bytes += need(k);
             hosts.push(per_shard);
         }
-        if queued {
-            d.sync_stream(stream).map_err(|e| (e.into(), false))?;
-        }
+        d.sync_stream(stream).map_err(|e| (e.into(), false))?;
         Ok(hosts)
     }
 
@@ -478,24 +467,16 @@ impl<D: Driver> Allocator<D> {
         let d = &self.core.driver;
         let stream = st.stream(d)?;
         let arena = &st.host[tag.index()];
-        let mut queued = false;
         for sh in shards {
             for (va, bytes, off) in sh.offloaded(tag) {
-                let mut dst = va;
-                for (h, n) in arena.pieces(off, bytes) {
-                    queued = true;
-                    if let Err(e) = d.copy_to_device(dst, h, n, stream) {
-                        let _ = d.sync_stream(stream);
-                        return Err(e.into());
-                    }
-                    dst += n;
+                if let Err(e) = queue_copies(d, arena, off, va, bytes, stream, ToDevice) {
+                    let _ = d.sync_stream(stream);
+                    return Err(e.into());
                 }
                 restored += bytes;
             }
         }
-        if queued {
-            d.sync_stream(stream)?;
-        }
+        d.sync_stream(stream)?;
         Ok(restored)
     }
 }

@@ -56,18 +56,10 @@ pub(super) fn alloc(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
             off += 4096;
         }
     };
-    std::thread::scope(|s| {
-        for k in 0..THREADS {
-            let (lo, hi) = (k * per, ((k + 1) * per).min(size));
-            // A thread that cannot be started leaves its part to this one.
-            if std::thread::Builder::new()
-                .spawn_scoped(s, move || touch(lo, hi))
-                .is_err()
-            {
-                touch(lo, hi);
-            }
-        }
-    });
+    let ranges: Vec<(usize, usize)> = (0..THREADS)
+        .map(|k| (k * per, ((k + 1) * per).min(size)))
+        .collect();
+    crate::threads::on_threads(&ranges, |&(lo, hi)| touch(lo, hi));
     let p = start as *mut c_void;
     // SAFETY: a mapped, writable range of `size` bytes.
     let r = unsafe { sys::cuMemHostRegister_v2(p, size, sys::CU_MEMHOSTREGISTER_PORTABLE) };

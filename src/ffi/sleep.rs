@@ -21,22 +21,27 @@ fn tags(mask: c_int, what: &str) -> Result<Vec<Tag>, String> {
         .collect())
 }
 
-/// `f` on `device`, or on every device in use when it is negative; the reports as one JSON
-/// object keyed by ordinal.
-fn each_device(
+/// `device`, or every device in use when it is negative, with its ordinal.
+fn devices_of(device: c_int) -> Result<Vec<(usize, &'static Device)>, String> {
+    if device < 0 {
+        Ok(devices::created_ordinals().collect())
+    } else {
+        Ok(vec![(device_index(device)?, state(device)?)])
+    }
+}
+
+/// `f`'s report for each of `devices_of(device)`, as one JSON object keyed by ordinal.
+fn reports<R: serde::Serialize>(
     device: c_int,
-    mut f: impl FnMut(&'static Device) -> Result<serde_json::Value, String>,
+    mut f: impl FnMut(&'static Device) -> Result<R, String>,
 ) -> Result<*mut c_char, String> {
     let mut out = serde_json::Map::new();
-    if device < 0 {
-        for (ordinal, d) in devices::created_ordinals() {
-            out.insert(
-                ordinal.to_string(),
-                f(d).map_err(|e| format!("device {ordinal}: {e}"))?,
-            );
-        }
-    } else {
-        out.insert(device.to_string(), f(state(device)?)?);
+    for (ordinal, d) in devices_of(device)? {
+        let r = f(d).map_err(|e| format!("device {ordinal}: {e}"))?;
+        out.insert(
+            ordinal.to_string(),
+            serde_json::to_value(r).map_err(|e| e.to_string())?,
+        );
     }
     Ok(into_c_string(serde_json::Value::Object(out).to_string()))
 }
@@ -63,11 +68,11 @@ pub extern "C" fn vram_ledger_sleep(device: c_int, offload: c_int, discard: c_in
     guard(std::ptr::null_mut(), || {
         let (offload, discard) = (tags(offload, "offload")?, tags(discard, "discard")?);
         let mut slept: Vec<(&'static Device, Vec<Tag>)> = Vec::new();
-        let r = each_device(device, |d| {
+        let r = reports(device, |d| {
             let r = on_device!(d, d => d.allocator().sleep(&offload, &discard))
                 .map_err(|e| e.to_string())?;
             slept.push((d, r.tags.clone()));
-            serde_json::to_value(r).map_err(|e| e.to_string())
+            Ok(r)
         });
         if r.is_err() {
             for (d, tags) in slept.into_iter().filter(|(_, t)| !t.is_empty()) {
@@ -86,9 +91,8 @@ pub extern "C" fn vram_ledger_sleep(device: c_int, offload: c_int, discard: c_in
 pub extern "C" fn vram_ledger_wake(device: c_int, mask: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {
         let wake = tags(mask, "mask")?;
-        each_device(device, |d| {
-            let r = on_device!(d, d => d.allocator().wake(&wake)).map_err(|e| e.to_string())?;
-            serde_json::to_value(r).map_err(|e| e.to_string())
+        reports(device, |d| {
+            on_device!(d, d => d.allocator().wake(&wake)).map_err(|e| e.to_string())
         })
     })
 }
@@ -97,14 +101,9 @@ pub extern "C" fn vram_ledger_wake(device: c_int, mask: c_int) -> *mut c_char {
 #[no_mangle]
 pub extern "C" fn vram_ledger_set_retain_host(device: c_int, retain: c_int) -> c_int {
     guard(-1, || {
-        each_device(device, |d| {
+        for (_, d) in devices_of(device)? {
             on_device!(d, d => d.allocator().set_retain_host(retain != 0));
-            Ok(serde_json::Value::Null)
-        })
-        .map(|s| {
-            // SAFETY: a string this library just returned.
-            unsafe { crate::ffi::vram_ledger_string_free(s) };
-            0
-        })
+        }
+        Ok(0)
     })
 }

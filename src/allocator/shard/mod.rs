@@ -415,6 +415,7 @@ impl Shard {
         let Some(&id) = self.live.get(&ptr) else {
             return Err(Error::UnknownPointer(ptr));
         };
+        // One byte tested on the cached path; the rest out of line.
         if self.asleep != 0 && self.sleeps(self.blocks[id].stream) {
             return self.defer_free(ptr);
         }
@@ -496,14 +497,7 @@ impl Shard {
                 BlockState::Pending(_) => {
                     core.ledger.shard(self.id).on_released(b.size);
                     if self.recording {
-                        let b = &self.blocks[id];
-                        core.history.record(
-                            Action::FreeCompleted,
-                            b.addr,
-                            b.requested,
-                            b.stream,
-                            b.tag,
-                        );
+                        self.record_block(core, id, Action::FreeCompleted);
                     }
                     self.insert_free(id);
                 }
@@ -542,12 +536,17 @@ impl Shard {
     /// Record the free of block `id` (and, when nothing else uses it, its completion).
     #[cold]
     fn record_free<D: Driver>(&self, core: &Core<D>, id: BlockId, completed: bool) {
-        let b = &self.blocks[id];
-        let h = &core.history;
-        h.record(Action::FreeRequested, b.addr, b.requested, b.stream, b.tag);
+        self.record_block(core, id, Action::FreeRequested);
         if completed {
-            h.record(Action::FreeCompleted, b.addr, b.requested, b.stream, b.tag);
+            self.record_block(core, id, Action::FreeCompleted);
         }
+    }
+
+    #[cold]
+    fn record_block<D: Driver>(&self, core: &Core<D>, id: BlockId, action: Action) {
+        let b = &self.blocks[id];
+        core.history
+            .record(action, b.addr, b.requested, b.stream, b.tag);
     }
 
     /// Give back what is free in segment `seg`: a whole free plain segment, or a virtual

@@ -81,11 +81,12 @@ impl SimDriver {
             return Err(Self::invalid(call, "copy queued on a capturing stream"));
         }
         let p = st.processes.get_mut(&self.pid).expect("process exists");
-        let (&base, buf) = p
+        let base = p
             .host
             .range(..=host.0)
             .next_back()
             .filter(|(&b, h)| host.0 + bytes <= b + h.bytes)
+            .map(|(&b, _)| b)
             .ok_or_else(|| Self::invalid(call, "host range is not inside one host buffer"))?;
         let host_off = host.0 - base;
         // The device side, mapping by mapping: (handle, offset in it, offset in the copy, length).
@@ -106,7 +107,6 @@ impl SimDriver {
                 }
             }
         }
-        let _ = buf;
         for (handle, dev_off, copy_off, len) in pieces {
             let h = host_off + copy_off;
             match dir {
