@@ -9,8 +9,10 @@
 //! self-check, the state dump and pool statistics.
 //!
 //! Invariants (checked by `check.rs` and by `invariants::check` on a dump):
-//! - The free index of each (stream, pool) holds exactly the `Free` blocks of that stream and
-//!   pool; its best fit is the smallest block that holds the request (within a bin, any).
+//! - The free index of each owner (a stream, its tag's region of it, or a graph pool) and pool
+//!   holds exactly the `Free` blocks of that owner and pool; its best fit is the smallest block
+//!   that holds the request (within a bin, any). While a tag sleeps its regions' free lists
+//!   are in `detached` instead (`sleep.rs`), and its frees wait in `deferred`.
 //! - `live` maps the address of every `Allocated` block, and nothing else, to its id.
 //! - `pending` holds one entry per outstanding event of each `Pending` block; the count in
 //!   `Pending(n)` equals the block's entries.

@@ -11,6 +11,8 @@
 //! - `unmapped` holds exactly the `Unmapped` blocks of the segment, keyed by address.
 //! - A segment's stream is synchronised before anything in it is unmapped (for a graph pool's
 //!   segment, the whole device); a graph pool's memory is never moved to serve other growth.
+//! - An asleep tag's segments are neither released nor moved here (`sleep.rs` owns their
+//!   mappings until the tag wakes), and no allocation grows them.
 
 use std::collections::{BTreeMap, BTreeSet};
 
