@@ -503,3 +503,53 @@ fn a_panic_inside_a_shard_poisons_only_that_shard() {
     );
     assert!(a.dump().problems.iter().any(|p| p.contains("panic")));
 }
+
+#[test]
+fn remap_growth_maps_spare_pieces_where_they_fit_before_creating_memory() {
+    // A hole in stream 0's reservation, narrower than the piece that stream 1 gives up but
+    // holding the request with the free blocks beside it: growth goes where the spare piece
+    // fits instead of creating memory for the hole.
+    let a = Allocator::new(
+        SimDriver::new(),
+        Config {
+            mode: SegmentMode::Remap,
+            move_across_streams: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // [x 16 | y 4] [h 30] [z 16 | w 4]: pieces of 20, 30 and 20 MiB.
+    let x = a.allocate(16 * MIB, S0).unwrap();
+    let y = a.allocate(4 * MIB, S0).unwrap();
+    let h = a.allocate(30 * MIB, S0).unwrap();
+    let z = a.allocate(16 * MIB, S0).unwrap();
+    let w = a.allocate(4 * MIB, S0).unwrap();
+    assert_eq!(
+        (y.ptr, h.ptr, z.ptr),
+        (x.ptr + 16 * MIB, x.ptr + 20 * MIB, x.ptr + 50 * MIB)
+    );
+    // Freeing h and asking for more than it holds unmaps h's piece: a hole of 30 MiB.
+    a.free(h.ptr).unwrap();
+    let q = a.allocate(40 * MIB, S0).unwrap();
+    assert!(q.ptr >= x.ptr + 70 * MIB);
+    // Stream 1 frees a 56 MiB piece; stream 0 frees the blocks on both sides of the hole.
+    let s = a.allocate(56 * MIB, S1).unwrap();
+    a.free(s.ptr).unwrap();
+    a.free(y.ptr).unwrap();
+    a.free(z.ptr).unwrap();
+    let before = a.ledger().reserved();
+    // 4 + 30 + 16 MiB around the hole hold 44 MiB, but the 56 MiB piece fits only past q.
+    let r = a.allocate(44 * MIB, S0).unwrap();
+    assert_eq!(
+        a.ledger().reserved(),
+        before,
+        "growth created memory beside a spare piece"
+    );
+    assert!(r.ptr >= q.ptr + q.size);
+    check(&a);
+    for p in [x.ptr, w.ptr, q.ptr, r.ptr] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.driver().held_bytes(), 0);
+}

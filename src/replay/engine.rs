@@ -189,10 +189,12 @@ pub fn replay_on(
     let dev = alloc.driver().device().clone();
     let host_before = alloc.driver().estimated_host_seconds();
     let mut torch_seconds = 0.0;
-    let mut torch_call = |torch: &mut DriverCalls, call: DriverCall, n: u64, bytes: u64| {
-        torch.add(call, n);
-        torch_seconds += n as f64 * cost::host_seconds(call, bytes);
-    };
+    // `calls` made, priced as `priced` calls on `bytes` each.
+    let mut torch_call =
+        |torch: &mut DriverCalls, call: DriverCall, calls: u64, priced: u64, bytes: u64| {
+            torch.add(call, calls);
+            torch_seconds += priced as f64 * cost::host_seconds(call, bytes);
+        };
     let delayed = delayed_frees(trace);
     // Trace address -> (our pointer, trace size, tag).
     let mut live: HashMap<u64, (u64, u64, Tag)> = HashMap::with_capacity(4096);
@@ -264,14 +266,16 @@ pub fn replay_on(
                 torch_reserved += e.size;
                 torch_peak = torch_peak.max(torch_reserved);
                 if e.action == Action::SegmentAlloc {
-                    torch_call(&mut torch, DriverCall::AllocSegment, 1, e.size);
+                    torch_call(&mut torch, DriverCall::AllocSegment, 1, 1, e.size);
                 } else {
                     // PyTorch's expandable segments: a handle and a map per page, then the
-                    // range made accessible at once.
+                    // range made accessible in one call. One call over a range of pages costs
+                    // what one call per page costs (`scripts/vmm_range_bench.py` on the H200),
+                    // so it is priced per page and counted once.
                     let (page, pages) = expandable_pages(e.size);
-                    torch_call(&mut torch, DriverCall::CreatePhysical, pages, page);
-                    torch_call(&mut torch, DriverCall::Map, pages, page);
-                    torch_call(&mut torch, DriverCall::SetAccess, 1, e.size);
+                    torch_call(&mut torch, DriverCall::CreatePhysical, pages, pages, page);
+                    torch_call(&mut torch, DriverCall::Map, pages, pages, page);
+                    torch_call(&mut torch, DriverCall::SetAccess, 1, pages, page);
                 }
             }
             Action::SegmentFree | Action::SegmentUnmap => {
@@ -294,11 +298,11 @@ pub fn replay_on(
                 }
                 torch_reserved = torch_reserved.saturating_sub(e.size);
                 if e.action == Action::SegmentFree {
-                    torch_call(&mut torch, DriverCall::FreeSegment, 1, e.size);
+                    torch_call(&mut torch, DriverCall::FreeSegment, 1, 1, e.size);
                 } else {
                     let (page, pages) = expandable_pages(e.size);
-                    torch_call(&mut torch, DriverCall::Unmap, pages, page);
-                    torch_call(&mut torch, DriverCall::ReleasePhysical, pages, page);
+                    torch_call(&mut torch, DriverCall::Unmap, pages, pages, page);
+                    torch_call(&mut torch, DriverCall::ReleasePhysical, pages, pages, page);
                 }
             }
             Action::Oom => {}

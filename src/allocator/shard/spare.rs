@@ -44,20 +44,7 @@ impl Shard {
         let mut done = 0;
         while done < bytes {
             let (left, fits) = (bytes - done, room - done);
-            let covering = self
-                .spare
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| p.bytes >= left && p.bytes <= fits)
-                .min_by_key(|(_, p)| p.bytes);
-            let largest = || {
-                self.spare
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, p)| p.bytes <= fits)
-                    .max_by_key(|(_, p)| p.bytes)
-            };
-            let p = match covering.or_else(largest).map(|(i, _)| i) {
+            let p = match pick(self.spare.iter().map(|p| p.bytes), left, fits) {
                 Some(i) => self.spare.swap_remove(i),
                 None => match create_piece(core, piece.min(left.div_ceil(g) * g)) {
                     Ok(p) => p,
@@ -89,6 +76,25 @@ impl Shard {
         (done, None)
     }
 
+    /// The bytes of new pieces that [`Shard::map_spare`] would create to map `bytes` into a
+    /// range of `room` bytes, using the spare pieces first.
+    pub(super) fn new_bytes_for(&self, bytes: u64, room: u64, piece: u64, g: u64) -> u64 {
+        let mut sizes: Vec<u64> = self.spare.iter().map(|p| p.bytes).collect();
+        let (mut done, mut new) = (0, 0);
+        while done < bytes {
+            let (left, fits) = (bytes - done, room - done);
+            done += match pick(sizes.iter().copied(), left, fits) {
+                Some(i) => sizes.swap_remove(i),
+                None => {
+                    let n = piece.min(left.div_ceil(g) * g);
+                    new += n;
+                    n
+                }
+            };
+        }
+        new
+    }
+
     /// Give the spare pieces back to the driver.
     pub(super) fn release_spare<D: Driver>(&mut self, core: &Core<D>) -> Result<()> {
         let keep = usize::from(planted::active(Bug::RemapSpare));
@@ -103,6 +109,24 @@ impl Shard {
         }
         Ok(())
     }
+}
+
+/// Which spare piece (of these sizes) to map next, with `left` bytes still to map in a range of
+/// `fits` bytes: the smallest that covers what is left, else the largest that fits.
+fn pick(sizes: impl Iterator<Item = u64> + Clone, left: u64, fits: u64) -> Option<usize> {
+    let covering = sizes
+        .clone()
+        .enumerate()
+        .filter(|&(_, b)| b >= left && b <= fits)
+        .min_by_key(|&(_, b)| b);
+    covering
+        .or_else(|| {
+            sizes
+                .enumerate()
+                .filter(|&(_, b)| b <= fits)
+                .max_by_key(|&(_, b)| b)
+        })
+        .map(|(i, _)| i)
 }
 
 /// A new piece of `size` bytes, committed against the limit and reserved.

@@ -27,6 +27,9 @@ use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle, StreamId};
 use crate::error::{OomCause, Result};
 use crate::replay::trace::Action;
 
+/// Remap growth weighs at most this many unmapped ranges for where to map spare pieces.
+const WEIGHED: usize = 32;
+
 /// The physical side of a virtual segment.
 #[derive(Debug)]
 pub(crate) struct VirtualMap {
@@ -129,7 +132,24 @@ impl Shard {
                 0
             }
         };
+        // Remap mode grows the large pool by at least a large segment's worth, as PyTorch's
+        // segments do: small requests then do not each cost a map.
+        let floor = if core.mode == SegmentMode::Remap && pool == PoolKind::Large {
+            rules::LARGE_BUFFER
+        } else {
+            0
+        };
+        let piece = match pool {
+            PoolKind::Small => core.granularity,
+            PoolKind::Large => core.remap_piece,
+        };
+        // With spare pieces on hand (remap), a range too narrow for them would leave them
+        // unused and create new memory: the range that needs the fewest new bytes wins, the
+        // lowest of those. Only the lowest [`WEIGHED`] such ranges are weighed, so that a
+        // reservation riddled with holes costs a bounded time.
+        let weigh = core.mode == SegmentMode::Remap && !self.spare.is_empty();
         let mut choice = None;
+        let (mut best_new, mut weighed) = (u64::MAX, 0);
         for &(_, u) in &v.unmapped {
             let b = &self.blocks[u];
             let before = free_size(b.prev);
@@ -141,16 +161,19 @@ impl Shard {
                 break;
             }
             if before + b.size + free_size(b.next) >= rounded {
-                // Remap mode grows the large pool by at least a large segment's worth, as
-                // PyTorch's segments do: small requests then do not each cost a map.
-                let floor = if core.mode == SegmentMode::Remap && pool == PoolKind::Large {
-                    rules::LARGE_BUFFER
-                } else {
-                    0
-                };
-                let need = (rounded - before).max(floor).div_ceil(unit) * unit;
-                choice = Some((u, need.min(b.size)));
-                break;
+                let need = ((rounded - before).max(floor).div_ceil(unit) * unit).min(b.size);
+                if !weigh {
+                    choice = Some((u, need));
+                    break;
+                }
+                let new = self.new_bytes_for(need, b.size, piece, unit);
+                if new < best_new {
+                    (choice, best_new) = (Some((u, need)), new);
+                }
+                weighed += 1;
+                if new == 0 || weighed == WEIGHED {
+                    break;
+                }
             }
         }
         let (u, bytes) = match choice {
@@ -163,10 +186,6 @@ impl Shard {
         };
         let (start, room) = (self.blocks[u].addr, self.blocks[u].size);
         let (mapped, err) = if core.mode == SegmentMode::Remap {
-            let piece = match pool {
-                PoolKind::Small => core.granularity,
-                PoolKind::Large => core.remap_piece,
-            };
             self.map_spare(core, seg, start, bytes, room, piece)
         } else {
             core.commit(bytes)?;
