@@ -453,3 +453,29 @@ fn sleep_wake_gives_back_the_cache_of_awake_tags_when_it_needs_room() {
         check(&a);
     }
 }
+
+#[test]
+fn sleep_copy_stream_goes_with_the_allocator() {
+    for mode in VIRTUAL {
+        for fail in [false, true] {
+            let a = allocator(mode, 80 * GIB);
+            let _e = engine(&a);
+            let device = a.driver().device().clone();
+            assert_eq!(
+                device.own_streams(),
+                0,
+                "{mode}: no stream before the first sleep"
+            );
+            a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
+            a.wake(&[]).unwrap();
+            assert_eq!(device.own_streams(), 1, "{mode}: one copy stream, reused");
+            if fail {
+                // A failed destroy is logged, never a panic in drop.
+                a.driver().fail_nth(DriverCall::DestroyStream, 1);
+            }
+            drop(a);
+            let left = usize::from(fail);
+            assert_eq!(device.own_streams(), left, "{mode}: fail {fail}");
+        }
+    }
+}

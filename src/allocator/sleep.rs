@@ -482,12 +482,18 @@ impl<D: Driver> Allocator<D> {
 }
 
 impl<D: Driver> Drop for Allocator<D> {
-    /// Host memory kept for the next sleep goes with the allocator (device memory goes with
-    /// the process's context).
+    /// Host memory kept for the next sleep and the copy stream go with the allocator (device
+    /// memory goes with the process's context). Sleep and wake synchronise the stream before
+    /// they return, so nothing is queued on it.
     fn drop(&mut self) {
         let st = self.sleep.get_mut();
         for arena in &mut st.host {
             arena.free_all(&self.core.driver);
+        }
+        if let Some(s) = st.stream.take() {
+            if let Err(e) = self.core.driver.destroy_stream(s) {
+                tracing::error!(error = %e, "could not destroy the copy stream");
+            }
         }
     }
 }

@@ -229,6 +229,10 @@ impl<D: Driver> Driver for Counting<D> {
         self.counts.bump(DriverCall::CreateStream);
         self.inner.create_stream()
     }
+    fn destroy_stream(&self, stream: StreamId) -> DriverResult<()> {
+        self.counts.bump(DriverCall::DestroyStream);
+        self.inner.destroy_stream(stream)
+    }
     fn copy_to_host(
         &self,
         dst: HostPtr,

@@ -83,6 +83,7 @@ pub enum DriverCall {
     HostAlloc,
     HostFree,
     CreateStream,
+    DestroyStream,
     CopyToHost,
     CopyToDevice,
     // Set-up calls: after the primitives, so that a primitive's discriminant is its index.
@@ -95,7 +96,7 @@ pub enum DriverCall {
 }
 
 impl DriverCall {
-    pub const ALL: [DriverCall; 22] = [
+    pub const ALL: [DriverCall; 23] = [
         DriverCall::AllocSegment,
         DriverCall::FreeSegment,
         DriverCall::ReserveVa,
@@ -116,6 +117,7 @@ impl DriverCall {
         DriverCall::HostAlloc,
         DriverCall::HostFree,
         DriverCall::CreateStream,
+        DriverCall::DestroyStream,
         DriverCall::CopyToHost,
         DriverCall::CopyToDevice,
     ];
@@ -167,6 +169,7 @@ impl DriverCall {
             DriverCall::HostAlloc => "host_alloc",
             DriverCall::HostFree => "host_free",
             DriverCall::CreateStream => "create_stream",
+            DriverCall::DestroyStream => "destroy_stream",
             DriverCall::CopyToHost => "copy_to_host",
             DriverCall::CopyToDevice => "copy_to_device",
             DriverCall::Init => "init",
@@ -295,6 +298,9 @@ pub trait Driver: Send + Sync + 'static {
     /// A stream of the allocator's own that does not wait for the legacy default stream
     /// (`cuStreamCreate`, non-blocking): sleep's and wake's copies.
     fn create_stream(&self) -> DriverResult<StreamId>;
+    /// Destroy a stream made by [`Driver::create_stream`] (`cuStreamDestroy`); work queued on
+    /// it still completes.
+    fn destroy_stream(&self, stream: StreamId) -> DriverResult<()>;
     /// Queue a copy of `bytes` from device `src` to host `dst` on `stream`
     /// (`cuMemcpyDtoHAsync`).
     fn copy_to_host(

@@ -653,11 +653,12 @@ impl Driver for SimDriver {
 
     fn create_stream(&self) -> DriverResult<StreamId> {
         self.count(DriverCall::CreateStream, 0)?;
-        let mut st = self.device.state.lock();
-        let id = StreamId(OWN_STREAMS + st.next_handle);
-        st.next_handle += 1;
-        st.streams.insert(id, StreamState::default());
-        Ok(id)
+        Ok(self.device.new_stream())
+    }
+
+    fn destroy_stream(&self, stream: StreamId) -> DriverResult<()> {
+        self.count(DriverCall::DestroyStream, 0)?;
+        self.device.drop_stream(stream)
     }
 
     fn copy_to_host(

@@ -6,6 +6,38 @@ use super::{DeviceState, SimDevice};
 use crate::driver::{DriverCall, DriverError, DriverErrorKind, DriverResult, StreamId};
 
 impl SimDevice {
+    /// A stream of the device's own making ([`crate::driver::Driver::create_stream`]).
+    pub(super) fn new_stream(&self) -> StreamId {
+        let mut st = self.state.lock();
+        let id = StreamId(super::OWN_STREAMS + st.next_handle);
+        st.next_handle += 1;
+        st.streams.insert(id, super::StreamState::default());
+        id
+    }
+
+    /// Destroy a stream that [`SimDevice::new_stream`] made; any other is an error, as a
+    /// handle CUDA never gave out would be.
+    pub(super) fn drop_stream(&self, stream: StreamId) -> DriverResult<()> {
+        let mut st = self.state.lock();
+        if stream.0 < super::OWN_STREAMS || st.streams.remove(&stream).is_none() {
+            return Err(DriverError::new(
+                DriverCall::DestroyStream,
+                DriverErrorKind::InvalidValue,
+                format!("{stream:?} was not made by create_stream or was destroyed already"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Streams made by `create_stream` and not destroyed.
+    pub fn own_streams(&self) -> usize {
+        let st = self.state.lock();
+        st.streams
+            .keys()
+            .filter(|s| s.0 >= super::OWN_STREAMS)
+            .count()
+    }
+
     /// Queue one unit of work on a stream (it completes when told to).
     pub fn submit(&self, stream: StreamId) {
         self.state
