@@ -4,8 +4,8 @@ call per mapping: the question behind batching them in the virtual-memory modes.
 
 For each piece size and range size: create the pieces, map them side by side, then either set
 access (and later unmap) once over the whole range or once per piece, timing each way. After a
-whole-range set-access, every byte of the range is written and read back (so access was really
-granted on every piece); after a whole-range unmap, the first piece is mapped again (so the
+whole-range set-access, every byte of the range is written and one byte of each MiB read back
+(so access was really granted on every piece); after a whole-range unmap, the first piece is mapped again (so the
 range was really unmapped). Prints one JSON object per line. Needs only libcuda and python3.
 
     python3 scripts/vmm_range_bench.py [REPEATS]

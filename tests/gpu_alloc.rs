@@ -133,7 +133,7 @@ fn gpu_record_stream_defers_reuse_until_the_other_stream_is_done() {
 }
 
 #[test]
-fn gpu_sleep_wake_keeps_contents_and_the_copy_stream_goes_with_the_allocator() {
+fn gpu_sleep_wake_keeps_contents_and_streams_are_destroyed() {
     let Some(g) = gpu("gpu_sleep_wake") else {
         return;
     };
@@ -174,8 +174,8 @@ fn gpu_sleep_wake_keeps_contents_and_the_copy_stream_goes_with_the_allocator() {
     for x in &w {
         a.free_on(x.ptr, s).unwrap();
     }
-    // Dropping destroys the copy stream made by the sleep; the call itself is checked on a
-    // driver of its own, since drop can only log a failure.
+    // Dropping synchronises and destroys the copy stream made by the sleep; drop can only log
+    // a failure, so the destroy call itself is checked on a driver of its own.
     drop(a);
     use vram_ledger::driver::Driver;
     let d = vram_ledger::driver::cuda::CudaDriver::new(0).unwrap();

@@ -457,7 +457,11 @@ fn sleep_wake_gives_back_the_cache_of_awake_tags_when_it_needs_room() {
 #[test]
 fn sleep_copy_stream_goes_with_the_allocator() {
     for mode in VIRTUAL {
-        for fail in [false, true] {
+        for fail in [
+            None,
+            Some(DriverCall::DestroyStream),
+            Some(DriverCall::SyncStream),
+        ] {
             let a = allocator(mode, 80 * GIB);
             let _e = engine(&a);
             let device = a.driver().device().clone();
@@ -469,13 +473,14 @@ fn sleep_copy_stream_goes_with_the_allocator() {
             a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
             a.wake(&[]).unwrap();
             assert_eq!(device.own_streams(), 1, "{mode}: one copy stream, reused");
-            if fail {
-                // A failed destroy is logged, never a panic in drop.
-                a.driver().fail_nth(DriverCall::DestroyStream, 1);
+            if let Some(call) = fail {
+                // A failed synchronisation or destroy is logged, never a panic in drop; after
+                // a failed synchronisation nothing is destroyed or freed.
+                a.driver().fail_nth(call, 1);
             }
             drop(a);
-            let left = usize::from(fail);
-            assert_eq!(device.own_streams(), left, "{mode}: fail {fail}");
+            let left = usize::from(fail.is_some());
+            assert_eq!(device.own_streams(), left, "{mode}: {fail:?}");
         }
     }
 }

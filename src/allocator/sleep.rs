@@ -483,17 +483,24 @@ impl<D: Driver> Allocator<D> {
 
 impl<D: Driver> Drop for Allocator<D> {
     /// Host memory kept for the next sleep and the copy stream go with the allocator (device
-    /// memory goes with the process's context). Sleep and wake synchronise the stream before
-    /// they return, so nothing is queued on it.
+    /// memory goes with the process's context). A sleep or wake whose synchronisation failed
+    /// may have left copies queued into that host memory, so the stream is synchronised before
+    /// anything is freed; if even that fails the host memory is kept (leaked), never freed
+    /// under a copy.
     fn drop(&mut self) {
         let st = self.sleep.get_mut();
-        for arena in &mut st.host {
-            arena.free_all(&self.core.driver);
-        }
+        let d = &self.core.driver;
         if let Some(s) = st.stream.take() {
-            if let Err(e) = self.core.driver.destroy_stream(s) {
+            if let Err(e) = d.sync_stream(s) {
+                tracing::error!(error = %e, "could not synchronise the copy stream; its host memory is kept");
+                return;
+            }
+            if let Err(e) = d.destroy_stream(s) {
                 tracing::error!(error = %e, "could not destroy the copy stream");
             }
+        }
+        for arena in &mut st.host {
+            arena.free_all(d);
         }
     }
 }

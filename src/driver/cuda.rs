@@ -532,13 +532,11 @@ impl Driver for CudaDriver {
         Ok(StreamId(s as u64))
     }
 
-    fn destroy_stream(&self, stream: StreamId) -> DriverResult<()> {
+    fn destroy_stream(&self, s: StreamId) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::DestroyStream;
         self.current(CALL)?;
-        // SAFETY: `stream` came from `create_stream` and its owner uses it no more.
-        check(CALL, unsafe {
-            sys::cuStreamDestroy_v2(stream.0 as sys::CUstream)
-        })
+        // SAFETY: `s` came from `create_stream` and its owner uses it no more.
+        check(CALL, unsafe { sys::cuStreamDestroy_v2(stream(s)) })
     }
 
     fn copy_to_host(

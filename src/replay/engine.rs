@@ -103,7 +103,8 @@ pub struct ReplayResult {
     /// Estimated host time of our driver calls on an H200, in seconds
     /// ([`crate::driver::cost`]).
     pub driver_seconds: f64,
-    /// The same estimate for the calls in `torch_driver_calls`.
+    /// The same estimate for the calls in `torch_driver_calls`, with a range-wide
+    /// `cuMemSetAccess` priced per page (one call over a range costs what one per page does).
     pub torch_driver_seconds: f64,
     pub ooms: u64,
     pub per_tag: PerTag<TagPeak>,

@@ -43,10 +43,10 @@ impl Shard {
         let g = core.granularity;
         let mut done = 0;
         while done < bytes {
-            let (left, fits) = (bytes - done, room - done);
-            let p = match pick(self.spare.iter().map(|p| p.bytes), left, fits) {
-                Some(i) => self.spare.swap_remove(i),
-                None => match create_piece(core, piece.min(left.div_ceil(g) * g)) {
+            let sizes = self.spare.iter().map(|p| p.bytes);
+            let p = match next_piece(sizes, bytes - done, room - done, piece, g) {
+                Next::Spare(i) => self.spare.swap_remove(i),
+                Next::New(size) => match create_piece(core, size) {
                     Ok(p) => p,
                     Err(e) => return (done, Some(e)),
                 },
@@ -76,23 +76,9 @@ impl Shard {
         (done, None)
     }
 
-    /// The bytes of new pieces that [`Shard::map_spare`] would create to map `bytes` into a
-    /// range of `room` bytes, using the spare pieces first.
-    pub(super) fn new_bytes_for(&self, bytes: u64, room: u64, piece: u64, g: u64) -> u64 {
-        let mut sizes: Vec<u64> = self.spare.iter().map(|p| p.bytes).collect();
-        let (mut done, mut new) = (0, 0);
-        while done < bytes {
-            let (left, fits) = (bytes - done, room - done);
-            done += match pick(sizes.iter().copied(), left, fits) {
-                Some(i) => sizes.swap_remove(i),
-                None => {
-                    let n = piece.min(left.div_ceil(g) * g);
-                    new += n;
-                    n
-                }
-            };
-        }
-        new
+    /// The sizes of the spare pieces, for [`new_bytes_for`].
+    pub(super) fn spare_sizes(&self) -> Vec<u64> {
+        self.spare.iter().map(|p| p.bytes).collect()
     }
 
     /// Give the spare pieces back to the driver.
@@ -111,22 +97,56 @@ impl Shard {
     }
 }
 
-/// Which spare piece (of these sizes) to map next, with `left` bytes still to map in a range of
-/// `fits` bytes: the smallest that covers what is left, else the largest that fits.
-fn pick(sizes: impl Iterator<Item = u64> + Clone, left: u64, fits: u64) -> Option<usize> {
+/// What [`Shard::map_spare`] maps next.
+enum Next {
+    /// The spare piece at this index.
+    Spare(usize),
+    /// A new piece of this many bytes.
+    New(u64),
+}
+
+/// The next piece to map, with `left` bytes still to map in a range of `fits` bytes: the
+/// smallest spare piece (of these sizes) that covers what is left, else the largest that fits,
+/// else a new piece of what is left (granularity `g`), at most `piece` bytes. `left` and
+/// `fits` are multiples of `g` with `left <= fits`, so every choice fits the range.
+fn next_piece(
+    sizes: impl Iterator<Item = u64> + Clone,
+    left: u64,
+    fits: u64,
+    piece: u64,
+    g: u64,
+) -> Next {
     let covering = sizes
         .clone()
         .enumerate()
         .filter(|&(_, b)| b >= left && b <= fits)
         .min_by_key(|&(_, b)| b);
-    covering
-        .or_else(|| {
-            sizes
-                .enumerate()
-                .filter(|&(_, b)| b <= fits)
-                .max_by_key(|&(_, b)| b)
-        })
-        .map(|(i, _)| i)
+    let largest = || {
+        sizes
+            .enumerate()
+            .filter(|&(_, b)| b <= fits)
+            .max_by_key(|&(_, b)| b)
+    };
+    match covering.or_else(largest) {
+        Some((i, _)) => Next::Spare(i),
+        None => Next::New(piece.min(left.div_ceil(g) * g)),
+    }
+}
+
+/// The bytes of new pieces that [`Shard::map_spare`] would create to map `bytes` into a range
+/// of `room` bytes with spare pieces of `sizes` on hand (the same choices, none made).
+pub(super) fn new_bytes_for(mut sizes: Vec<u64>, bytes: u64, room: u64, piece: u64, g: u64) -> u64 {
+    let (mut done, mut new) = (0, 0);
+    while done < bytes {
+        done += match next_piece(sizes.iter().copied(), bytes - done, room - done, piece, g) {
+            Next::Spare(i) => sizes.swap_remove(i),
+            Next::New(n) => {
+                new += n;
+                n
+            }
+        };
+    }
+    new
 }
 
 /// A new piece of `size` bytes, committed against the limit and reserved.

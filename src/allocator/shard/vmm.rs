@@ -85,7 +85,9 @@ impl Shard {
             _ => (rules::expandable_page(pool, core.granularity), true),
         };
         // Address space for 9/8 of the device, as PyTorch reserves: enough to map every byte
-        // of the device even with holes left by earlier unmaps.
+        // of the device even with holes left by earlier unmaps. (Remap growth may pass over a
+        // hole for a range where its spare pieces fit; if holes ever took more than the
+        // eighth, growth would fill them again, with new memory.)
         let size = (core.device_total + core.device_total / 8).div_ceil(unit) * unit;
         let base = core.driver.reserve_va(size).map_err(GrowError::Driver)?;
         let seg = Segment {
@@ -124,7 +126,8 @@ impl Shard {
         let v = self.segments.get(seg).virt();
         let (unit, per_unit) = (v.unit, v.per_unit);
         // The lowest unmapped range that, with the free blocks on either side, holds the
-        // request: low addresses first keeps the mapped memory compact.
+        // request: low addresses first keeps the mapped memory compact (remap with spare
+        // pieces weighs the ranges instead, below).
         let free_size = |id: BlockId| {
             if id != NIL && self.blocks[id].state == BlockState::Free {
                 self.blocks[id].size
@@ -145,9 +148,16 @@ impl Shard {
         };
         // With spare pieces on hand (remap), a range too narrow for them would leave them
         // unused and create new memory: the range that needs the fewest new bytes wins, the
-        // lowest of those. Only the lowest [`WEIGHED`] such ranges are weighed, so that a
-        // reservation riddled with holes costs a bounded time.
+        // lowest of those (a free block that holds the request already needs none, and wins
+        // over a lower range that needs some). Only the lowest [`WEIGHED`] ranges are weighed:
+        // each costs a pass over the spare pieces per piece mapped, and a reservation riddled
+        // with holes must not make growth slow.
         let weigh = core.mode == SegmentMode::Remap && !self.spare.is_empty();
+        let spare = if weigh {
+            self.spare_sizes()
+        } else {
+            Vec::new()
+        };
         let mut choice = None;
         let (mut best_new, mut weighed) = (u64::MAX, 0);
         for &(_, u) in &v.unmapped {
@@ -166,7 +176,8 @@ impl Shard {
                     choice = Some((u, need));
                     break;
                 }
-                let new = self.new_bytes_for(need, b.size, piece, unit);
+                let g = core.granularity;
+                let new = super::spare::new_bytes_for(spare.clone(), need, b.size, piece, g);
                 if new < best_new {
                     (choice, best_new) = (Some((u, need)), new);
                 }

@@ -76,6 +76,7 @@ impl SimDriver {
             Direction::ToHost => DriverCall::CopyToHost,
             Direction::ToDevice => DriverCall::CopyToDevice,
         };
+        self.device.real_stream(stream);
         let mut st = self.device.state.lock();
         if st.streams.get(&stream).is_some_and(|s| s.capture.is_some()) {
             return Err(Self::invalid(call, "copy queued on a capturing stream"));

@@ -29,8 +29,6 @@ mod host;
 mod inspect;
 mod streams;
 
-use self::streams::real_stream;
-
 use self::faults::{Fault, Faults};
 use super::{
     Capture, DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
@@ -561,7 +559,7 @@ impl Driver for SimDriver {
     }
 
     fn record_event(&self, stream: StreamId) -> DriverResult<EventId> {
-        real_stream(stream);
+        self.device.real_stream(stream);
         self.count(DriverCall::RecordEvent, 0)?;
         let mut st = self.device.state.lock();
         let s = st.streams.entry(stream).or_default();
@@ -614,7 +612,7 @@ impl Driver for SimDriver {
     }
 
     fn sync_stream(&self, stream: StreamId) -> DriverResult<()> {
-        real_stream(stream);
+        self.device.real_stream(stream);
         self.count(DriverCall::SyncStream, 0)?;
         let mut st = self.device.state.lock();
         st.not_while_capturing(stream, DriverCall::SyncStream)?;
@@ -684,7 +682,7 @@ impl Driver for SimDriver {
     }
 
     fn capture(&self, stream: StreamId) -> Capture {
-        real_stream(stream);
+        self.device.real_stream(stream);
         let st = self.device.state.lock();
         match st.streams.get(&stream).and_then(|s| s.capture) {
             Some(id) => Capture::Active(id),

@@ -130,11 +130,53 @@ impl DeviceState {
     }
 }
 
-/// A CUDA driver dereferences a stream: an allocator's internal key (a graph pool's, a tag
-/// region's: bits 59 and up) reaching it would crash a real process, so here it panics.
-pub(super) fn real_stream(stream: StreamId) {
-    assert!(
-        stream.0 >> 59 == 0,
-        "the driver was given {stream:?}, an allocator key, not a stream"
-    );
+impl SimDevice {
+    /// A CUDA driver dereferences a stream: an allocator's internal key (a graph pool's, a tag
+    /// region's: bits 59 and up), or a stream of `create_stream`'s after `destroy_stream`,
+    /// reaching it would crash a real process, so here it panics.
+    pub(super) fn real_stream(&self, stream: StreamId) {
+        assert!(
+            stream.0 >> 59 == 0,
+            "the driver was given {stream:?}, an allocator key, not a stream"
+        );
+        assert!(
+            stream.0 < super::OWN_STREAMS || self.state.lock().streams.contains_key(&stream),
+            "the driver was given {stream:?} after destroy_stream"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::driver::sim::SimDriver;
+    use crate::driver::{Driver, DriverErrorKind, StreamId};
+
+    #[test]
+    fn only_streams_it_made_can_be_destroyed_and_only_once() {
+        let d = SimDriver::new();
+        let s = d.create_stream().unwrap();
+        d.sync_stream(s).unwrap();
+        assert_eq!(d.device().own_streams(), 1);
+        d.destroy_stream(s).unwrap();
+        assert_eq!(d.device().own_streams(), 0);
+        for bad in [s, StreamId(0x10)] {
+            let e = d.destroy_stream(bad).unwrap_err();
+            assert_eq!(e.kind, DriverErrorKind::InvalidValue, "{e}");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "after destroy_stream")]
+    fn a_destroyed_stream_is_never_used_again() {
+        let d = SimDriver::new();
+        let s = d.create_stream().unwrap();
+        d.destroy_stream(s).unwrap();
+        let _ = d.sync_stream(s);
+    }
+
+    #[test]
+    #[should_panic(expected = "an allocator key")]
+    fn an_allocator_key_never_reaches_the_driver() {
+        let _ = SimDriver::new().sync_stream(StreamId(1 << 63));
+    }
 }
