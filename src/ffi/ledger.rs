@@ -36,12 +36,20 @@ pub unsafe extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
 pub unsafe extern "C" fn vram_ledger_set_tag(name: *const c_char) -> c_int {
     guard(-1, || {
         // SAFETY: `name` is NULL or NUL-terminated, by this function's contract.
-        let tag: Tag = unsafe { c_str(name, "tag name") }?
-            .parse()
-            .map_err(|e: crate::tag::UnknownTag| e.to_string())?;
-        crate::tag::set_current(tag);
+        crate::tag::set_current(unsafe { tag_arg(name) }?);
         Ok(0)
     })
+}
+
+/// The tag a C caller named.
+///
+/// # Safety
+/// `name` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
+unsafe fn tag_arg(name: *const c_char) -> Result<Tag, String> {
+    // SAFETY: the caller's contract.
+    unsafe { c_str(name, "tag name") }?
+        .parse()
+        .map_err(|e: crate::tag::UnknownTag| e.to_string())
 }
 
 /// Make `name` this thread's tag until the matching `vram_ledger_pop_tag`.
@@ -52,10 +60,7 @@ pub unsafe extern "C" fn vram_ledger_set_tag(name: *const c_char) -> c_int {
 pub unsafe extern "C" fn vram_ledger_push_tag(name: *const c_char) -> c_int {
     guard(-1, || {
         // SAFETY: `name` is NULL or NUL-terminated, by this function's contract.
-        let tag: Tag = unsafe { c_str(name, "tag name") }?
-            .parse()
-            .map_err(|e: crate::tag::UnknownTag| e.to_string())?;
-        let previous = crate::tag::set_current(tag);
+        let previous = crate::tag::set_current(unsafe { tag_arg(name) }?);
         TAG_STACK.with(|s| s.borrow_mut().push(previous));
         Ok(0)
     })
