@@ -553,3 +553,38 @@ fn remap_growth_maps_spare_pieces_where_they_fit_before_creating_memory() {
     a.empty_cache().unwrap();
     assert_eq!(a.driver().held_bytes(), 0);
 }
+
+#[test]
+fn remap_growth_keeps_the_free_block_it_extends() {
+    // A free block at the end of the mapped memory, too small for the request: growth maps
+    // only what the block lacks beside it. Moving memory first must not unmap the block itself
+    // (and map its piece back a moment later).
+    let a = Allocator::new(
+        SimDriver::new(),
+        Config {
+            mode: SegmentMode::Remap,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let x = a.allocate(20 * MIB, S0).unwrap();
+    let y = a.allocate(20 * MIB, S0).unwrap();
+    assert_eq!(y.ptr, x.ptr + 20 * MIB);
+    a.free(y.ptr).unwrap();
+    let before = a.driver_calls();
+    let z = a.allocate(30 * MIB, S0).unwrap();
+    let calls = a.driver_calls().since(&before);
+    assert_eq!(z.ptr, y.ptr, "served where the free block is");
+    assert_eq!(
+        (calls[DriverCall::Unmap], calls[DriverCall::Map]),
+        (0, 1),
+        "the free block's piece was moved: {:?}",
+        calls.nonzero().collect::<Vec<_>>()
+    );
+    check(&a);
+    for p in [x.ptr, z.ptr] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.driver().held_bytes(), 0);
+}

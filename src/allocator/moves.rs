@@ -31,7 +31,12 @@ impl<D: Driver> Allocator<D> {
             let Some(mut other) = self.shards[j].try_lock() else {
                 continue;
             };
-            match other.release_for_growth(&self.core, left, true) {
+            match other.release_for_growth(
+                &self.core,
+                left,
+                true,
+                [crate::allocator::block::NIL; 2],
+            ) {
                 Ok(got) => left = left.saturating_sub(got),
                 Err(e) => note_move_failure(&self.core, &e),
             }

@@ -9,6 +9,8 @@
 //!   at all: a failure part-way through growth undoes the chunk it was on and keeps the
 //!   chunks before it, mapped and accounted.
 //! - `unmapped` holds exactly the `Unmapped` blocks of the segment, keyed by address.
+//! - Moving memory before growth keeps the free blocks beside the range growth is to map
+//!   (growth extends them in place).
 //! - A segment's stream is synchronised before anything in it is unmapped (for a graph pool's
 //!   segment, the whole device); a graph pool's memory is never moved to serve other growth.
 //! - An asleep tag's segments are neither released nor moved here (`sleep.rs` owns their
@@ -29,6 +31,15 @@ use crate::replay::trace::Action;
 
 /// Remap growth weighs at most this many unmapped ranges for where to map spare pieces.
 const WEIGHED: usize = 32;
+
+/// Where growth goes ([`Shard::site`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Site {
+    /// A free block (in the index) that holds the request already.
+    Free(BlockId),
+    /// Map `bytes` at the front of unmapped block `range`.
+    Map { range: BlockId, bytes: u64 },
+}
 
 /// The physical side of a virtual segment.
 #[derive(Debug)]
@@ -123,78 +134,25 @@ impl Shard {
     ) -> std::result::Result<BlockId, GrowError> {
         let pool = rules::pool_for(rounded);
         let seg = self.reservation(core, stream, pool)?;
-        let v = self.segments.get(seg).virt();
-        let (unit, per_unit) = (v.unit, v.per_unit);
-        // The lowest unmapped range that, with the free blocks on either side, holds the
-        // request: low addresses first keeps the mapped memory compact (remap with spare
-        // pieces weighs the ranges instead, below).
-        let free_size = |id: BlockId| {
-            if id != NIL && self.blocks[id].state == BlockState::Free {
-                self.blocks[id].size
-            } else {
-                0
-            }
-        };
-        // Remap mode grows the large pool by at least a large segment's worth, as PyTorch's
-        // segments do: small requests then do not each cost a map.
-        let floor = if core.mode == SegmentMode::Remap && pool == PoolKind::Large {
-            rules::LARGE_BUFFER
-        } else {
-            0
-        };
         let piece = match pool {
             PoolKind::Small => core.granularity,
             PoolKind::Large => core.remap_piece,
         };
-        // With spare pieces on hand (remap), a range too narrow for them would leave them
-        // unused and create new memory: the range that needs the fewest new bytes wins, the
-        // lowest of those (a free block that holds the request already needs none, and wins
-        // over a lower range that needs some). Only the lowest [`WEIGHED`] ranges are weighed:
-        // each costs a pass over the spare pieces per piece mapped, and a reservation riddled
-        // with holes must not make growth slow.
-        let weigh = core.mode == SegmentMode::Remap && !self.spare.is_empty();
-        let spare = if weigh {
-            self.spare_sizes()
+        let spare = if core.mode == SegmentMode::Remap && !self.spare.is_empty() {
+            Some(self.spare_sizes())
         } else {
-            Vec::new()
+            None
         };
-        let mut choice = None;
-        let (mut best_new, mut weighed) = (u64::MAX, 0);
-        for &(_, u) in &v.unmapped {
-            let b = &self.blocks[u];
-            let before = free_size(b.prev);
-            if before >= rounded {
-                // The free block before the range holds the request already: the cache passed
-                // it over only because it is at least max_split_size. Growth serves from it,
-                // as PyTorch's expandable segments do (and splits it, as they always may).
-                choice = Some((b.prev, 0));
-                break;
-            }
-            if before + b.size + free_size(b.next) >= rounded {
-                let need = ((rounded - before).max(floor).div_ceil(unit) * unit).min(b.size);
-                if !weigh {
-                    choice = Some((u, need));
-                    break;
-                }
-                let g = core.granularity;
-                let new = super::spare::new_bytes_for(spare.clone(), need, b.size, piece, g);
-                if new < best_new {
-                    (choice, best_new) = (Some((u, need)), new);
-                }
-                weighed += 1;
-                if new == 0 || weighed == WEIGHED {
-                    break;
-                }
-            }
-        }
-        let (u, bytes) = match choice {
+        let (u, bytes) = match self.site(core, seg, rounded, spare.as_deref(), piece) {
             None => return Err(GrowError::Memory(OomCause::AddressSpace)),
-            Some((free, 0)) => {
+            Some(Site::Free(free)) => {
                 self.index_remove(free);
                 return Ok(free);
             }
-            Some(c) => c,
+            Some(Site::Map { range, bytes }) => (range, bytes),
         };
+        let unit = self.segments.get(seg).virt().unit;
+        let per_unit = self.segments.get(seg).virt().per_unit;
         let (start, room) = (self.blocks[u].addr, self.blocks[u].size);
         let (mapped, err) = if core.mode == SegmentMode::Remap {
             self.map_spare(core, seg, start, bytes, room, piece)
@@ -225,6 +183,88 @@ impl Shard {
         }
         self.index_remove(id);
         Ok(id)
+    }
+
+    /// Where in `seg` growth for a request of `rounded` bytes goes: a free block that holds it
+    /// already (the cache passed it over only because it is at least max_split_size; growth
+    /// serves from it, as PyTorch's expandable segments do), or an unmapped range that, with the
+    /// free blocks on either side, holds it, and the bytes to map at its front.
+    ///
+    /// The lowest such range, as low addresses first keeps the mapped memory compact; except
+    /// that remap mode with `spare` pieces (of these sizes) on hand weighs the lowest
+    /// [`WEIGHED`] ranges and takes the one that needs the fewest new bytes, the lowest of those:
+    /// a range too narrow for the pieces would leave them unused and create new memory. Only
+    /// [`WEIGHED`] ranges: each costs a pass over the spare pieces per piece mapped, and a
+    /// reservation riddled with holes must not make growth slow.
+    pub(super) fn site<D: Driver>(
+        &self,
+        core: &Core<D>,
+        seg: u32,
+        rounded: u64,
+        spare: Option<&[u64]>,
+        piece: u64,
+    ) -> Option<Site> {
+        let v = self.segments.get(seg).virt();
+        let remap = core.mode == SegmentMode::Remap;
+        let (mut best, mut best_new, mut weighed) = (None, u64::MAX, 0);
+        for &(_, u) in &v.unmapped {
+            let bytes = match self.site_at(core, seg, u, rounded) {
+                None => continue,
+                Some(Site::Map { bytes, .. }) => bytes,
+                free => return free,
+            };
+            let b = &self.blocks[u];
+            let Some(sizes) = spare.filter(|_| remap) else {
+                return Some(Site::Map { range: u, bytes });
+            };
+            let new =
+                super::spare::new_bytes_for(sizes.to_vec(), bytes, b.size, piece, core.granularity);
+            if new < best_new {
+                (best, best_new) = (Some(Site::Map { range: u, bytes }), new);
+            }
+            weighed += 1;
+            if new == 0 || weighed == WEIGHED {
+                break;
+            }
+        }
+        best
+    }
+
+    /// Growth for a request of `rounded` bytes at unmapped block `u` of `seg`
+    /// ([`Shard::site`]), if `u` holds the request with the free blocks on either side.
+    fn site_at<D: Driver>(
+        &self,
+        core: &Core<D>,
+        seg: u32,
+        u: BlockId,
+        rounded: u64,
+    ) -> Option<Site> {
+        let s = self.segments.get(seg);
+        let v = s.virt();
+        let b = &self.blocks[u];
+        let free_size = |id: BlockId| {
+            if id != NIL && self.blocks[id].state == BlockState::Free {
+                self.blocks[id].size
+            } else {
+                0
+            }
+        };
+        let before = free_size(b.prev);
+        if before >= rounded {
+            return Some(Site::Free(b.prev));
+        }
+        if before + b.size + free_size(b.next) < rounded {
+            return None;
+        }
+        // Remap mode grows the large pool by at least a large segment's worth, as PyTorch's
+        // segments do: small requests then do not each cost a map.
+        let floor = if core.mode == SegmentMode::Remap && s.pool == PoolKind::Large {
+            rules::LARGE_BUFFER
+        } else {
+            0
+        };
+        let bytes = ((rounded - before).max(floor).div_ceil(v.unit) * v.unit).min(b.size);
+        Some(Site::Map { range: u, bytes })
     }
 
     /// Map `bytes` from `start` in mappings of `chunk` bytes; returns the bytes mapped (a
@@ -263,18 +303,22 @@ impl Shard {
     /// Compact and remap modes, before growing for `stream`: move memory rather than add it.
     /// Free mappings of this shard are unmapped first, so that reserved bytes follow live bytes
     /// (compact: their memory goes back to the driver; remap: their pieces become spare, to be
-    /// mapped here). Returns the bytes still wanted. A failure only means that less is moved.
+    /// mapped here), except the free blocks beside the range that growth will map: growth uses
+    /// them where they are, and moving them would only map their pieces back (one unmap, map
+    /// and set-access each, for nothing). Returns the bytes still wanted. A failure only means
+    /// that less is moved.
     pub(crate) fn make_room<D: Driver>(
         &mut self,
         core: &Core<D>,
         stream: StreamId,
         rounded: u64,
     ) -> u64 {
-        let want = self.room_wanted(core, stream, rounded);
+        let (want, site) = self.room_wanted(core, stream, rounded);
         if want == 0 {
             return 0;
         }
-        match self.release_for_growth(core, want, false) {
+        let keep = site.map_or([NIL; 2], |u| [self.blocks[u].prev, self.blocks[u].next]);
+        match self.release_for_growth(core, want, false, keep) {
             Ok(got) => want.saturating_sub(got),
             Err(e) => {
                 note_move_failure(core, &e);
@@ -283,30 +327,58 @@ impl Shard {
         }
     }
 
-    /// How much memory growth for `stream` should move before it adds any.
-    fn room_wanted<D: Driver>(&self, core: &Core<D>, stream: StreamId, rounded: u64) -> u64 {
+    /// How much memory growth for `stream` should move before it adds any, and (remap mode)
+    /// the unmapped range it will map ([`Shard::site`], with the spare pieces on hand now).
+    fn room_wanted<D: Driver>(
+        &self,
+        core: &Core<D>,
+        stream: StreamId,
+        rounded: u64,
+    ) -> (u64, Option<BlockId>) {
         match core.mode {
             // A capture records the addresses it uses: grow, move nothing, while it runs (a
             // graph pool grows only during a capture).
-            _ if is_pool_key(stream) || core.driver.is_capturing(regions::stream_of(stream)) => 0,
+            _ if is_pool_key(stream) || core.driver.is_capturing(regions::stream_of(stream)) => {
+                (0, None)
+            }
             SegmentMode::Remap => {
                 let g = core.granularity;
-                (rounded.div_ceil(g) * g).saturating_sub(self.spare_bytes())
+                let pool = rules::pool_for(rounded);
+                let piece = match pool {
+                    PoolKind::Small => core.granularity,
+                    PoolKind::Large => core.remap_piece,
+                };
+                let seg = self
+                    .reservations
+                    .iter()
+                    .find(|&&(s, p, _)| s == stream && p == pool)
+                    .map(|&(_, _, seg)| seg);
+                let spare = self.spare_sizes();
+                let spare = (!spare.is_empty()).then_some(&spare[..]);
+                let (bytes, site) =
+                    match seg.and_then(|seg| self.site(core, seg, rounded, spare, piece)) {
+                        Some(Site::Free(_)) => return (0, None),
+                        Some(Site::Map { range, bytes }) => (bytes, Some(range)),
+                        None => (rounded.div_ceil(g) * g, None),
+                    };
+                (bytes.saturating_sub(self.spare_bytes()), site)
             }
-            SegmentMode::Compact => rounded,
-            _ => 0,
+            SegmentMode::Compact => (rounded, None),
+            _ => (0, None),
         }
     }
 
     /// Unmap about `want` bytes of free memory from this shard's virtual segments (not graph
-    /// pools'); returns the bytes unmapped. With `device_sync`, the whole device is synchronised
-    /// before an unmap instead of the segment's stream (for another stream's growth: a stream
-    /// handle seen earlier may have been destroyed since; the device cannot be).
+    /// pools'), none of it inside the free blocks `keep` (or [`NIL`]); returns the bytes
+    /// unmapped. With `device_sync`, the whole device is synchronised before an unmap instead
+    /// of the segment's stream (for another stream's growth: a stream handle seen earlier may
+    /// have been destroyed since; the device cannot be).
     pub(crate) fn release_for_growth<D: Driver>(
         &mut self,
         core: &Core<D>,
         want: u64,
         device_sync: bool,
+        keep: [BlockId; 2],
     ) -> Result<u64> {
         // Graph pools' memory is never moved: graphs replay at the addresses they captured.
         let segs: Vec<u32> = self
@@ -320,12 +392,18 @@ impl Shard {
             if left == 0 {
                 break;
             }
-            left = left.saturating_sub(self.release_free_mappings(core, seg, left, device_sync)?);
+            left = left.saturating_sub(self.release_free_mappings(
+                core,
+                seg,
+                left,
+                device_sync,
+                keep,
+            )?);
         }
         Ok(want - left)
     }
 
-    /// Unmap mappings that lie wholly inside free blocks of `seg`, until at least `budget`
+    /// Unmap mappings that lie wholly inside free blocks of `seg` other than `keep`, until at least `budget`
     /// bytes are unmapped (or all of them). The segment's stream is synchronised first: the
     /// device may still be reading memory freed on it. Returns the bytes unmapped; on an error,
     /// what was unmapped before it is accounted and the rest stays mapped.
@@ -335,6 +413,7 @@ impl Shard {
         seg: u32,
         budget: u64,
         device_sync: bool,
+        keep: [BlockId; 2],
     ) -> Result<u64> {
         // Asleep memory is neither given back nor moved: its free lists are detached.
         if self.sleeps(self.segments.get(seg).stream) {
@@ -347,7 +426,7 @@ impl Shard {
         let mut id = s.first;
         while id != NIL {
             let b = &self.blocks[id];
-            if b.state == BlockState::Free {
+            if b.state == BlockState::Free && !keep.contains(&id) {
                 let inside: Vec<DevicePtr> = mappings
                     .range(b.addr..b.end())
                     .filter(|(&va, m)| va + m.bytes <= b.end())
@@ -532,7 +611,7 @@ impl Shard {
     /// Unmap every free mapping of `seg`, and give its reservation back once nothing in it is
     /// mapped.
     pub(super) fn shrink_virtual<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {
-        self.release_free_mappings(core, seg, u64::MAX, false)?;
+        self.release_free_mappings(core, seg, u64::MAX, false, [NIL; 2])?;
         let s = self.segments.get(seg);
         let b = &self.blocks[s.first];
         if b.state != BlockState::Unmapped || b.next != NIL {
