@@ -588,3 +588,55 @@ fn remap_growth_keeps_the_free_block_it_extends() {
     a.empty_cache().unwrap();
     assert_eq!(a.driver().held_bytes(), 0);
 }
+
+#[test]
+fn dropping_the_allocator_gives_its_cache_back_and_keeps_live_memory() {
+    // The same operations on two devices; one allocator then empties its cache, the other is
+    // dropped with its cache full: the drop must leave exactly what the emptied one holds.
+    let ops = |a: &Allocator<SimDriver>| {
+        let keep = a.allocate(3 * MIB, S0).unwrap();
+        for size in [4096, 30 * MIB, 200 * MIB] {
+            let x = a.allocate(size, S0).unwrap();
+            let y = a.allocate(size, S1).unwrap();
+            a.free(x.ptr).unwrap();
+            a.free(y.ptr).unwrap();
+        }
+        keep
+    };
+    for mode in [
+        SegmentMode::Native,
+        SegmentMode::Expandable,
+        SegmentMode::Compact,
+        SegmentMode::Remap,
+    ] {
+        let emptied = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        ops(&emptied);
+        emptied.empty_cache().unwrap();
+        let live_only = emptied.driver().held_bytes();
+        assert!(live_only > 0, "{mode:?}");
+
+        // Dropping the allocator drops its driver: the simulated process exits, and the device
+        // counts what only the exit gave back.
+        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let device = a.driver().device().clone();
+        ops(&a);
+        assert!(
+            a.driver().held_bytes() > live_only,
+            "{mode:?}: a cache to give back"
+        );
+        drop(a);
+        assert_eq!(
+            device.reclaimed_at_exit(),
+            live_only,
+            "{mode:?}: after drop"
+        );
+
+        // With nothing live, nothing is left.
+        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let device = a.driver().device().clone();
+        let keep = ops(&a);
+        a.free(keep.ptr).unwrap();
+        drop(a);
+        assert_eq!(device.reclaimed_at_exit(), 0, "{mode:?}: all of it back");
+    }
+}

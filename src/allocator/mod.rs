@@ -500,3 +500,30 @@ impl<D: Driver> Allocator<D> {
         dump
     }
 }
+
+impl<D: Driver> Drop for Allocator<D> {
+    /// Cached device memory, the copy stream and the host memory kept for the next sleep go
+    /// with the allocator: one dropped in the middle of a process (an engine restarted, a test)
+    /// must not hold them for the rest of it. Live allocations stay mapped (their pointers may
+    /// still be in use, and nothing can free them any more); a warning counts them. A copy of a
+    /// sleep or wake left queued by a failed synchronisation is waited for first; if even that
+    /// fails, nothing is freed.
+    fn drop(&mut self) {
+        if !self.settle_copy_stream() {
+            return;
+        }
+        if let Err(e) = self.empty_cache() {
+            tracing::error!(error = %e, "could not give the cache back when the allocator was dropped");
+        }
+        let live = self.live_allocations();
+        if live > 0 {
+            let reserved = self.core.ledger.reserved();
+            tracing::warn!(
+                live,
+                reserved,
+                "allocator dropped with live allocations: their memory stays held for the rest of the process"
+            );
+        }
+        self.drop_sleep_state();
+    }
+}

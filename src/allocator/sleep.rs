@@ -481,20 +481,28 @@ impl<D: Driver> Allocator<D> {
     }
 }
 
-impl<D: Driver> Drop for Allocator<D> {
-    /// Host memory kept for the next sleep and the copy stream go with the allocator (device
-    /// memory goes with the process's context). A sleep or wake whose synchronisation failed
-    /// may have left copies queued into that host memory, so the stream is synchronised before
-    /// anything is freed; if even that fails the host memory is kept (leaked), never freed
-    /// under a copy.
-    fn drop(&mut self) {
+impl<D: Driver> Allocator<D> {
+    /// At drop, first: wait for the copy stream. A sleep or wake whose synchronisation failed
+    /// may have left copies queued between device memory and the host memory kept for the next
+    /// sleep; false when even this fails (then neither may be freed).
+    pub(super) fn settle_copy_stream(&mut self) -> bool {
+        let Some(s) = self.sleep.get_mut().stream else {
+            return true;
+        };
+        match self.core.driver.sync_stream(s) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(error = %e, "could not synchronise the copy stream; its device and host memory are kept");
+                false
+            }
+        }
+    }
+
+    /// At drop, last: the copy stream and the host memory kept for the next sleep go.
+    pub(super) fn drop_sleep_state(&mut self) {
         let st = self.sleep.get_mut();
         let d = &self.core.driver;
         if let Some(s) = st.stream.take() {
-            if let Err(e) = d.sync_stream(s) {
-                tracing::error!(error = %e, "could not synchronise the copy stream; its host memory is kept");
-                return;
-            }
             if let Err(e) = d.destroy_stream(s) {
                 tracing::error!(error = %e, "could not destroy the copy stream");
             }

@@ -1,7 +1,7 @@
 //! What tests and callers may do to, and learn about, a simulated process besides the
 //! driver calls: memory behind the allocator's back, usage visibility, what it holds.
 
-use super::{DriverCall, DriverResult, SimDriver};
+use super::{DriverCall, DriverResult, SimDevice, SimDriver};
 use crate::driver::DevicePtr;
 
 impl SimDriver {
@@ -66,5 +66,13 @@ impl SimDriver {
             }
         }
         true
+    }
+}
+
+impl SimDevice {
+    /// Bytes of segments and physical handles that processes still held when they exited
+    /// (their driver was dropped): memory only the exit gave back.
+    pub fn reclaimed_at_exit(&self) -> u64 {
+        self.state.lock().reclaimed_at_exit
     }
 }
