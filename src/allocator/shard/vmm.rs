@@ -134,10 +134,7 @@ impl Shard {
     ) -> std::result::Result<BlockId, GrowError> {
         let pool = rules::pool_for(rounded);
         let seg = self.reservation(core, stream, pool)?;
-        let piece = match pool {
-            PoolKind::Small => core.granularity,
-            PoolKind::Large => core.remap_piece,
-        };
+        let piece = largest_piece(core, pool);
         let spare = if core.mode == SegmentMode::Remap && !self.spare.is_empty() {
             Some(self.spare_sizes())
         } else {
@@ -303,10 +300,10 @@ impl Shard {
     /// Compact and remap modes, before growing for `stream`: move memory rather than add it.
     /// Free mappings of this shard are unmapped first, so that reserved bytes follow live bytes
     /// (compact: their memory goes back to the driver; remap: their pieces become spare, to be
-    /// mapped here), except the free blocks beside the range that growth will map: growth uses
-    /// them where they are, and moving them would only map their pieces back (one unmap, map
-    /// and set-access each, for nothing). Returns the bytes still wanted. A failure only means
-    /// that less is moved.
+    /// mapped here), except (remap) the free blocks beside the range that growth will map:
+    /// growth uses them where they are, and moving them would only map their pieces back (one
+    /// unmap, map and set-access each, for nothing). Returns the bytes still wanted. A failure
+    /// only means that less is moved.
     pub(crate) fn make_room<D: Driver>(
         &mut self,
         core: &Core<D>,
@@ -344,10 +341,7 @@ impl Shard {
             SegmentMode::Remap => {
                 let g = core.granularity;
                 let pool = rules::pool_for(rounded);
-                let piece = match pool {
-                    PoolKind::Small => core.granularity,
-                    PoolKind::Large => core.remap_piece,
-                };
+                let piece = largest_piece(core, pool);
                 let seg = self
                     .reservations
                     .iter()
@@ -642,6 +636,15 @@ impl Shard {
             core.history
                 .record(action, va, bytes, stream, crate::tag::Tag::Untracked);
         }
+    }
+}
+
+/// Remap mode: the largest new piece growth in `pool` creates (the small pool's pages are
+/// one granule each).
+fn largest_piece<D: Driver>(core: &Core<D>, pool: PoolKind) -> u64 {
+    match pool {
+        PoolKind::Small => core.granularity,
+        PoolKind::Large => core.remap_piece,
     }
 }
 
