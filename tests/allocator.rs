@@ -640,3 +640,27 @@ fn dropping_the_allocator_gives_its_cache_back_and_keeps_live_memory() {
         assert_eq!(device.reclaimed_at_exit(), 0, "{mode:?}: all of it back");
     }
 }
+
+#[test]
+fn dropping_the_allocator_after_its_streams_are_gone_synchronises_only_the_device() {
+    // A stream the allocator cached memory for is destroyed before the allocator is dropped:
+    // the drop must not name it to the driver (the simulated device panics on a destroyed
+    // stream, as a real one may crash), and still gives everything back.
+    use vram_ledger::Driver;
+    for mode in [
+        SegmentMode::Native,
+        SegmentMode::Expandable,
+        SegmentMode::Remap,
+    ] {
+        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let device = a.driver().device().clone();
+        let s = a.driver().create_stream().unwrap();
+        for size in [4096, 30 * MIB] {
+            let x = a.allocate(size, s).unwrap();
+            a.free(x.ptr).unwrap();
+        }
+        a.driver().destroy_stream(s).unwrap();
+        drop(a);
+        assert_eq!(device.reclaimed_at_exit(), 0, "{mode:?}");
+    }
+}

@@ -319,7 +319,7 @@ impl Shard {
             .map(|(id, _)| id)
             .collect();
         for seg in segs {
-            self.release_segment(core, seg)?;
+            self.release_segment(core, seg, super::shard::SyncFirst::Owner)?;
         }
         Ok(())
     }

@@ -44,7 +44,7 @@ use self::graphs::GraphRegistry;
 pub use self::graphs::{GraphMemory, GraphPool};
 pub use self::history::HistoryEntry;
 pub use self::shard::PoolStats;
-use self::shard::{GrowError, Shard};
+use self::shard::{GrowError, Shard, SyncFirst};
 pub use self::sleep::{SleepReport, WakeReport};
 use self::spin::{SpinGuard, SpinLock};
 use self::streams::{StreamTable, SHARDS};
@@ -446,11 +446,15 @@ impl<D: Driver> Allocator<D> {
     /// freed blocks). Every shard is attempted; the first error is returned and what could not
     /// be released stays cached and accounted.
     pub fn empty_cache(&self) -> Result<()> {
+        self.release_all(SyncFirst::Owner)
+    }
+
+    fn release_all(&self, sync: SyncFirst) -> Result<()> {
         let mut first = None;
         for i in 0..self.shards.len() {
             if let Err(e) = self
                 .lock(i)
-                .and_then(|mut sh| sh.release_cached(&self.core))
+                .and_then(|mut sh| sh.release_cached(&self.core, sync))
             {
                 first.get_or_insert(e);
             }
@@ -504,26 +508,43 @@ impl<D: Driver> Allocator<D> {
 impl<D: Driver> Drop for Allocator<D> {
     /// Cached device memory, the copy stream and the host memory kept for the next sleep go
     /// with the allocator: one dropped in the middle of a process (an engine restarted, a test)
-    /// must not hold them for the rest of it. Live allocations stay mapped (their pointers may
-    /// still be in use, and nothing can free them any more); a warning counts them. A copy of a
-    /// sleep or wake left queued by a failed synchronisation is waited for first; if even that
-    /// fails, nothing is freed.
+    /// must not hold them for the rest of it. What stays held is warned about: live
+    /// allocations (their pointers may still be in use, and nothing can free them any more),
+    /// graph pools a graph may still replay into, asleep tags' memory, a poisoned shard's.
+    ///
+    /// A copy of a sleep or wake left queued by a failed synchronisation is waited for first;
+    /// if that fails, nothing is freed. Then the whole device is synchronised once, not each
+    /// segment's stream (streams the allocator saw may have been destroyed by now); if that
+    /// fails, the device memory is kept. No device memory is released while the thread
+    /// unwinds from a panic (a second panic there would abort the process).
     fn drop(&mut self) {
         if !self.settle_copy_stream() {
             return;
         }
-        if let Err(e) = self.empty_cache() {
-            tracing::error!(error = %e, "could not give the cache back when the allocator was dropped");
-        }
-        let live = self.live_allocations();
-        if live > 0 {
-            let reserved = self.core.ledger.reserved();
-            tracing::warn!(
-                live,
-                reserved,
-                "allocator dropped with live allocations: their memory stays held for the rest of the process"
-            );
+        if !std::thread::panicking() {
+            self.release_at_drop();
         }
         self.drop_sleep_state();
+    }
+}
+
+impl<D: Driver> Allocator<D> {
+    fn release_at_drop(&self) {
+        if let Err(e) = self.core.driver.sync_device() {
+            tracing::error!(error = %e, "could not synchronise the device when the allocator was dropped; its device memory is kept");
+            return;
+        }
+        if let Err(e) = self.release_all(SyncFirst::Done) {
+            tracing::error!(error = %e, "could not give the cache back when the allocator was dropped");
+        }
+        let reserved = self.core.ledger.reserved();
+        if reserved > 0 {
+            let live = self.live_allocations();
+            tracing::warn!(
+                reserved,
+                live,
+                "allocator dropped holding memory (live allocations, graph pools, asleep tags or a poisoned shard): it stays held for the rest of the process"
+            );
+        }
     }
 }

@@ -15,7 +15,8 @@
 //!   memory within the same total); remap mode hands the unmapped pieces over to the growing
 //!   shard as spare, so the physical memory itself moves.
 
-use super::shard::{note_move_failure, Shard};
+use super::block::NIL;
+use super::shard::{note_move_failure, Shard, SyncFirst};
 use super::{Allocator, SegmentMode};
 use crate::driver::Driver;
 
@@ -31,12 +32,7 @@ impl<D: Driver> Allocator<D> {
             let Some(mut other) = self.shards[j].try_lock() else {
                 continue;
             };
-            match other.release_for_growth(
-                &self.core,
-                left,
-                true,
-                [crate::allocator::block::NIL; 2],
-            ) {
+            match other.release_for_growth(&self.core, left, SyncFirst::Device, [NIL; 2]) {
                 Ok(got) => left = left.saturating_sub(got),
                 Err(e) => note_move_failure(&self.core, &e),
             }

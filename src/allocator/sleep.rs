@@ -23,7 +23,7 @@
 use std::time::Instant;
 
 use super::shard::sleep::{TagMapping, DISCARDED};
-use super::shard::{GrowError, Shard};
+use super::shard::{GrowError, Shard, SyncFirst};
 use super::spin::SpinGuard;
 use super::Allocator;
 use crate::driver::{DevicePtr, Driver, DriverResult, HostPtr, PhysHandle, StreamId};
@@ -247,7 +247,7 @@ impl<D: Driver> Allocator<D> {
         let d = &self.core.driver;
         d.sync_device()?;
         for sh in shards.iter_mut() {
-            sh.release_cached(&self.core)?;
+            sh.release_cached(&self.core, SyncFirst::Done)?;
         }
         let mut plan: Vec<(Tag, bool)> = Vec::new();
         for &t in offload.iter().chain(discard) {
@@ -369,7 +369,7 @@ impl<D: Driver> Allocator<D> {
                     // What the awake tags cached since the sleep may be what is missing: give
                     // it back and try once more, as an allocation would.
                     for sh in shards.iter_mut() {
-                        if let Err(e) = sh.release_cached(&self.core) {
+                        if let Err(e) = sh.release_cached(&self.core, SyncFirst::Owner) {
                             tracing::warn!(error = %e, "releasing the cache before retrying a wake failed");
                         }
                     }

@@ -40,7 +40,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 pub use self::check::PoolStats;
 pub(crate) use self::spare::Spare;
-pub(crate) use self::vmm::{note_move_failure, VirtualMap};
+pub(crate) use self::vmm::{note_move_failure, SyncFirst, VirtualMap};
 use super::block::{Arena, Block, BlockId, BlockState, NIL};
 use super::core::{Allocation, Core};
 use super::free_index::FreeIndex;
@@ -511,9 +511,13 @@ impl Shard {
 
     /// Give every unused byte of this shard back to the driver: wait for pending events, free
     /// whole free plain segments, unmap free mappings of virtual segments (and release a
-    /// reservation once nothing in it is mapped), release spare pieces. Returns the first
-    /// error; what could not be released stays cached and accounted.
-    pub(crate) fn release_cached<D: Driver>(&mut self, core: &Core<D>) -> Result<()> {
+    /// reservation once nothing in it is mapped, after `sync`), release spare pieces. Returns
+    /// the first error; what could not be released stays cached and accounted.
+    pub(crate) fn release_cached<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        sync: SyncFirst,
+    ) -> Result<()> {
         let mut first_err: Option<Error> = None;
         if let Err(e) = self.process_pending(core, true) {
             first_err.get_or_insert(e);
@@ -523,7 +527,7 @@ impl Shard {
             if !self.graphs.releasable(self.segments.get(seg).stream) {
                 continue;
             }
-            if let Err(e) = self.release_segment(core, seg) {
+            if let Err(e) = self.release_segment(core, seg, sync) {
                 first_err.get_or_insert(e);
             }
         }
@@ -553,9 +557,14 @@ impl Shard {
 
     /// Give back what is free in segment `seg`: a whole free plain segment, or a virtual
     /// segment's free mappings (and its reservation once nothing in it is mapped).
-    pub(crate) fn release_segment<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {
+    pub(crate) fn release_segment<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        seg: u32,
+        sync: SyncFirst,
+    ) -> Result<()> {
         if self.segments.get(seg).is_virtual() {
-            self.shrink_virtual(core, seg)
+            self.shrink_virtual(core, seg, sync)
         } else {
             self.free_plain(core, seg)
         }

@@ -9,10 +9,12 @@
 //!   at all: a failure part-way through growth undoes the chunk it was on and keeps the
 //!   chunks before it, mapped and accounted.
 //! - `unmapped` holds exactly the `Unmapped` blocks of the segment, keyed by address.
-//! - Moving memory before growth keeps the free blocks beside the range growth is to map
-//!   (growth extends them in place).
-//! - A segment's stream is synchronised before anything in it is unmapped (for a graph pool's
-//!   segment, the whole device); a graph pool's memory is never moved to serve other growth.
+//! - Remap: moving memory before growth keeps the free blocks beside the range that growth is
+//!   to map, as chosen before the move (growth extends them in place; it chooses again after
+//!   the move, with the pieces moved, and may take another range).
+//! - Before anything in a segment is unmapped, its stream is synchronised, or the whole device
+//!   ([`SyncFirst`]: a graph pool's segment, another stream's growth, a caller that has
+//!   synchronised it); a graph pool's memory is never moved to serve other growth.
 //! - An asleep tag's segments are neither released nor moved here (`sleep.rs` owns their
 //!   mappings until the tag wakes), and no allocation grows them.
 
@@ -31,6 +33,18 @@ use crate::replay::trace::Action;
 
 /// Remap growth weighs at most this many unmapped ranges for where to map spare pieces.
 const WEIGHED: usize = 32;
+
+/// What to synchronise before unmapping memory freed on a segment's stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SyncFirst {
+    /// The segment's own stream (the whole device for a graph pool's segment).
+    Owner,
+    /// The whole device: for another stream's growth, or at drop (a stream handle seen earlier
+    /// may have been destroyed since; the device cannot be).
+    Device,
+    /// Nothing: the caller has synchronised the device.
+    Done,
+}
 
 /// Where growth goes ([`Shard::site`]).
 #[derive(Clone, Copy, Debug)]
@@ -315,7 +329,7 @@ impl Shard {
             return 0;
         }
         let keep = site.map_or([NIL; 2], |u| [self.blocks[u].prev, self.blocks[u].next]);
-        match self.release_for_growth(core, want, false, keep) {
+        match self.release_for_growth(core, want, SyncFirst::Owner, keep) {
             Ok(got) => want.saturating_sub(got),
             Err(e) => {
                 note_move_failure(core, &e);
@@ -363,15 +377,13 @@ impl Shard {
     }
 
     /// Unmap about `want` bytes of free memory from this shard's virtual segments (not graph
-    /// pools'), none of it inside the free blocks `keep` (or [`NIL`]); returns the bytes
-    /// unmapped. With `device_sync`, the whole device is synchronised before an unmap instead
-    /// of the segment's stream (for another stream's growth: a stream handle seen earlier may
-    /// have been destroyed since; the device cannot be).
+    /// pools'), none of it inside the free blocks `keep` (or [`NIL`]), after `sync`; returns
+    /// the bytes unmapped.
     pub(crate) fn release_for_growth<D: Driver>(
         &mut self,
         core: &Core<D>,
         want: u64,
-        device_sync: bool,
+        sync: SyncFirst,
         keep: [BlockId; 2],
     ) -> Result<u64> {
         // Graph pools' memory is never moved: graphs replay at the addresses they captured.
@@ -386,27 +398,22 @@ impl Shard {
             if left == 0 {
                 break;
             }
-            left = left.saturating_sub(self.release_free_mappings(
-                core,
-                seg,
-                left,
-                device_sync,
-                keep,
-            )?);
+            left = left.saturating_sub(self.release_free_mappings(core, seg, left, sync, keep)?);
         }
         Ok(want - left)
     }
 
-    /// Unmap mappings that lie wholly inside free blocks of `seg` other than `keep`, until at least `budget`
-    /// bytes are unmapped (or all of them). The segment's stream is synchronised first: the
-    /// device may still be reading memory freed on it. Returns the bytes unmapped; on an error,
-    /// what was unmapped before it is accounted and the rest stays mapped.
+    /// Unmap mappings that lie wholly inside free blocks of `seg` other than `keep`, until at
+    /// least `budget` bytes are unmapped (or all of them). What `sync` names is synchronised
+    /// first: the device may still be reading memory freed on the segment's stream. Returns the
+    /// bytes unmapped; on an error, what was unmapped before it is accounted and the rest stays
+    /// mapped.
     fn release_free_mappings<D: Driver>(
         &mut self,
         core: &Core<D>,
         seg: u32,
         budget: u64,
-        device_sync: bool,
+        sync: SyncFirst,
         keep: [BlockId; 2],
     ) -> Result<u64> {
         // Asleep memory is neither given back nor moved: its free lists are detached.
@@ -436,10 +443,10 @@ impl Shard {
             return Ok(0);
         }
         let owner = s.stream;
-        if device_sync {
-            core.driver.sync_device()?;
-        } else {
-            core.sync_owner(owner)?;
+        match sync {
+            SyncFirst::Owner => core.sync_owner(owner)?,
+            SyncFirst::Device => core.driver.sync_device()?,
+            SyncFirst::Done => {}
         }
         let mut released = 0;
         for (block, vas) in runs {
@@ -604,8 +611,13 @@ impl Shard {
 
     /// Unmap every free mapping of `seg`, and give its reservation back once nothing in it is
     /// mapped.
-    pub(super) fn shrink_virtual<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {
-        self.release_free_mappings(core, seg, u64::MAX, false, [NIL; 2])?;
+    pub(super) fn shrink_virtual<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        seg: u32,
+        sync: SyncFirst,
+    ) -> Result<()> {
+        self.release_free_mappings(core, seg, u64::MAX, sync, [NIL; 2])?;
         let s = self.segments.get(seg);
         let b = &self.blocks[s.first];
         if b.state != BlockState::Unmapped || b.next != NIL {
