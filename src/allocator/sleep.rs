@@ -6,7 +6,9 @@
 //! Sleep synchronises the device, gives back every shard's cache (all tags), copies the
 //! offloaded tags' mappings to page-locked host memory on a stream of its own (queued all at
 //! once, one synchronisation), then releases and unmaps the sleeping tags' memory. Wake maps
-//! fresh memory at the same addresses, queues the copies back, and synchronises once.
+//! fresh memory at the same addresses, queues the copies back, and synchronises once. When the
+//! allocator is dropped, the copy stream is synchronised before anything is freed, then
+//! destroyed with the host memory.
 //!
 //! Invariants:
 //! - Sleep and wake hold every shard's lock from start to end (allocations on other threads

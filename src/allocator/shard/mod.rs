@@ -20,7 +20,8 @@
 //! - Reserved bytes in the ledger change only together with a successful driver call that
 //!   took or gave back memory, so they always equal what the driver holds for us.
 //! - Memory is freed or unmapped only after the streams that used it are synchronised
-//!   (events waited for; the owning stream synchronised before an unmap).
+//!   (events waited for; before an unmap, the owning stream synchronised, or the whole
+//!   device: `vmm::SyncFirst`).
 //! - An allocation on a stream that is capturing a graph neither polls events nor moves
 //!   memory (growth maps new memory instead), and its out-of-memory retry releases no cache:
 //!   nothing it does synchronises, queries or unmaps. Only the calling stream is asked whether

@@ -97,11 +97,7 @@ impl Shard {
         stream: StreamId,
         pool: PoolKind,
     ) -> std::result::Result<u32, GrowError> {
-        if let Some(&(_, _, seg)) = self
-            .reservations
-            .iter()
-            .find(|(s, p, _)| *s == stream && *p == pool)
-        {
+        if let Some(seg) = self.reservation_of(stream, pool) {
             return Ok(seg);
         }
         let (unit, per_unit) = match core.mode {
@@ -138,6 +134,14 @@ impl Shard {
         Ok(seg)
     }
 
+    /// The reservation of (`stream`, `pool`), if made.
+    fn reservation_of(&self, stream: StreamId, pool: PoolKind) -> Option<u32> {
+        self.reservations
+            .iter()
+            .find(|&&(s, p, _)| s == stream && p == pool)
+            .map(|&(_, _, seg)| seg)
+    }
+
     /// Get memory from the driver for a request that the cache cannot serve; returns a free
     /// block (out of the index) that holds at least `rounded` bytes and may serve it.
     pub(crate) fn grow_virtual<D: Driver>(
@@ -148,13 +152,7 @@ impl Shard {
     ) -> std::result::Result<BlockId, GrowError> {
         let pool = rules::pool_for(rounded);
         let seg = self.reservation(core, stream, pool)?;
-        let piece = largest_piece(core, pool);
-        let spare = if core.mode == SegmentMode::Remap && !self.spare.is_empty() {
-            Some(self.spare_sizes())
-        } else {
-            None
-        };
-        let (u, bytes) = match self.site(core, seg, rounded, spare.as_deref(), piece) {
+        let (u, bytes) = match self.site(core, seg, rounded) {
             None => return Err(GrowError::Memory(OomCause::AddressSpace)),
             Some(Site::Free(free)) => {
                 self.index_remove(free);
@@ -166,7 +164,7 @@ impl Shard {
         let per_unit = self.segments.get(seg).virt().per_unit;
         let (start, room) = (self.blocks[u].addr, self.blocks[u].size);
         let (mapped, err) = if core.mode == SegmentMode::Remap {
-            self.map_spare(core, seg, start, bytes, room, piece)
+            self.map_spare(core, seg, start, bytes, room, largest_piece(core, pool))
         } else {
             core.commit(bytes)?;
             let chunk = if per_unit { unit } else { bytes };
@@ -202,21 +200,17 @@ impl Shard {
     /// free blocks on either side, holds it, and the bytes to map at its front.
     ///
     /// The lowest such range, as low addresses first keeps the mapped memory compact; except
-    /// that remap mode with `spare` pieces (of these sizes) on hand weighs the lowest
+    /// that remap mode with spare pieces on hand weighs the lowest
     /// [`WEIGHED`] ranges and takes the one that needs the fewest new bytes, the lowest of those:
     /// a range too narrow for the pieces would leave them unused and create new memory. Only
     /// [`WEIGHED`] ranges: each costs a pass over the spare pieces per piece mapped, and a
     /// reservation riddled with holes must not make growth slow.
-    pub(super) fn site<D: Driver>(
-        &self,
-        core: &Core<D>,
-        seg: u32,
-        rounded: u64,
-        spare: Option<&[u64]>,
-        piece: u64,
-    ) -> Option<Site> {
-        let v = self.segments.get(seg).virt();
-        let remap = core.mode == SegmentMode::Remap;
+    pub(super) fn site<D: Driver>(&self, core: &Core<D>, seg: u32, rounded: u64) -> Option<Site> {
+        let s = self.segments.get(seg);
+        let v = s.virt();
+        let spare =
+            (core.mode == SegmentMode::Remap && !self.spare.is_empty()).then(|| self.spare_sizes());
+        let piece = largest_piece(core, s.pool);
         let (mut best, mut best_new, mut weighed) = (None, u64::MAX, 0);
         for &(_, u) in &v.unmapped {
             let bytes = match self.site_at(core, seg, u, rounded) {
@@ -225,11 +219,11 @@ impl Shard {
                 free => return free,
             };
             let b = &self.blocks[u];
-            let Some(sizes) = spare.filter(|_| remap) else {
+            let Some(sizes) = &spare else {
                 return Some(Site::Map { range: u, bytes });
             };
             let new =
-                super::spare::new_bytes_for(sizes.to_vec(), bytes, b.size, piece, core.granularity);
+                super::spare::new_bytes_for(sizes.clone(), bytes, b.size, piece, core.granularity);
             if new < best_new {
                 (best, best_new) = (Some(Site::Map { range: u, bytes }), new);
             }
@@ -354,21 +348,12 @@ impl Shard {
             }
             SegmentMode::Remap => {
                 let g = core.granularity;
-                let pool = rules::pool_for(rounded);
-                let piece = largest_piece(core, pool);
-                let seg = self
-                    .reservations
-                    .iter()
-                    .find(|&&(s, p, _)| s == stream && p == pool)
-                    .map(|&(_, _, seg)| seg);
-                let spare = self.spare_sizes();
-                let spare = (!spare.is_empty()).then_some(&spare[..]);
-                let (bytes, site) =
-                    match seg.and_then(|seg| self.site(core, seg, rounded, spare, piece)) {
-                        Some(Site::Free(_)) => return (0, None),
-                        Some(Site::Map { range, bytes }) => (bytes, Some(range)),
-                        None => (rounded.div_ceil(g) * g, None),
-                    };
+                let seg = self.reservation_of(stream, rules::pool_for(rounded));
+                let (bytes, site) = match seg.and_then(|seg| self.site(core, seg, rounded)) {
+                    Some(Site::Free(_)) => return (0, None),
+                    Some(Site::Map { range, bytes }) => (bytes, Some(range)),
+                    None => (rounded.div_ceil(g) * g, None),
+                };
                 (bytes.saturating_sub(self.spare_bytes()), site)
             }
             SegmentMode::Compact => (rounded, None),
