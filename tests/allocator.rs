@@ -1,6 +1,7 @@
 //! Behaviour of the caching allocator on the simulated device: PyTorch's rules, errors,
 //! streams, limits, and the expandable mode.
 
+use vram_ledger::allocator::rules::PoolKind;
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
@@ -23,6 +24,10 @@ fn expandable() -> Allocator<SimDriver> {
         },
     )
     .unwrap()
+}
+
+fn remap() -> Allocator<SimDriver> {
+    Allocator::new(SimDriver::new(), Config::with_mode(SegmentMode::Remap)).unwrap()
 }
 
 fn check(a: &Allocator<SimDriver>) {
@@ -559,14 +564,7 @@ fn remap_growth_keeps_the_free_block_it_extends() {
     // A free block at the end of the mapped memory, too small for the request: growth maps
     // only what the block lacks beside it. Moving memory first must not unmap the block itself
     // (and map its piece back a moment later).
-    let a = Allocator::new(
-        SimDriver::new(),
-        Config {
-            mode: SegmentMode::Remap,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let a = remap();
     let x = a.allocate(20 * MIB, S0).unwrap();
     let y = a.allocate(20 * MIB, S0).unwrap();
     assert_eq!(y.ptr, x.ptr + 20 * MIB);
@@ -585,6 +583,43 @@ fn remap_growth_keeps_the_free_block_it_extends() {
     for p in [x.ptr, z.ptr] {
         a.free(p).unwrap();
     }
+    a.empty_cache().unwrap();
+    assert_eq!(a.driver().held_bytes(), 0);
+}
+
+#[test]
+fn remap_small_pool_growth_moves_no_large_piece() {
+    // A free 40 MiB piece of the large pool, and a small request that needs a page. Moving the
+    // piece would map all 40 MiB under the small pool (CUDA maps whole handles), where small
+    // blocks that live long pin it; the page is new memory instead.
+    let a = remap();
+    let big = a.allocate(40 * MIB, S0).unwrap();
+    a.free(big.ptr).unwrap();
+    let before = a.driver_calls();
+    let small = a.allocate(4096, S0).unwrap();
+    let calls = a.driver_calls().since(&before);
+    assert_eq!(
+        (calls[DriverCall::Unmap], calls[DriverCall::CreatePhysical]),
+        (0, 1),
+        "{:?}",
+        calls.nonzero().collect::<Vec<_>>()
+    );
+    let mapped = |pool: PoolKind| -> u64 {
+        let d = a.dump();
+        d.segments
+            .iter()
+            .filter(|s| s.pool == pool)
+            .flat_map(|s| s.mapped.iter().map(|r| r.1))
+            .sum()
+    };
+    assert_eq!(mapped(PoolKind::Small), 2 * MIB);
+    assert_eq!(
+        mapped(PoolKind::Large),
+        40 * MIB,
+        "the large piece stays where it is"
+    );
+    check(&a);
+    a.free(small.ptr).unwrap();
     a.empty_cache().unwrap();
     assert_eq!(a.driver().held_bytes(), 0);
 }

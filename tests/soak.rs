@@ -73,6 +73,14 @@ fn soak_replay_back_to_back_with_a_warm_cache() {
                 + a.driver().calls(DriverCall::CreatePhysical)
         };
         let mut after_first_pass = None;
+        // Remap's pieces, made in pass 1 for a cold layout, serve other blocks once the cache is
+        // warm: a warm pass may find less of its free memory in whole pieces at its peak, and
+        // create a piece more (gpt2-train: 12 MiB at pass 2, 14 MiB at pass 8, then nothing
+        // to pass 30). Never more than one largest piece above pass 1; the other modes, nothing.
+        let slack = match mode {
+            SegmentMode::Remap => vram_ledger::allocator::DEFAULT_REMAP_PIECE,
+            _ => 0,
+        };
         for pass in 1..=PASSES {
             // Peaks are reset per trace, so each replay's figures are its own; the pass's peak
             // reserved is the largest of them.
@@ -97,22 +105,24 @@ fn soak_replay_back_to_back_with_a_warm_cache() {
             // leaked block or segment shows as growth above pass 1.
             let first = *first_peak_reserved.get_or_insert(pass_peak_reserved);
             assert!(
-                pass_peak_reserved <= first,
+                pass_peak_reserved <= first + slack,
                 "{mode} pass {pass}: peak reserved {pass_peak_reserved} above pass 1's {first}"
             );
             // The driver's own figure: what the warm cache holds never exceeds that peak.
             let held = a.driver().held_bytes();
             assert!(
-                held <= first,
+                held <= first + slack,
                 "{mode} pass {pass}: the driver holds {held}, above pass 1's peak {first}"
             );
             // And the cache really is warm: after pass 1 the driver is never asked for memory
             // again (a cache emptied between passes, or a leak, would make it ask).
             let calls = *after_first_pass.get_or_insert(obtained());
-            assert_eq!(
-                obtained(),
-                calls,
-                "{mode} pass {pass}: memory obtained from the driver again"
+            // (Remap: the pieces within the slack above, never as much as a twentieth of what
+            // pass 1 asked for; an emptied cache would ask for all of it again.)
+            let again = obtained() - calls;
+            assert!(
+                again <= if slack == 0 { 0 } else { calls / 20 },
+                "{mode} pass {pass}: memory obtained from the driver again ({again} calls; pass 1 made {calls})"
             );
         }
         let mut d = a.dump();

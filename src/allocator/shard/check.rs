@@ -130,6 +130,18 @@ impl Shard {
         let mut live_seen = 0usize;
         let mut pending_events = 0usize;
         for (i, s) in self.segments.iter() {
+            // Remap's small pool maps pages of one granule, never a large pool's piece.
+            if let SegmentKind::Virtual(v) = &s.kind {
+                let small = s.pool == crate::allocator::rules::PoolKind::Small;
+                for (va, m) in &v.mappings {
+                    if small && m.pooled && m.bytes != v.unit {
+                        problems.push(format!(
+                            "segment {i}: the small pool maps a piece of {} bytes at {va:#x}",
+                            m.bytes
+                        ));
+                    }
+                }
+            }
             let mut id = s.first;
             let mut prev = NIL;
             while id != NIL {

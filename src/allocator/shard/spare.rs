@@ -28,8 +28,8 @@ impl Shard {
     }
 
     /// Map at least `bytes` (at most `room`) from `start`, one whole handle per map call:
-    /// spare pieces first (the smallest that covers what is left, else the largest that
-    /// fits), then new pieces of at most `piece` bytes. Returns the bytes mapped (a prefix)
+    /// spare pieces of at most `piece` bytes first (the smallest that covers what is left, else
+    /// the largest that fits), then new pieces of at most `piece` bytes. Returns the bytes mapped (a prefix)
     /// and the error that stopped it; a piece that could not be mapped stays spare.
     pub(super) fn map_spare<D: Driver>(
         &mut self,
@@ -109,6 +109,9 @@ enum Next {
 /// smallest spare piece (of these sizes) that covers what is left, else the largest that fits,
 /// else a new piece of what is left (granularity `g`), at most `piece` bytes. `left` and
 /// `fits` are multiples of `g` with `left <= fits`, so every choice fits the range.
+///
+/// Spare pieces larger than `piece` are passed over: the small pool's growth (pages of one
+/// granule) leaves the large pool's pieces for the large pool, where they were cut to size.
 fn next_piece(
     sizes: impl Iterator<Item = u64> + Clone,
     left: u64,
@@ -119,12 +122,12 @@ fn next_piece(
     let covering = sizes
         .clone()
         .enumerate()
-        .filter(|&(_, b)| b >= left && b <= fits)
+        .filter(|&(_, b)| b >= left && b <= fits.min(piece))
         .min_by_key(|&(_, b)| b);
     let largest = || {
         sizes
             .enumerate()
-            .filter(|&(_, b)| b <= fits)
+            .filter(|&(_, b)| b <= fits.min(piece))
             .max_by_key(|&(_, b)| b)
     };
     match covering.or_else(largest) {
@@ -183,4 +186,40 @@ fn map_piece<D: Driver>(
         return Err(e);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::MIB;
+
+    fn chosen(sizes: &[u64], left: u64, fits: u64, piece: u64) -> Result<u64, u64> {
+        match next_piece(sizes.iter().copied(), left, fits, piece, 2 * MIB) {
+            Next::Spare(i) => Ok(sizes[i]),
+            Next::New(n) => Err(n),
+        }
+    }
+
+    #[test]
+    fn the_small_pool_leaves_large_spare_pieces_alone() {
+        // The small pool (pieces of one granule) needs a page: a spare 40 MiB piece would be
+        // mapped whole under it; a new page is made instead.
+        assert_eq!(chosen(&[40 * MIB], 2 * MIB, 1 << 40, 2 * MIB), Err(2 * MIB));
+        assert_eq!(
+            chosen(&[40 * MIB, 2 * MIB], 2 * MIB, 1 << 40, 2 * MIB),
+            Ok(2 * MIB)
+        );
+        // The large pool takes the smallest piece that covers what is left, else the largest
+        // that fits, else a new one.
+        let big = 88 * MIB;
+        assert_eq!(
+            chosen(&[40 * MIB, 20 * MIB], 10 * MIB, 1 << 40, big),
+            Ok(20 * MIB)
+        );
+        assert_eq!(
+            chosen(&[40 * MIB, 20 * MIB], 60 * MIB, 1 << 40, big),
+            Ok(40 * MIB)
+        );
+        assert_eq!(chosen(&[40 * MIB], 30 * MIB, 36 * MIB, big), Err(30 * MIB));
+    }
 }

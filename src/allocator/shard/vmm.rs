@@ -12,6 +12,8 @@
 //! - Remap: moving memory before growth keeps the free blocks beside the range that growth is
 //!   to map, as chosen before the move (growth extends them in place; it chooses again after
 //!   the move, with the pieces moved, and may take another range).
+//! - Remap: the small pool's mappings are pages of one granule; its growth moves no memory and
+//!   maps no larger spare piece (a large piece there would be pinned by small blocks).
 //! - Before anything in a segment is unmapped, its stream is synchronised, or the whole device
 //!   ([`SyncFirst`]: a graph pool's segment, another stream's growth, a caller that has
 //!   synchronised it); a graph pool's memory is never moved to serve other growth.
@@ -346,6 +348,10 @@ impl Shard {
             _ if is_pool_key(stream) || core.driver.is_capturing(regions::stream_of(stream)) => {
                 (0, None)
             }
+            // A small-pool page is one granule: moving memory for it would map a whole free
+            // piece of the large pool (CUDA maps whole handles), where small blocks that live
+            // long would pin all of it. New pages cost a map each, as the small pool's always do.
+            SegmentMode::Remap if rules::pool_for(rounded) == PoolKind::Small => (0, None),
             SegmentMode::Remap => {
                 let g = core.granularity;
                 let seg = self.reservation_of(stream, rules::pool_for(rounded));
