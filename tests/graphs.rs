@@ -163,6 +163,40 @@ fn graph_pool_memory_survives_empty_cache_retries_and_moves() {
 }
 
 #[test]
+fn remap_small_capture_at_the_limit_trades_a_large_spare_piece() {
+    // A released graph pool leaves its remap pieces spare. At the limit, a small allocation in
+    // the next capture needs a page: the small pool may not map a large piece, and a capture
+    // may not release the cache, so a spare piece is given back to make room for the page.
+    let a = Allocator::new(SimDriver::new(), Config::with_mode(SegmentMode::Remap)).unwrap();
+    let (_, out) = capture(&a, P, 40 * MIB);
+    a.free(out.ptr).unwrap();
+    a.release_graph_pool(P).unwrap();
+    let held = a.driver().held_bytes();
+    assert!(
+        held >= 40 * MIB && a.dump().spare >= 40 * MIB,
+        "the pool's pieces are spare"
+    );
+    a.set_limit(Some(Limit::Bytes(held))).unwrap();
+    let dev = a.driver().device().clone();
+    dev.begin_capture(CAPTURE);
+    a.begin_graph_pool(Q, CAPTURE).unwrap();
+    let small = a.allocate_tagged(4096, CAPTURE, Tag::Activation).unwrap();
+    assert!(
+        dev.end_capture(CAPTURE),
+        "the allocator spoiled the capture"
+    );
+    a.end_graph_pool(Q, CAPTURE).unwrap();
+    assert!(a.driver().is_accessible(small.ptr, small.size));
+    assert!(a.driver().held_bytes() <= held, "within the limit");
+    check(&a);
+    a.free(small.ptr).unwrap();
+    a.release_graph_pool(Q).unwrap();
+    a.set_limit(None).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.driver().held_bytes(), 0);
+}
+
+#[test]
 fn graph_pool_release_gives_its_memory_back() {
     for mode in SegmentMode::ALL {
         let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();

@@ -27,9 +27,11 @@ pub enum SegmentMode {
     /// bytes. Costs a stream synchronisation and an unmap whenever it moves memory.
     Compact,
     /// Like `Expandable`, but physical memory is created in pieces of at most
-    /// [`Config::remap_piece`], each mapped whole: before growing, the allocator unmaps pieces
-    /// lying wholly inside free blocks anywhere in the shard and maps those same pieces where
-    /// the request needs them. Few physical allocations, the least fragmentation.
+    /// [`Config::remap_piece`], each mapped whole: before growing the large pool, the allocator
+    /// unmaps pieces lying wholly inside free blocks anywhere in the shard and maps those same
+    /// pieces where the request needs them (the small pool grows by new 2 MiB pages, so that no
+    /// large piece ends up pinned under small blocks). Few physical allocations, the least
+    /// fragmentation.
     Remap,
 }
 

@@ -1,6 +1,6 @@
 //! Moving free memory between streams (compact and remap modes, with
 //! [`super::Config::move_across_streams`]): when a stream's shard must grow and its own free
-//! memory does not cover the request, free memory cached in other shards is unmapped there and
+//! memory does not cover the request (remap: in the large pool; the small pool moves nothing), free memory cached in other shards is unmapped there and
 //! taken instead of new memory, so that what one stream cached can serve another.
 //!
 //! Invariants:

@@ -28,9 +28,10 @@ impl Shard {
     }
 
     /// Map at least `bytes` (at most `room`) from `start`, one whole handle per map call:
-    /// spare pieces of at most `piece` bytes first (the smallest that covers what is left, else
-    /// the largest that fits), then new pieces of at most `piece` bytes. Returns the bytes mapped (a prefix)
-    /// and the error that stopped it; a piece that could not be mapped stays spare.
+    /// spare pieces of at most `piece` bytes first (the smallest that covers what is left,
+    /// else the largest that fits), then new pieces of at most `piece` bytes. Returns the bytes
+    /// mapped (a prefix) and the error that stopped it; a piece that could not be mapped stays
+    /// spare.
     pub(super) fn map_spare<D: Driver>(
         &mut self,
         core: &Core<D>,
@@ -46,7 +47,7 @@ impl Shard {
             let sizes = self.spare.iter().map(|p| p.bytes);
             let p = match next_piece(sizes, bytes - done, room - done, piece, g) {
                 Next::Spare(i) => self.spare.swap_remove(i),
-                Next::New(size) => match create_piece(core, size) {
+                Next::New(size) => match self.create_or_trade(core, size, piece) {
                     Ok(p) => p,
                     Err(e) => return (done, Some(e)),
                 },
@@ -76,9 +77,13 @@ impl Shard {
         (done, None)
     }
 
-    /// The sizes of the spare pieces, for [`new_bytes_for`].
-    pub(super) fn spare_sizes(&self) -> Vec<u64> {
-        self.spare.iter().map(|p| p.bytes).collect()
+    /// The sizes of the spare pieces of at most `piece` bytes, for [`new_bytes_for`].
+    pub(super) fn spare_sizes(&self, piece: u64) -> Vec<u64> {
+        self.spare
+            .iter()
+            .map(|p| p.bytes)
+            .filter(|&b| b <= piece)
+            .collect()
     }
 
     /// Give the spare pieces back to the driver.
@@ -86,13 +91,51 @@ impl Shard {
         let keep = usize::from(planted::active(Bug::RemapSpare));
         while self.spare.len() > keep {
             let p = self.spare.pop().expect("more than `keep` pieces");
-            if let Err(e) = core.driver.release_physical(p.handle) {
-                self.spare.push(p);
-                return Err(e.into());
-            }
-            core.ledger.on_unreserve(p.bytes, false);
-            core.uncommit(p.bytes);
+            self.release_piece(core, p)?;
         }
+        Ok(())
+    }
+
+    /// A new piece of `size` bytes. When memory runs out (the limit, the cap or the device)
+    /// while spare pieces larger than `piece` are held, pieces this growth may not map, they
+    /// are given back one at a time, smallest first, and the piece created again: an unmapped
+    /// piece needs no synchronisation to go, so this works during a capture too, where the
+    /// cache is not released before a retry.
+    fn create_or_trade<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        size: u64,
+        piece: u64,
+    ) -> std::result::Result<Spare, GrowError> {
+        loop {
+            match create_piece(core, size) {
+                Err(GrowError::Memory(cause)) => {
+                    let Some(i) = (0..self.spare.len())
+                        .filter(|&i| self.spare[i].bytes > piece)
+                        .min_by_key(|&i| self.spare[i].bytes)
+                    else {
+                        return Err(GrowError::Memory(cause));
+                    };
+                    let p = self.spare.swap_remove(i);
+                    self.release_piece(core, p)?;
+                }
+                created => return created,
+            }
+        }
+    }
+
+    /// Give spare piece `p` (out of `spare`) back to the driver; it stays spare if that fails.
+    fn release_piece<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        p: Spare,
+    ) -> std::result::Result<(), DriverError> {
+        if let Err(e) = core.driver.release_physical(p.handle) {
+            self.spare.push(p);
+            return Err(e);
+        }
+        core.ledger.on_unreserve(p.bytes, false);
+        core.uncommit(p.bytes);
         Ok(())
     }
 }
@@ -105,13 +148,14 @@ enum Next {
     New(u64),
 }
 
-/// The next piece to map, with `left` bytes still to map in a range of `fits` bytes: the
-/// smallest spare piece (of these sizes) that covers what is left, else the largest that fits,
-/// else a new piece of what is left (granularity `g`), at most `piece` bytes. `left` and
-/// `fits` are multiples of `g` with `left <= fits`, so every choice fits the range.
+/// The next piece to map, with `left` bytes still to map in a range of `fits` bytes: of the
+/// spare pieces (of these sizes) of at most `piece` bytes, the smallest that covers what is
+/// left, else the largest that fits; else a new piece of what is left (granularity `g`), at
+/// most `piece` bytes. `left` and `fits` are multiples of `g` with `left <= fits`, so every
+/// choice fits the range.
 ///
-/// Spare pieces larger than `piece` are passed over: the small pool's growth (pages of one
-/// granule) leaves the large pool's pieces for the large pool, where they were cut to size.
+/// Larger spare pieces are passed over: the small pool's growth (pages of one granule) leaves
+/// the large pool's pieces for the large pool, where they were cut to size.
 fn next_piece(
     sizes: impl Iterator<Item = u64> + Clone,
     left: u64,

@@ -210,9 +210,11 @@ impl Shard {
     pub(super) fn site<D: Driver>(&self, core: &Core<D>, seg: u32, rounded: u64) -> Option<Site> {
         let s = self.segments.get(seg);
         let v = s.virt();
-        let spare =
-            (core.mode == SegmentMode::Remap && !self.spare.is_empty()).then(|| self.spare_sizes());
         let piece = largest_piece(core, s.pool);
+        // Only the pieces this pool may map weigh (`next_piece` passes over larger ones).
+        let spare = (core.mode == SegmentMode::Remap)
+            .then(|| self.spare_sizes(piece))
+            .filter(|sizes| !sizes.is_empty());
         let (mut best, mut best_new, mut weighed) = (None, u64::MAX, 0);
         for &(_, u) in &v.unmapped {
             let bytes = match self.site_at(core, seg, u, rounded) {
@@ -307,7 +309,8 @@ impl Shard {
         (done, None)
     }
 
-    /// Compact and remap modes, before growing for `stream`: move memory rather than add it.
+    /// Compact and remap modes, before growing for `stream`: move memory rather than add it
+    /// (remap: for the large pool only; a small-pool page is new memory, see `room_wanted`).
     /// Free mappings of this shard are unmapped first, so that reserved bytes follow live bytes
     /// (compact: their memory goes back to the driver; remap: their pieces become spare, to be
     /// mapped here), except (remap) the free blocks beside the range that growth will map:
