@@ -98,6 +98,19 @@ fn peak_ok(name: &str, c: Counter) -> Result<(), Violation> {
     })
 }
 
+/// A dump of an allocator on the simulated driver, with what the driver itself says the
+/// allocator holds (so that [`check`] compares it with the ledger's reserved bytes).
+pub fn sim_dump(a: &crate::Allocator<crate::driver::sim::SimDriver>) -> StateDump {
+    let mut d = a.dump();
+    d.driver_held = Some(a.driver().held_bytes());
+    d
+}
+
+/// [`check`] an allocator on the simulated driver ([`sim_dump`]).
+pub fn check_sim(a: &crate::Allocator<crate::driver::sim::SimDriver>) -> Result<(), Violation> {
+    check(&sim_dump(a))
+}
+
 /// Check every invariant of a dump.
 pub fn check(d: &StateDump) -> Result<(), Violation> {
     if let Some(p) = d.problems.first() {

@@ -1,7 +1,6 @@
 //! Behaviour of the caching allocator on the simulated device: PyTorch's rules, errors,
 //! streams, limits, and the expandable mode.
 
-use vram_ledger::allocator::rules::PoolKind;
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
@@ -26,14 +25,8 @@ fn expandable() -> Allocator<SimDriver> {
     .unwrap()
 }
 
-fn remap() -> Allocator<SimDriver> {
-    Allocator::new(SimDriver::new(), Config::with_mode(SegmentMode::Remap)).unwrap()
-}
-
 fn check(a: &Allocator<SimDriver>) {
-    let mut d = a.dump();
-    d.driver_held = Some(a.driver().held_bytes());
-    invariants::check(&d).unwrap();
+    invariants::check_sim(a).unwrap();
 }
 
 #[test]
@@ -507,121 +500,6 @@ fn a_panic_inside_a_shard_poisons_only_that_shard() {
         "the poisoned shard cannot be emptied"
     );
     assert!(a.dump().problems.iter().any(|p| p.contains("panic")));
-}
-
-#[test]
-fn remap_growth_maps_spare_pieces_where_they_fit_before_creating_memory() {
-    // A hole in stream 0's reservation, narrower than the piece that stream 1 gives up but
-    // holding the request with the free blocks beside it: growth goes where the spare piece
-    // fits instead of creating memory for the hole.
-    let a = Allocator::new(
-        SimDriver::new(),
-        Config {
-            mode: SegmentMode::Remap,
-            move_across_streams: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    // [x 16 | y 4] [h 30] [z 16 | w 4]: pieces of 20, 30 and 20 MiB.
-    let x = a.allocate(16 * MIB, S0).unwrap();
-    let y = a.allocate(4 * MIB, S0).unwrap();
-    let h = a.allocate(30 * MIB, S0).unwrap();
-    let z = a.allocate(16 * MIB, S0).unwrap();
-    let w = a.allocate(4 * MIB, S0).unwrap();
-    assert_eq!(
-        (y.ptr, h.ptr, z.ptr),
-        (x.ptr + 16 * MIB, x.ptr + 20 * MIB, x.ptr + 50 * MIB)
-    );
-    // Freeing h and asking for more than it holds unmaps h's piece: a hole of 30 MiB.
-    a.free(h.ptr).unwrap();
-    let q = a.allocate(40 * MIB, S0).unwrap();
-    assert!(q.ptr >= x.ptr + 70 * MIB);
-    // Stream 1 frees a 56 MiB piece; stream 0 frees the blocks on both sides of the hole.
-    let s = a.allocate(56 * MIB, S1).unwrap();
-    a.free(s.ptr).unwrap();
-    a.free(y.ptr).unwrap();
-    a.free(z.ptr).unwrap();
-    let before = a.ledger().reserved();
-    // 4 + 30 + 16 MiB around the hole hold 44 MiB, but the 56 MiB piece fits only past q.
-    let r = a.allocate(44 * MIB, S0).unwrap();
-    assert_eq!(
-        a.ledger().reserved(),
-        before,
-        "growth created memory beside a spare piece"
-    );
-    assert!(r.ptr >= q.ptr + q.size);
-    check(&a);
-    for p in [x.ptr, w.ptr, q.ptr, r.ptr] {
-        a.free(p).unwrap();
-    }
-    a.empty_cache().unwrap();
-    assert_eq!(a.driver().held_bytes(), 0);
-}
-
-#[test]
-fn remap_growth_keeps_the_free_block_it_extends() {
-    // A free block at the end of the mapped memory, too small for the request: growth maps
-    // only what the block lacks beside it. Moving memory first must not unmap the block itself
-    // (and map its piece back a moment later).
-    let a = remap();
-    let x = a.allocate(20 * MIB, S0).unwrap();
-    let y = a.allocate(20 * MIB, S0).unwrap();
-    assert_eq!(y.ptr, x.ptr + 20 * MIB);
-    a.free(y.ptr).unwrap();
-    let before = a.driver_calls();
-    let z = a.allocate(30 * MIB, S0).unwrap();
-    let calls = a.driver_calls().since(&before);
-    assert_eq!(z.ptr, y.ptr, "served where the free block is");
-    assert_eq!(
-        (calls[DriverCall::Unmap], calls[DriverCall::Map]),
-        (0, 1),
-        "the free block's piece was moved: {:?}",
-        calls.nonzero().collect::<Vec<_>>()
-    );
-    check(&a);
-    for p in [x.ptr, z.ptr] {
-        a.free(p).unwrap();
-    }
-    a.empty_cache().unwrap();
-    assert_eq!(a.driver().held_bytes(), 0);
-}
-
-#[test]
-fn remap_small_pool_growth_moves_no_large_piece() {
-    // A free 40 MiB piece of the large pool, and a small request that needs a page. Moving the
-    // piece would map all 40 MiB under the small pool (CUDA maps whole handles), where small
-    // blocks that live long pin it; the page is new memory instead.
-    let a = remap();
-    let big = a.allocate(40 * MIB, S0).unwrap();
-    a.free(big.ptr).unwrap();
-    let before = a.driver_calls();
-    let small = a.allocate(4096, S0).unwrap();
-    let calls = a.driver_calls().since(&before);
-    assert_eq!(
-        (calls[DriverCall::Unmap], calls[DriverCall::CreatePhysical]),
-        (0, 1),
-        "{:?}",
-        calls.nonzero().collect::<Vec<_>>()
-    );
-    let mapped = |pool: PoolKind| -> u64 {
-        let d = a.dump();
-        d.segments
-            .iter()
-            .filter(|s| s.pool == pool)
-            .flat_map(|s| s.mapped.iter().map(|r| r.1))
-            .sum()
-    };
-    assert_eq!(mapped(PoolKind::Small), 2 * MIB);
-    assert_eq!(
-        mapped(PoolKind::Large),
-        40 * MIB,
-        "the large piece stays where it is"
-    );
-    check(&a);
-    a.free(small.ptr).unwrap();
-    a.empty_cache().unwrap();
-    assert_eq!(a.driver().held_bytes(), 0);
 }
 
 #[test]

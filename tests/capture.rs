@@ -13,9 +13,7 @@ const CAPTURE: StreamId = StreamId(0x100);
 const EAGER: StreamId = StreamId(0x200);
 
 fn check(a: &Allocator<SimDriver>) {
-    let mut d = a.dump();
-    d.driver_held = Some(a.driver().held_bytes());
-    invariants::check(&d).unwrap();
+    invariants::check_sim(a).unwrap();
 }
 
 #[test]

@@ -18,9 +18,7 @@ const S1: StreamId = StreamId(0x1000);
 const INJECTED: [DriverCall; DriverCall::ALL.len()] = DriverCall::ALL;
 
 fn check(a: &Allocator<SimDriver>, when: &str) {
-    let mut d = a.dump();
-    d.driver_held = Some(a.driver().held_bytes());
-    if let Err(v) = invariants::check(&d) {
+    if let Err(v) = invariants::check_sim(a) {
         panic!("{when}: {v}");
     }
 }

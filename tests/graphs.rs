@@ -20,9 +20,7 @@ const P: GraphPool = GraphPool(1, 0);
 const Q: GraphPool = GraphPool(2, 0);
 
 fn check(a: &Allocator<SimDriver>) {
-    let mut d = a.dump();
-    d.driver_held = Some(a.driver().held_bytes());
-    invariants::check(&d).unwrap();
+    invariants::check_sim(a).unwrap();
     // Two independent accounts of graph memory: the ledger's gauge, kept as memory is mapped
     // and unmapped, and a walk of the segments now.
     assert_eq!(
@@ -163,7 +161,7 @@ fn graph_pool_memory_survives_empty_cache_retries_and_moves() {
 }
 
 #[test]
-fn remap_small_capture_at_the_limit_trades_a_large_spare_piece() {
+fn graph_pool_remap_small_capture_at_the_limit_trades_a_large_spare_piece() {
     // A released graph pool leaves its remap pieces spare. At the limit, a small allocation in
     // the next capture needs a page: the small pool may not map a large piece, and a capture
     // may not release the cache, so a spare piece is given back to make room for the page.

@@ -3,7 +3,7 @@
 //! checks that the checker names what was broken.
 
 use vram_ledger::driver::sim::SimDriver;
-use vram_ledger::invariants::{check, DumpState, StateDump};
+use vram_ledger::invariants::{check, sim_dump, DumpState, StateDump};
 use vram_ledger::units::MIB;
 use vram_ledger::{Allocator, Config, SegmentMode, StreamId, Tag};
 
@@ -21,8 +21,7 @@ fn real_state(mode: SegmentMode) -> StateDump {
     a.allocate_tagged(8192, s, Tag::Activation).unwrap();
     a.allocate_tagged(30 * MIB, s, Tag::KvCache).unwrap();
     a.free(x.ptr).unwrap();
-    let mut d = a.dump();
-    d.driver_held = Some(a.driver().held_bytes());
+    let d = sim_dump(&a);
     check(&d).expect("a real state is consistent");
     d
 }

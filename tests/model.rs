@@ -288,9 +288,7 @@ impl Shadow {
 }
 
 fn check_all(a: &Allocator<SimDriver>, shadow: &Shadow) -> Result<(), TestCaseError> {
-    let mut d = a.dump();
-    d.driver_held = Some(a.driver().held_bytes());
-    invariants::check(&d).map_err(|v| TestCaseError::fail(v.to_string()))?;
+    invariants::check_sim(a).map_err(|v| TestCaseError::fail(v.to_string()))?;
     let s = a.snapshot();
     for t in Tag::ALL {
         let i = t.index();

@@ -112,9 +112,7 @@ fn stress(mode: SegmentMode) {
                     // Quiescent point: everyone stops, thread 0 checks.
                     barrier.wait();
                     if t == 0 {
-                        let mut d = a.dump();
-                        d.driver_held = Some(a.driver().held_bytes());
-                        invariants::check(&d)
+                        invariants::check_sim(&a)
                             .unwrap_or_else(|v| panic!("{mode:?} round {round}: {v}"));
                         let shadow_bytes: u64 = all
                             .iter()

@@ -261,7 +261,17 @@ impl<D: Driver> Allocator<D> {
         let grown = if self.core.is_virtual() {
             let left = sh.make_room(&self.core, owner, rounded);
             if left > 0 && self.core.across_streams && !sh.graphs.capturing() {
-                self.room_from_other_shards(sh, left);
+                // Remap: with the pieces moved in, growth chooses its site again and may need
+                // more than the site chosen first lacked (a piece too wide for a hole goes to a
+                // range that needs more of it): ask the other shards once more, if they had
+                // anything to give.
+                if self.room_from_other_shards(sh, left) > 0 && self.core.mode == SegmentMode::Remap
+                {
+                    let more = sh.room_wanted(&self.core, owner, rounded).0;
+                    if more > 0 {
+                        self.room_from_other_shards(sh, more);
+                    }
+                }
             }
             sh.grow_virtual(&self.core, owner, rounded)
         } else {

@@ -1,7 +1,9 @@
 //! Moving free memory between streams (compact and remap modes, with
 //! [`super::Config::move_across_streams`]): when a stream's shard must grow and its own free
 //! memory does not cover the request (remap: in the large pool; the small pool moves nothing), free memory cached in other shards is unmapped there and
-//! taken instead of new memory, so that what one stream cached can serve another.
+//! taken instead of new memory, so that what one stream cached can serve another. Remap asks a
+//! second time when the first ask got something: growth then chooses its site again, with the
+//! pieces moved in, and may lack more there than at the site it chose first.
 //!
 //! Invariants:
 //! - The growing shard's lock is held; others are only tried (`try_lock`), never waited for, so
@@ -21,9 +23,10 @@ use super::{Allocator, SegmentMode};
 use crate::driver::Driver;
 
 impl<D: Driver> Allocator<D> {
-    /// Take up to `want` bytes of free memory from shards other than `sh`'s.
+    /// Take up to `want` bytes of free memory from shards other than `sh`'s (remap: and every
+    /// spare piece they hold); returns how much of `want` was unmapped there.
     #[cold]
-    pub(super) fn room_from_other_shards(&self, sh: &mut Shard, want: u64) {
+    pub(super) fn room_from_other_shards(&self, sh: &mut Shard, want: u64) -> u64 {
         let mut left = want;
         for j in (0..self.shards.len()).filter(|&j| j != sh.id) {
             if left == 0 {
@@ -42,5 +45,6 @@ impl<D: Driver> Allocator<D> {
                 }
             }
         }
+        want - left
     }
 }

@@ -339,7 +339,7 @@ impl Shard {
 
     /// How much memory growth for `stream` should move before it adds any, and (remap mode)
     /// the unmapped range it will map ([`Shard::site`], with the spare pieces on hand now).
-    fn room_wanted<D: Driver>(
+    pub(crate) fn room_wanted<D: Driver>(
         &self,
         core: &Core<D>,
         stream: StreamId,
