@@ -23,7 +23,11 @@ fn allocator(mode: SegmentMode) -> Allocator<SimDriver> {
 
 fn cached_pair(c: &mut Criterion) {
     let mut g = c.benchmark_group("cached_pair");
-    for mode in [SegmentMode::Native, SegmentMode::Expandable] {
+    for mode in [
+        SegmentMode::Native,
+        SegmentMode::Expandable,
+        SegmentMode::Remap,
+    ] {
         for (name, size) in [("512B", 512u64), ("1MiB", MIB), ("20MiB", 20 * MIB)] {
             let a = allocator(mode);
             let s = StreamId::DEFAULT;
@@ -62,7 +66,11 @@ fn mixed(c: &mut Criterion) {
     let sizes = mixed_sizes();
     let mut g = c.benchmark_group("mixed64");
     g.throughput(Throughput::Elements(64));
-    for mode in [SegmentMode::Native, SegmentMode::Expandable] {
+    for mode in [
+        SegmentMode::Native,
+        SegmentMode::Expandable,
+        SegmentMode::Remap,
+    ] {
         let a = allocator(mode);
         let s = StreamId::DEFAULT;
         let mut ptrs = Vec::with_capacity(64);

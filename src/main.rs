@@ -33,7 +33,7 @@ struct ReplayArgs {
     /// Simulated device memory in bytes (K/M/G suffixes allowed); default an H200's.
     #[arg(long)]
     capacity: Option<String>,
-    /// Remap mode: the largest piece one map call covers (default 88M).
+    /// Remap mode: the largest piece one map call covers (default 68M).
     #[arg(long, value_name = "BYTES")]
     remap_piece: Option<String>,
     /// Which device's trace to replay (default: the one with the most events).

@@ -115,11 +115,13 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 /// split, leaving its tail free, when the tail is at least 512 B in the small pool and in the
 /// virtual-memory modes, and when it is more than 1 MiB in the large pool of plain segments;
 /// with `max_split_size`, a block serving an oversize request (at least that size) is never
-/// split, and is less than 20 MiB larger than the request.
+/// split, and is less than 20 MiB larger than the request. Remap mode (vram-ledger's own)
+/// hands a large request a whole number of 2 MiB granules when that adds at most a 64th.
 #[derive(Clone, Copy, Debug)]
 struct Rules {
     /// Expandable, compact and remap modes.
     virtual_memory: bool,
+    remap: bool,
     max_split: u64,
 }
 
@@ -149,6 +151,15 @@ impl Rules {
     fn handed_out(&self, rounded: u64, fresh: bool) -> (u64, u64) {
         // Every block size is a multiple of 512 B, so a tail that is split whenever it is at
         // least 512 B leaves exactly the rounded size.
+        if self.remap && rounded > MIB {
+            let granules = rounded.div_ceil(2 * MIB) * 2 * MIB;
+            let size = if (granules - rounded) * 64 <= rounded {
+                granules
+            } else {
+                rounded
+            };
+            return (size, size);
+        }
         if rounded == 0 || self.virtual_memory || rounded <= MIB {
             return (rounded, rounded);
         }
@@ -432,6 +443,7 @@ fn run_full(
     let sleepable = separate_tags && mode != SegmentMode::Native;
     let rules = Rules {
         virtual_memory: mode != SegmentMode::Native,
+        remap: mode == SegmentMode::Remap,
         max_split: max_split.unwrap_or(u64::MAX),
     };
     let dev = a.driver().device().clone();

@@ -186,3 +186,29 @@ fn remap_growth_asks_other_streams_again_for_what_its_final_site_lacks() {
     a.empty_cache().unwrap();
     assert_eq!(a.driver().held_bytes(), 0);
 }
+
+#[test]
+fn remap_rounds_large_blocks_to_granules_when_cheap_and_the_others_keep_pytorch_sizes() {
+    // gpt2-train's 147.2 MiB block: remap makes it 148 MiB, so the block carved after it starts
+    // on a granule; a 6.8 MiB block would grow by a sixth and keeps PyTorch's size. The other
+    // virtual modes split a block where PyTorch's rounding ends.
+    let (odd, small) = (154_361_856u64, 7_130_112u64);
+    let a = remap();
+    let x = a.allocate(odd, S0).unwrap();
+    let y = a.allocate(small, S0).unwrap();
+    let z = a.allocate(32 * MIB, S0).unwrap();
+    assert_eq!((x.size, y.size), (148 * MIB, small));
+    assert_eq!((y.ptr - x.ptr) % (2 * MIB), 0, "y starts on a granule");
+    assert_eq!(
+        a.snapshot().all.requested_bytes.current,
+        odd + small + 32 * MIB
+    );
+    check(&a);
+    for p in [x.ptr, y.ptr, z.ptr] {
+        a.free(p).unwrap();
+    }
+    for mode in [SegmentMode::Expandable, SegmentMode::Compact] {
+        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        assert_eq!(a.allocate(odd, S0).unwrap().size, odd, "{mode}");
+    }
+}

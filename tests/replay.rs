@@ -6,8 +6,10 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_pickle::{HashableValue, Value};
+use vram_ledger::allocator::DEFAULT_REMAP_PIECE;
 use vram_ledger::driver::DriverCall;
 use vram_ledger::replay::{self, ReplayOptions, ReplayResult};
+use vram_ledger::units::MIB;
 use vram_ledger::SegmentMode;
 use vram_ledger::Tag;
 
@@ -63,27 +65,48 @@ fn replay_the_recorded_mode_reproduces_pytorch_from_the_traces_own_records() {
     }
 }
 
+/// Remap on `trace` with the largest piece `piece` bytes.
+fn run_remap(trace: &str, piece: u64) -> ReplayResult {
+    let t = replay::read_file(Path::new(&format!("tests/data/{trace}.pickle.gz")), None).unwrap();
+    let opts = ReplayOptions {
+        mode: SegmentMode::Remap,
+        remap_piece: Some(piece),
+        timeline_points: 0,
+        ..Default::default()
+    };
+    let r = replay::replay(&t, &opts, |_| {}).unwrap();
+    assert_eq!((r.ooms, r.held_after), (0, 0), "{trace}");
+    r
+}
+
 #[test]
-fn replay_remap_meets_the_fragmentation_goal_within_twice_pytorchs_calls() {
-    for trace in ["gpt2-train", "llama1b-serve"] {
-        let r = run(trace, SegmentMode::Remap);
-        let torch = r.torch_driver_calls.memory_allocations();
-        assert!(
-            r.fragmentation_ratio <= 1.02,
-            "{trace}: {}",
-            r.fragmentation_ratio
-        );
-        assert!(
-            r.driver_calls.memory_allocations() <= 2 * torch,
-            "{trace}: {:?} vs {torch}",
-            r.driver_calls
-        );
-        assert!(
-            r.driver_calls[DriverCall::Map] <= 2 * torch,
-            "{trace}: {:?} vs {torch}",
-            r.driver_calls
-        );
-        assert!(r.fragmentation_ratio < r.torch_fragmentation_ratio);
+fn replay_remap_meets_the_goal_at_its_default_piece_and_25_percent_either_side() {
+    // The replay goal: fragmentation at most 1.02 and at most twice PyTorch's estimated driver
+    // time, at the default piece and at every size within 25% of it, on each shared trace
+    // except streams-train-0, whose miss the README states (1.0752 at best).
+    let d = DEFAULT_REMAP_PIECE;
+    let g = 2 * MIB;
+    let sizes: Vec<u64> = ((d * 3 / 4).div_ceil(g)..=(d * 5 / 4) / g)
+        .map(|k| k * g)
+        .collect();
+    assert!(sizes.contains(&d) && sizes.len() >= 15, "{sizes:?}");
+    for trace in ["gpt2-train", "gpt2-train-expandable", "llama1b-serve"] {
+        for &piece in &sizes {
+            let r = run_remap(trace, piece);
+            let at = format!("{trace} at {} MiB", piece / MIB);
+            assert!(
+                r.fragmentation_ratio <= 1.02,
+                "{at}: {}",
+                r.fragmentation_ratio
+            );
+            assert!(
+                r.driver_seconds <= 2.0 * r.torch_driver_seconds,
+                "{at}: {} s against PyTorch's {} s",
+                r.driver_seconds,
+                r.torch_driver_seconds
+            );
+            assert!(r.fragmentation_ratio < r.torch_fragmentation_ratio, "{at}");
+        }
     }
 }
 

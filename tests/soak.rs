@@ -75,8 +75,8 @@ fn soak_replay_back_to_back_with_a_warm_cache() {
         let mut after_first_pass = None;
         // Remap's pieces, made in pass 1 for a cold layout, serve other blocks once the cache is
         // warm: a warm pass may find less of its free memory in whole pieces at its peak, and
-        // create a piece more (gpt2-train: 12 MiB at pass 2, 14 MiB at pass 8, then nothing
-        // to pass 30). Never more than one largest piece above pass 1; the other modes, nothing.
+        // create a piece more (gpt2-train: one of 40 MiB at pass 2, then nothing up to pass 30).
+        // Never more than one largest piece above pass 1; the other modes, nothing.
         let slack = match mode {
             SegmentMode::Remap => vram_ledger::allocator::DEFAULT_REMAP_PIECE,
             _ => 0,

@@ -14,6 +14,7 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use super::config::{Config, SegmentMode, DEFAULT_REMAP_PIECE};
+use super::rules;
 use super::shard::GrowError;
 use crate::driver::counting::Counting;
 use crate::driver::{DevicePtr, Driver, StreamId};
@@ -172,6 +173,18 @@ impl<D: Driver> Core<D> {
 
     pub(crate) fn committed(&self) -> u64 {
         self.committed.load(Relaxed)
+    }
+
+    /// The block size for a request of `size` bytes: PyTorch's rounding, and in remap mode a
+    /// large block up to a whole granule when that costs little ([`rules::remap_round`]).
+    #[inline]
+    pub(crate) fn round(&self, size: u64) -> u64 {
+        let rounded = rules::round_size(size);
+        if self.mode == SegmentMode::Remap {
+            rules::remap_round(rounded, self.granularity)
+        } else {
+            rounded
+        }
     }
 
     /// Whether segments are virtual reservations with physical memory mapped on demand.

@@ -214,7 +214,7 @@ impl<D: Driver> Allocator<D> {
         if size >= rules::ABSURD_SIZE {
             return Err(Error::SizeTooLarge(size));
         }
-        let rounded = rules::round_size(size);
+        let rounded = self.core.round(size);
         let cause = {
             let mut sh = self.lock(self.streams.shard(stream))?;
             // Completed events are polled here, except while the stream captures a graph
