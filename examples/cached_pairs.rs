@@ -2,16 +2,19 @@
 //! instructions one pair costs (`valgrind --tool=callgrind`, run with 0 and with N pairs and
 //! take the difference): a figure that, unlike wall-clock time, does not move between runs.
 //!
-//!     cached_pairs [PAIRS] [SIZE]
+//!     cached_pairs [PAIRS] [SIZE] [MODE]
+//!
+//! MODE is a segment mode's name (default native).
 
 use vram_ledger::driver::sim::SimDriver;
-use vram_ledger::{Allocator, Config, StreamId, Tag};
+use vram_ledger::{Allocator, Config, SegmentMode, StreamId, Tag};
 
 fn main() {
     let mut args = std::env::args().skip(1);
     let pairs: u64 = args.next().map_or(100_000, |a| a.parse().expect("PAIRS"));
     let size: u64 = args.next().map_or(4096, |a| a.parse().expect("SIZE"));
-    let a = Allocator::new(SimDriver::new(), Config::default()).expect("allocator");
+    let mode: SegmentMode = args.next().map_or(SegmentMode::Native, |a| a.parse().expect("MODE"));
+    let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).expect("allocator");
     let s = StreamId::DEFAULT;
     // Warm: the pairs below never reach the driver.
     let w = a.allocate(size, s).expect("warm-up allocation");
