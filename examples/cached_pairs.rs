@@ -13,7 +13,9 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let pairs: u64 = args.next().map_or(100_000, |a| a.parse().expect("PAIRS"));
     let size: u64 = args.next().map_or(4096, |a| a.parse().expect("SIZE"));
-    let mode: SegmentMode = args.next().map_or(SegmentMode::Native, |a| a.parse().expect("MODE"));
+    let mode: SegmentMode = args
+        .next()
+        .map_or(SegmentMode::Native, |a| a.parse().expect("MODE"));
     let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).expect("allocator");
     let s = StreamId::DEFAULT;
     // Warm: the pairs below never reach the driver.
