@@ -116,7 +116,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 /// virtual-memory modes, and when it is more than 1 MiB in the large pool of plain segments;
 /// with `max_split_size`, a block serving an oversize request (at least that size) is never
 /// split, and is less than 20 MiB larger than the request. Remap mode (vram-ledger's own)
-/// hands a large request a whole number of 2 MiB granules when that adds at most a 64th.
+/// hands a large request a whole number of 2 MiB granules when that adds at most a 64th and
+/// does not take a request under `max_split_size` to it or over.
 #[derive(Clone, Copy, Debug)]
 struct Rules {
     /// Expandable, compact and remap modes.
@@ -153,7 +154,8 @@ impl Rules {
         // least 512 B leaves exactly the rounded size.
         if self.remap && rounded > MIB {
             let granules = rounded.div_ceil(2 * MIB) * 2 * MIB;
-            let size = if (granules - rounded) * 64 <= rounded {
+            let crosses = rounded < self.max_split && granules >= self.max_split;
+            let size = if (granules - rounded) * 64 <= rounded && !crosses {
                 granules
             } else {
                 rounded

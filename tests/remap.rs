@@ -212,3 +212,24 @@ fn remap_rounds_large_blocks_to_granules_when_cheap_and_the_others_keep_pytorch_
         assert_eq!(a.allocate(odd, S0).unwrap().size, odd, "{mode}");
     }
 }
+
+#[test]
+fn remap_rounding_never_takes_a_request_to_max_split_size() {
+    // Under `max_split_size` a request may split a cached block; at or over it, it may take a
+    // larger block whole. A request 300 KiB under 32 MiB stays under a 32 MiB limit.
+    let a = Allocator::new(
+        SimDriver::new(),
+        Config {
+            max_split_size: Some(32 * MIB),
+            ..Config::with_mode(SegmentMode::Remap)
+        },
+    )
+    .unwrap();
+    let size = 32 * MIB - 300 * 1024;
+    let x = a.allocate(size, S0).unwrap();
+    assert_eq!(x.size, size);
+    // With no limit in the way the same request is rounded to the granule.
+    assert_eq!(remap().allocate(size, S0).unwrap().size, 32 * MIB);
+    a.free(x.ptr).unwrap();
+    check(&a);
+}

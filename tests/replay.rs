@@ -108,6 +108,11 @@ fn replay_remap_meets_the_goal_at_its_default_piece_and_25_percent_either_side()
             assert!(r.fragmentation_ratio < r.torch_fragmentation_ratio, "{at}");
         }
     }
+    // streams-train-0 misses the ratio goal (1.0752 in the README); this bound only catches a
+    // regression from there.
+    let r = run_remap("streams-train-0", d);
+    assert!(r.fragmentation_ratio <= 1.08, "{}", r.fragmentation_ratio);
+    assert!(r.driver_seconds <= 2.0 * r.torch_driver_seconds);
 }
 
 #[test]

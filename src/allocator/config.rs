@@ -30,7 +30,9 @@ pub enum SegmentMode {
     /// [`Config::remap_piece`], each mapped whole: before growing the large pool, the allocator
     /// unmaps pieces lying wholly inside free blocks anywhere in the shard and maps those same
     /// pieces where the request needs them (the small pool grows by new 2 MiB pages, so that no
-    /// large piece ends up pinned under small blocks). Few physical allocations, the least
+    /// large piece ends up pinned under small blocks). A large block is rounded up to whole
+    /// 2 MiB granules when that adds at most a 64th of it ([`super::rules::remap_round`]), so
+    /// `Allocation::size` may exceed PyTorch's rounding. Few physical allocations, the least
     /// fragmentation.
     Remap,
 }

@@ -176,14 +176,20 @@ impl<D: Driver> Core<D> {
     }
 
     /// The block size for a request of `size` bytes: PyTorch's rounding, and in remap mode a
-    /// large block up to a whole granule when that costs little ([`rules::remap_round`]).
+    /// large block up to a whole granule when that costs little ([`rules::remap_round`]), but
+    /// never across `max_split_size` (a request under it must not become an oversize one, which
+    /// may take a larger cached block whole).
     #[inline]
     pub(crate) fn round(&self, size: u64) -> u64 {
         let rounded = rules::round_size(size);
-        if self.mode == SegmentMode::Remap {
-            rules::remap_round(rounded, self.granularity)
-        } else {
+        if self.mode != SegmentMode::Remap {
+            return rounded;
+        }
+        let up = rules::remap_round(rounded, self.granularity);
+        if rounded < self.max_split && up >= self.max_split {
             rounded
+        } else {
+            up
         }
     }
 

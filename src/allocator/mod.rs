@@ -265,8 +265,9 @@ impl<D: Driver> Allocator<D> {
                 // more than the site chosen first lacked (a piece too wide for a hole goes to a
                 // range that needs more of it): ask the other shards once more, if they had
                 // anything to give.
-                if self.room_from_other_shards(sh, left) > 0 && self.core.mode == SegmentMode::Remap
-                {
+                let spare = sh.spare_bytes();
+                self.room_from_other_shards(sh, left);
+                if sh.spare_bytes() > spare && self.core.mode == SegmentMode::Remap {
                     let more = sh.room_wanted(&self.core, owner, rounded).0;
                     if more > 0 {
                         self.room_from_other_shards(sh, more);

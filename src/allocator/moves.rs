@@ -2,7 +2,7 @@
 //! [`super::Config::move_across_streams`]): when a stream's shard must grow and its own free
 //! memory does not cover the request (remap: in the large pool; the small pool moves nothing), free memory cached in other shards is unmapped there and
 //! taken instead of new memory, so that what one stream cached can serve another. Remap asks a
-//! second time when the first ask got something: growth then chooses its site again, with the
+//! second time when the first ask brought pieces: growth then chooses its site again, with the
 //! pieces moved in, and may lack more there than at the site it chose first.
 //!
 //! Invariants:
@@ -24,9 +24,9 @@ use crate::driver::Driver;
 
 impl<D: Driver> Allocator<D> {
     /// Take up to `want` bytes of free memory from shards other than `sh`'s (remap: and every
-    /// spare piece they hold); returns how much of `want` was unmapped there.
+    /// spare piece they hold).
     #[cold]
-    pub(super) fn room_from_other_shards(&self, sh: &mut Shard, want: u64) -> u64 {
+    pub(super) fn room_from_other_shards(&self, sh: &mut Shard, want: u64) {
         let mut left = want;
         for j in (0..self.shards.len()).filter(|&j| j != sh.id) {
             if left == 0 {
@@ -45,6 +45,5 @@ impl<D: Driver> Allocator<D> {
                 }
             }
         }
-        want - left
     }
 }
