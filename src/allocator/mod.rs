@@ -267,7 +267,7 @@ impl<D: Driver> Allocator<D> {
                 // anything to give.
                 let spare = sh.spare_bytes();
                 self.room_from_other_shards(sh, left);
-                if sh.spare_bytes() > spare && self.core.mode == SegmentMode::Remap {
+                if self.core.mode == SegmentMode::Remap && sh.spare_bytes() > spare {
                     let more = sh.room_wanted(&self.core, owner, rounded).0;
                     if more > 0 {
                         self.room_from_other_shards(sh, more);

@@ -1,9 +1,10 @@
 //! Moving free memory between streams (compact and remap modes, with
 //! [`super::Config::move_across_streams`]): when a stream's shard must grow and its own free
-//! memory does not cover the request (remap: in the large pool; the small pool moves nothing), free memory cached in other shards is unmapped there and
-//! taken instead of new memory, so that what one stream cached can serve another. Remap asks a
-//! second time when the first ask brought pieces: growth then chooses its site again, with the
-//! pieces moved in, and may lack more there than at the site it chose first.
+//! memory does not cover the request (remap: in the large pool; the small pool moves nothing),
+//! free memory cached in other shards is unmapped there and taken instead of new memory, so
+//! that what one stream cached can serve another. Remap asks a second time when the first ask
+//! brought pieces: growth then chooses its site again, with the pieces moved in, and may lack
+//! more there than at the site it chose first.
 //!
 //! Invariants:
 //! - The growing shard's lock is held; others are only tried (`try_lock`), never waited for, so

@@ -131,10 +131,11 @@ impl Shard {
         let mut pending_events = 0usize;
         for (i, s) in self.segments.iter() {
             // Remap's small pool maps pages of one granule, never a large pool's piece.
-            if let SegmentKind::Virtual(v) = &s.kind {
-                let small = s.pool == crate::allocator::rules::PoolKind::Small;
+            if let (SegmentKind::Virtual(v), crate::allocator::rules::PoolKind::Small) =
+                (&s.kind, s.pool)
+            {
                 for (va, m) in &v.mappings {
-                    if small && m.pooled && m.bytes != v.unit {
+                    if m.pooled && m.bytes != v.unit {
                         problems.push(format!(
                             "segment {i}: the small pool maps a piece of {} bytes at {va:#x}",
                             m.bytes
