@@ -164,18 +164,18 @@ pub enum Error {
     NotCapturing(crate::driver::StreamId),
 
     #[error("no capture or graph is known for graph pool {0:?}")]
-    UnknownGraphPool(crate::allocator::GraphPool),
+    UnknownGraphPool(crate::driver::GraphPool),
 
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
     #[error("tag {0} is asleep: wake it before allocating its memory")]
-    Asleep(crate::Tag),
+    Asleep(crate::tag::Tag),
 
     #[error(
         "sleep needs a virtual-memory mode (expandable, compact or remap); this allocator is {0}"
     )]
-    SleepNeedsVirtualMemory(crate::SegmentMode),
+    SleepNeedsVirtualMemory(&'static str),
 
     #[error("sleep needs the tags' memory kept apart (Config::separate_tags, or sleep=True in Python) from the allocator's start")]
     SleepNeedsSeparateTags,
@@ -185,7 +185,7 @@ pub enum Error {
 
     #[error("could not wake {tag}: {source}")]
     Wake {
-        tag: crate::Tag,
+        tag: crate::tag::Tag,
         #[source]
         source: Box<Error>,
     },

@@ -13,58 +13,9 @@
 //! - reserved = what the driver says the allocator holds, when the driver can tell;
 //! - the shards' own structures are consistent (`problems` collected while dumping).
 
-use serde::Serialize;
-
-use crate::ledger::{Counter, Snapshot};
+pub use crate::allocator::dump::{BlockDump, DumpState, SegmentDump, StateDump};
+use crate::ledger::Counter;
 use crate::tag::Tag;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DumpState {
-    Free,
-    Allocated,
-    Pending,
-    Unmapped,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct BlockDump {
-    pub addr: u64,
-    pub size: u64,
-    pub requested: u64,
-    pub state: DumpState,
-    pub tag: Tag,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct SegmentDump {
-    pub base: u64,
-    pub pool: crate::allocator::rules::PoolKind,
-    pub size: u64,
-    pub expandable: bool,
-    /// Mapped ranges, `(addr, len)`; the whole segment for a plain one.
-    pub mapped: Vec<(u64, u64)>,
-    /// Ranges of an asleep tag whose memory was given back (`(addr, len)`): its allocations
-    /// stay there, with nothing mapped behind them until it wakes.
-    pub asleep: Vec<(u64, u64)>,
-    pub blocks: Vec<BlockDump>,
-}
-
-/// A copy of an allocator's state.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct StateDump {
-    pub segments: Vec<SegmentDump>,
-    pub ledger: Snapshot,
-    /// Bytes committed against the limit.
-    pub committed: u64,
-    /// Physical memory held but not mapped (remap mode's spare memory).
-    pub spare: u64,
-    /// What the driver says the allocator holds, when the caller knows it (the simulated
-    /// driver does).
-    pub driver_held: Option<u64>,
-    /// Internal inconsistencies found while dumping.
-    pub problems: Vec<String>,
-}
 
 /// The first broken invariant found.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -40,10 +40,10 @@ mod threads;
 pub mod units;
 
 pub use allocator::{
-    Allocation, Allocator, Config, GraphMemory, GraphPool, Limit, PoolStats, SegmentMode,
-    SleepReport, WakeReport,
+    Allocation, Allocator, Config, GraphMemory, Limit, PoolStats, SegmentMode, SleepReport,
+    WakeReport,
 };
-pub use driver::{Capture, DevicePtr, Driver, StreamId};
+pub use driver::{Capture, DevicePtr, Driver, GraphPool, StreamId};
 pub use error::{Error, OomCause, OomReport, Result};
 pub use ledger::{Counter, PerTag, Snapshot, TagStats};
 pub use tag::Tag;

@@ -176,10 +176,7 @@ fn sleep_in_native_mode_or_without_separate_tags_is_a_clear_error() {
     )
     .unwrap();
     let e = native.sleep(&[Tag::Weights], &[]).unwrap_err();
-    assert!(matches!(
-        e,
-        Error::SleepNeedsVirtualMemory(SegmentMode::Native)
-    ));
+    assert!(matches!(e, Error::SleepNeedsVirtualMemory("native")));
     assert!(
         e.to_string().contains("expandable, compact or remap"),
         "{e}"

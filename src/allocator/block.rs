@@ -5,6 +5,8 @@
 //!   segment exactly: the first starts at the segment base, each next starts where its
 //!   predecessor ends, the last ends at the segment end.
 //! - Two neighbours are never both `Free` (they are merged), nor both `Unmapped`.
+//! - A block's `list` is the slot of its owner's free lists in its shard: every block of a
+//!   segment has the segment's owner, so neighbours share it.
 //! - Block ids are arena indices; a freed id is recycled, so the arena stops growing once a
 //!   workload reaches its high-water mark and the hot path allocates nothing.
 
@@ -38,16 +40,43 @@ pub(crate) struct Block {
     pub free_prev: BlockId,
     pub free_next: BlockId,
     pub segment: u32,
+    /// The slot of its owner's free lists in the shard (the owner is found there).
+    pub list: u32,
     pub state: BlockState,
     pub tag: Tag,
-    pub stream: StreamId,
     pub pool: PoolKind,
-    /// Streams other than `stream` that used the block (`record_stream`). Empty (and so not
+    /// Streams other than its owner's that used the block (`record_stream`). Empty (and so not
     /// heap-allocated) for almost every block.
     pub used_streams: Vec<StreamId>,
 }
 
 impl Block {
+    /// A block with no neighbours, no tag and no other streams.
+    pub fn new(
+        addr: DevicePtr,
+        size: u64,
+        segment: u32,
+        list: u32,
+        state: BlockState,
+        pool: PoolKind,
+    ) -> Block {
+        Block {
+            addr,
+            size,
+            requested: 0,
+            prev: NIL,
+            next: NIL,
+            free_prev: NIL,
+            free_next: NIL,
+            segment,
+            list,
+            state,
+            tag: Tag::Untracked,
+            pool,
+            used_streams: Vec::new(),
+        }
+    }
+
     pub fn end(&self) -> DevicePtr {
         self.addr + self.size
     }

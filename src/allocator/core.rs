@@ -1,5 +1,6 @@
-//! What every shard shares: the (counted) driver, the ledger, the settings, and the
-//! commitment of bytes against the limit; and the value an allocation hands out.
+//! What every shard shares: the (counted) driver, the ledger, the settings every policy
+//! reads, and the commitment of bytes against the limit; the value an allocation hands out,
+//! and why growing failed.
 //!
 //! Invariant: `committed` ≥ reserved bytes at every instant, and equals it at quiescence:
 //! growth first commits against the limit and the cap, then calls the driver, then uncommits
@@ -13,11 +14,11 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use super::config::{Config, SegmentMode, DEFAULT_REMAP_PIECE};
-use super::rules;
-use super::shard::GrowError;
+use super::config::Config;
+use super::history::History;
+use super::owner::Owner;
 use crate::driver::counting::Counting;
-use crate::driver::{DevicePtr, Driver, StreamId};
+use crate::driver::{DevicePtr, Driver, DriverError, DriverResult, StreamId};
 use crate::error::OomCause;
 use crate::ledger::Ledger;
 use crate::tag::Tag;
@@ -35,15 +36,27 @@ pub struct Allocation {
     pub tag: Tag,
 }
 
+/// Why growing failed: memory (worth releasing the cache and retrying) or anything else.
+#[derive(Debug)]
+pub(crate) enum GrowError {
+    Memory(OomCause),
+    Driver(DriverError),
+}
+
+impl From<DriverError> for GrowError {
+    fn from(e: DriverError) -> Self {
+        if e.is_out_of_memory() {
+            GrowError::Memory(OomCause::Device(e))
+        } else {
+            GrowError::Driver(e)
+        }
+    }
+}
+
 pub(crate) struct Core<D> {
     pub(crate) driver: Counting<D>,
     pub(crate) ledger: Ledger,
-    pub(crate) mode: SegmentMode,
-    /// Remap mode: the largest piece of the large pool mapped by one `cuMemMap`.
-    pub(crate) remap_piece: u64,
     pub(crate) max_split: u64,
-    /// [`super::Config::move_across_streams`].
-    pub(crate) across_streams: bool,
     pub(crate) granularity: u64,
     pub(crate) device_total: u64,
     pub(crate) limit: AtomicU64,
@@ -52,7 +65,7 @@ pub(crate) struct Core<D> {
     /// Memory outside the allocator assumed when the driver cannot report this process's usage.
     pub(crate) outside_floor: AtomicU64,
     /// The allocation history, when recording (`history.rs`).
-    pub(crate) history: super::history::History,
+    pub(crate) history: History,
     /// [`Config::separate_tags`].
     pub(crate) separate_tags: bool,
     committed: AtomicU64,
@@ -62,23 +75,15 @@ pub(crate) struct Core<D> {
 pub(crate) const NONE: u64 = u64::MAX;
 
 impl<D: Driver> Core<D> {
-    pub(crate) fn new(driver: D, config: &Config, ledger: Ledger) -> crate::Result<Self> {
+    pub(crate) fn new(driver: D, config: &Config, ledger: Ledger) -> crate::error::Result<Self> {
         let driver = Counting::new(driver);
         let device_total = driver.mem_info()?.total;
         let granularity = driver.granularity();
         Ok(Core {
-            remap_piece: config
-                .remap_piece
-                .unwrap_or(DEFAULT_REMAP_PIECE)
-                .max(1)
-                .div_ceil(granularity)
-                * granularity,
             granularity,
             driver,
             ledger,
-            mode: config.mode,
             max_split: config.max_split_size.unwrap_or(u64::MAX),
-            across_streams: config.move_across_streams,
             device_total,
             limit: AtomicU64::new(NONE),
             cap: AtomicU64::new(NONE),
@@ -137,17 +142,16 @@ impl<D: Driver> Core<D> {
 
     /// Wait for the work that may use memory of `owner`: its stream's, or, for a graph pool,
     /// all of the device's (graphs replay on streams the allocator never sees).
-    pub(crate) fn sync_owner(&self, owner: StreamId) -> crate::driver::DriverResult<()> {
-        if super::graphs::is_pool_key(owner) {
-            self.driver.sync_device()
-        } else {
-            self.driver.sync_stream(super::regions::stream_of(owner))
+    pub(crate) fn sync_owner(&self, owner: Owner) -> DriverResult<()> {
+        match owner.stream() {
+            Some(s) => self.driver.sync_stream(s),
+            None => self.driver.sync_device(),
         }
     }
 
     /// Count `bytes` more (or, with `gone`, fewer) of graph-pool memory when `owner` is a pool.
-    pub(crate) fn graph_bytes(&self, owner: StreamId, bytes: u64, gone: bool) {
-        if super::graphs::is_pool_key(owner) {
+    pub(crate) fn graph_bytes(&self, owner: Owner, bytes: u64, gone: bool) {
+        if owner.is_pool() {
             if gone {
                 self.ledger.graph_reserved.sub(bytes);
             } else {
@@ -159,11 +163,27 @@ impl<D: Driver> Core<D> {
     /// The owner of `tag`'s memory for `owner` (a stream or a graph pool): the stream's region
     /// of the tag when tags are kept apart.
     #[inline]
-    pub(crate) fn region(&self, owner: StreamId, tag: Tag) -> StreamId {
+    pub(crate) fn region(&self, owner: Owner, tag: Tag) -> Owner {
         if self.separate_tags {
-            super::regions::with_region(owner, tag)
+            owner.in_region(tag)
         } else {
             owner
+        }
+    }
+
+    /// Record a segment event in the history (when it is on): a segment or mapping of
+    /// `owner`'s made or given back.
+    pub(crate) fn record_segment(
+        &self,
+        action: super::history::Action,
+        addr: DevicePtr,
+        bytes: u64,
+        owner: Owner,
+    ) {
+        if self.history.on() {
+            let stream = owner.stream().unwrap_or(StreamId::DEFAULT);
+            self.history
+                .record(action, addr, bytes, stream, Tag::Untracked);
         }
     }
 
@@ -173,28 +193,5 @@ impl<D: Driver> Core<D> {
 
     pub(crate) fn committed(&self) -> u64 {
         self.committed.load(Relaxed)
-    }
-
-    /// The block size for a request of `size` bytes: PyTorch's rounding, and in remap mode a
-    /// large block up to a whole granule when that costs little ([`rules::remap_round`]), but
-    /// never across `max_split_size` (a request under it must not become an oversize one, which
-    /// may take a larger cached block whole).
-    #[inline]
-    pub(crate) fn round(&self, size: u64) -> u64 {
-        let rounded = rules::round_size(size);
-        if self.mode != SegmentMode::Remap {
-            return rounded;
-        }
-        let up = rules::remap_round(rounded, self.granularity);
-        if rounded < self.max_split && up >= self.max_split {
-            rounded
-        } else {
-            up
-        }
-    }
-
-    /// Whether segments are virtual reservations with physical memory mapped on demand.
-    pub(crate) fn is_virtual(&self) -> bool {
-        self.mode.is_virtual()
     }
 }

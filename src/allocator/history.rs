@@ -3,6 +3,9 @@
 //! and unmapped), off by default, written out as PyTorch's snapshot pickle so that PyTorch's
 //! memory_viz opens it and `vram-ledger replay` reads it back.
 //!
+//! The vocabulary of the history ([`Action`]) is PyTorch's trace vocabulary: the replay tool
+//! reads traces in it, and the snapshot writer writes this history in it.
+//!
 //! Invariants:
 //! - While recording is off, the cached path pays one test of a flag in the shard it already
 //!   holds (`Shard::recording`), set and cleared under each shard's lock in turn; the ring's
@@ -19,8 +22,53 @@ use std::time::Instant;
 use parking_lot::Mutex;
 
 use crate::driver::StreamId;
-use crate::replay::trace::Action;
 use crate::tag::Tag;
+
+/// One kind of trace entry, as PyTorch names them in `device_traces`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    Alloc,
+    FreeRequested,
+    FreeCompleted,
+    SegmentAlloc,
+    SegmentFree,
+    SegmentMap,
+    SegmentUnmap,
+    Oom,
+}
+
+impl Action {
+    pub const ALL: [Action; 8] = [
+        Action::Alloc,
+        Action::FreeRequested,
+        Action::FreeCompleted,
+        Action::SegmentAlloc,
+        Action::SegmentFree,
+        Action::SegmentMap,
+        Action::SegmentUnmap,
+        Action::Oom,
+    ];
+
+    /// PyTorch's name for it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Action::Alloc => "alloc",
+            Action::FreeRequested => "free_requested",
+            Action::FreeCompleted => "free_completed",
+            Action::SegmentAlloc => "segment_alloc",
+            Action::SegmentFree => "segment_free",
+            Action::SegmentMap => "segment_map",
+            Action::SegmentUnmap => "segment_unmap",
+            Action::Oom => "oom",
+        }
+    }
+
+    /// The action PyTorch names `s`, if any.
+    pub fn parse(s: &str) -> Option<Action> {
+        Action::ALL.into_iter().find(|a| a.name() == s)
+    }
+}
 
 /// One trace entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,7 +126,8 @@ impl History {
         self.on.load(Relaxed)
     }
 
-    /// Write an entry if recording is on.
+    /// Write an entry if recording is on. `stream` is the stream the work was on (a graph
+    /// pool's memory, which no one stream owns, is recorded on the default stream).
     #[cold]
     pub(crate) fn record(&self, action: Action, addr: u64, size: u64, stream: StreamId, tag: Tag) {
         if !self.on() {
@@ -94,8 +143,7 @@ impl History {
             action,
             addr,
             size,
-            // The caller's stream, not the tag region it is filed under.
-            stream: super::regions::stream_of(stream),
+            stream,
             tag,
             time_us,
         });

@@ -18,24 +18,20 @@
 //!   then leaves that mapping's memory held (reported, counted in reserved), never lost.
 //! - A wake that fails gives back what it mapped (or keeps it, counted, where that fails
 //!   too); the tag stays asleep with its host copy, and wake can be retried.
-//! - Host memory is pinned in chunks, reused while a tag sleeps again if asked to retain it,
-//!   and otherwise freed once the tag is awake. A chunk that cannot be freed is kept (and
-//!   freed by a later wake), never forgotten.
 
 use std::time::Instant;
 
-use super::shard::sleep::{TagMapping, DISCARDED};
-use super::shard::{GrowError, Shard, SyncFirst};
+use super::core::GrowError;
+use super::front::Allocator;
+use super::growth::sleep::TagMapping;
+use super::growth::SyncFirst;
+use super::host::{queue_copies, Direction, SleepState};
+use super::segment::DISCARDED;
+use super::shard::Shard;
 use super::spin::SpinGuard;
-use super::Allocator;
-use crate::driver::{DevicePtr, Driver, DriverResult, HostPtr, PhysHandle, StreamId};
+use crate::driver::{Driver, PhysHandle};
 use crate::error::{Error, Result};
 use crate::tag::Tag;
-use crate::units::MIB;
-
-/// Page-locked host memory is pinned in pieces of this size: pinning starts sooner and a
-/// piece is reused whole.
-const CHUNK: u64 = 256 * MIB;
 
 /// What one sleep did.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
@@ -69,132 +65,11 @@ pub struct WakeReport {
     pub seconds: f64,
 }
 
-/// Page-locked host memory of one tag: chunks that together hold its offloaded contents.
-#[derive(Default, Debug)]
-struct HostArena {
-    chunks: Vec<(HostPtr, u64)>,
-}
-
-impl HostArena {
-    fn capacity(&self) -> u64 {
-        self.chunks.iter().map(|c| c.1).sum()
-    }
-
-    /// Pin chunks until `need` bytes fit, on several threads at once (pinning is the kernel
-    /// faulting in and locking pages: it scales with threads, and it, not the copy, is what
-    /// a first sleep waits for). What was pinned stays on failure.
-    fn grow_to<D: Driver>(&mut self, d: &D, need: u64) -> DriverResult<()> {
-        let mut sizes = Vec::new();
-        let mut have = self.capacity();
-        while have < need {
-            let n = (need - have).min(CHUNK);
-            sizes.push(n);
-            have += n;
-        }
-        let results = crate::threads::on_threads(&sizes, |&n| d.host_alloc(n).map(|p| (p, n)));
-        let mut first = None;
-        for r in results {
-            match r {
-                Ok(c) => self.chunks.push(c),
-                Err(e) => {
-                    first.get_or_insert(e);
-                }
-            }
-        }
-        first.map_or(Ok(()), Err)
-    }
-
-    /// Free every chunk (on several threads, as pinning); one that cannot be freed is kept
-    /// (logged).
-    fn free_all<D: Driver>(&mut self, d: &D) {
-        let chunks = std::mem::take(&mut self.chunks);
-        let results = crate::threads::on_threads(&chunks, |&(p, _)| d.host_free(p));
-        for (c, r) in chunks.into_iter().zip(results) {
-            if let Err(e) = r {
-                tracing::warn!(error = %e, "could not free page-locked host memory; kept for later");
-                self.chunks.push(c);
-            }
-        }
-    }
-
-    /// The host pieces of `[off, off + len)` of the arena.
-    fn pieces(&self, mut off: u64, mut len: u64) -> Vec<(HostPtr, u64)> {
-        let mut out = Vec::new();
-        for &(p, size) in &self.chunks {
-            if len == 0 {
-                break;
-            }
-            if off >= size {
-                off -= size;
-                continue;
-            }
-            let n = (size - off).min(len);
-            out.push((HostPtr(p.0 + off), n));
-            off = 0;
-            len -= n;
-        }
-        assert_eq!(len, 0, "the arena was sized for every offloaded byte");
-        out
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Direction {
-    ToHost,
-    ToDevice,
-}
-use Direction::{ToDevice, ToHost};
-
-/// Queue the copies between the `bytes` at device address `va` and the arena from `off`, piece
-/// by piece (a mapping may span host chunks).
-fn queue_copies<D: Driver>(
-    d: &D,
-    arena: &HostArena,
-    off: u64,
-    va: DevicePtr,
-    bytes: u64,
-    stream: StreamId,
-    dir: Direction,
-) -> DriverResult<()> {
-    let mut dev = va;
-    for (h, n) in arena.pieces(off, bytes) {
-        match dir {
-            ToHost => d.copy_to_host(h, dev, n, stream)?,
-            ToDevice => d.copy_to_device(dev, h, n, stream)?,
-        }
-        dev += n;
-    }
-    Ok(())
-}
-
 fn is_out_of_memory(e: &Error) -> bool {
     match e {
         Error::OutOfMemory(_) => true,
         Error::Driver(d) => d.is_out_of_memory(),
         _ => false,
-    }
-}
-
-/// Sleep's state beside the shards: the copy stream and each tag's host memory.
-#[derive(Default, Debug)]
-pub(crate) struct SleepState {
-    stream: Option<StreamId>,
-    host: [HostArena; Tag::COUNT],
-    retain_host: bool,
-}
-
-impl SleepState {
-    fn stream<D: Driver>(&mut self, d: &D) -> DriverResult<StreamId> {
-        if let Some(s) = self.stream {
-            return Ok(s);
-        }
-        let s = d.create_stream()?;
-        self.stream = Some(s);
-        Ok(s)
-    }
-
-    fn host_bytes(&self) -> u64 {
-        self.host.iter().map(HostArena::capacity).sum()
     }
 }
 
@@ -205,8 +80,8 @@ impl<D: Driver> Allocator<D> {
     }
 
     fn check_sleepable(&self, shards: &[SpinGuard<'_, Shard>], what: &'static str) -> Result<()> {
-        if !self.core.is_virtual() {
-            return Err(Error::SleepNeedsVirtualMemory(self.core.mode));
+        if !self.growth.is_virtual() {
+            return Err(Error::SleepNeedsVirtualMemory(self.mode().name()));
         }
         if !self.core.separate_tags {
             return Err(Error::SleepNeedsSeparateTags);
@@ -337,7 +212,9 @@ impl<D: Driver> Allocator<D> {
             for shard_maps in &maps[k] {
                 let mut offs = Vec::with_capacity(shard_maps.len());
                 for m in shard_maps {
-                    if let Err(e) = queue_copies(d, arena, off, m.va, m.bytes, stream, ToHost) {
+                    if let Err(e) =
+                        queue_copies(d, arena, off, m.va, m.bytes, stream, Direction::ToHost)
+                    {
                         // Queued copies still write into the host memory: wait for them
                         // before it can be freed.
                         return Err((e.into(), d.sync_stream(stream).is_ok()));
@@ -471,7 +348,8 @@ impl<D: Driver> Allocator<D> {
         let arena = &st.host[tag.index()];
         for sh in shards {
             for (va, bytes, off) in sh.offloaded(tag) {
-                if let Err(e) = queue_copies(d, arena, off, va, bytes, stream, ToDevice) {
+                if let Err(e) = queue_copies(d, arena, off, va, bytes, stream, Direction::ToDevice)
+                {
                     let _ = d.sync_stream(stream);
                     return Err(e.into());
                 }
@@ -480,37 +358,5 @@ impl<D: Driver> Allocator<D> {
         }
         d.sync_stream(stream)?;
         Ok(restored)
-    }
-}
-
-impl<D: Driver> Allocator<D> {
-    /// At drop, first: wait for the copy stream. A sleep or wake whose synchronisation failed
-    /// may have left copies queued between device memory and the host memory kept for the next
-    /// sleep; false when even this fails (then neither may be freed).
-    pub(super) fn settle_copy_stream(&mut self) -> bool {
-        let Some(s) = self.sleep.get_mut().stream else {
-            return true;
-        };
-        match self.core.driver.sync_stream(s) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::error!(error = %e, "could not synchronise the copy stream; its device and host memory are kept");
-                false
-            }
-        }
-    }
-
-    /// At drop, last: the copy stream and the host memory kept for the next sleep go.
-    pub(super) fn drop_sleep_state(&mut self) {
-        let st = self.sleep.get_mut();
-        let d = &self.core.driver;
-        if let Some(s) = st.stream.take() {
-            if let Err(e) = d.destroy_stream(s) {
-                tracing::error!(error = %e, "could not destroy the copy stream");
-            }
-        }
-        for arena in &mut st.host {
-            arena.free_all(d);
-        }
     }
 }

@@ -240,6 +240,11 @@ pub enum Capture {
     Unknown,
 }
 
+/// A CUDA graph memory pool's identity, as PyTorch names its memory pools (`MempoolId_t`):
+/// two integers, one of them non-zero. Captures that name the same pool share its memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GraphPool(pub u64, pub u64);
+
 /// The primitives the allocator needs from a device. Implementations must be thread-safe:
 /// the allocator calls them from any thread, without holding a global lock.
 pub trait Driver: Send + Sync + 'static {

@@ -28,19 +28,6 @@ fn int(v: u64) -> Value {
     Value::I64(v as i64)
 }
 
-fn action_name(a: Action) -> &'static str {
-    match a {
-        Action::Alloc => "alloc",
-        Action::FreeRequested => "free_requested",
-        Action::FreeCompleted => "free_completed",
-        Action::SegmentAlloc => "segment_alloc",
-        Action::SegmentFree => "segment_free",
-        Action::SegmentMap => "segment_map",
-        Action::SegmentUnmap => "segment_unmap",
-        Action::Oom => "oom",
-    }
-}
-
 /// A tag as PyTorch's metadata: the tag's name, and "" for untracked (as in the traces PyTorch
 /// records with `_set_memory_metadata`).
 fn metadata(t: Tag) -> Value {
@@ -132,7 +119,7 @@ pub fn write<D: Driver>(alloc: &Allocator<D>, device: usize) -> Vec<u8> {
         .iter()
         .map(|e| {
             dict(vec![
-                ("action", Value::String(action_name(e.action).into())),
+                ("action", Value::String(Action::name(e.action).into())),
                 ("addr", int(e.addr)),
                 ("size", int(e.size)),
                 ("stream", int(e.stream.0)),

@@ -4,40 +4,11 @@
 //! Nothing here changes the shard, and nothing here is on the allocation path: these walk
 //! every block, under the shard's lock, when a test, a dump or `memory_stats` asks.
 
-use super::{SegmentKind, Shard};
+use super::Shard;
 use crate::allocator::block::{BlockState, NIL};
-use crate::invariants::{BlockDump, DumpState, SegmentDump, StateDump};
-
-/// The figures `memory_stats` reports per pool, as they are now.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct PoolStats {
-    pub allocations: u64,
-    pub allocated_bytes: u64,
-    pub requested_bytes: u64,
-    /// Allocated blocks plus freed blocks still waiting for another stream.
-    pub active: u64,
-    pub active_bytes: u64,
-    /// Free blocks in segments that are split (not wholly free).
-    pub inactive_split: u64,
-    pub inactive_split_bytes: u64,
-    pub segments: u64,
-    /// Bytes mapped (virtual segments) or allocated (plain segments).
-    pub reserved_bytes: u64,
-}
-
-impl PoolStats {
-    pub(crate) fn add(&mut self, o: &PoolStats) {
-        self.allocations += o.allocations;
-        self.allocated_bytes += o.allocated_bytes;
-        self.requested_bytes += o.requested_bytes;
-        self.active += o.active;
-        self.active_bytes += o.active_bytes;
-        self.inactive_split += o.inactive_split;
-        self.inactive_split_bytes += o.inactive_split_bytes;
-        self.segments += o.segments;
-        self.reserved_bytes += o.reserved_bytes;
-    }
-}
+use crate::allocator::dump::{BlockDump, DumpState, PoolStats, SegmentDump, StateDump};
+use crate::allocator::rules::PoolKind;
+use crate::allocator::segment::SegmentKind;
 
 impl Shard {
     /// Add this shard's per-pool figures (small, large) to `pools`.
@@ -45,15 +16,7 @@ impl Shard {
         for (_, s) in self.segments.iter() {
             let p = &mut pools[s.pool as usize];
             p.segments += 1;
-            p.reserved_bytes += match &s.kind {
-                SegmentKind::Plain => s.size,
-                SegmentKind::Virtual(v) => v
-                    .mappings
-                    .values()
-                    .filter(|m| !m.gone())
-                    .map(|m| m.bytes)
-                    .sum(),
-            };
+            p.reserved_bytes += s.backed_bytes();
             let split = self.blocks[s.first].next != NIL;
             let mut id = s.first;
             while id != NIL {
@@ -131,9 +94,7 @@ impl Shard {
         let mut pending_events = 0usize;
         for (i, s) in self.segments.iter() {
             // Remap's small pool maps pages of one granule, never a large pool's piece.
-            if let (SegmentKind::Virtual(v), crate::allocator::rules::PoolKind::Small) =
-                (&s.kind, s.pool)
-            {
+            if let (SegmentKind::Virtual(v), PoolKind::Small) = (&s.kind, s.pool) {
                 for (va, m) in &v.mappings {
                     if m.pooled && m.bytes != v.unit {
                         problems.push(format!(
@@ -156,15 +117,19 @@ impl Shard {
                         b.segment
                     ));
                 }
+                if self.lists.get(b.list as usize).map(|l| l.owner) != Some(s.owner) {
+                    problems.push(format!(
+                        "block at {:#x} names free lists of another owner than its segment's",
+                        b.addr
+                    ));
+                }
                 match b.state {
                     BlockState::Free => {
                         free_seen += 1;
                         let listed = self
-                            .index
-                            .iter()
-                            .chain(&self.detached)
-                            .find(|p| p.stream == b.stream)
-                            .is_some_and(|p| p.pools[b.pool as usize].contains(&self.blocks, id));
+                            .lists
+                            .get(b.list as usize)
+                            .is_some_and(|l| l.pools[b.pool as usize].contains(&self.blocks, id));
                         if !listed {
                             problems.push(format!(
                                 "free block at {:#x} is not in the free index",
@@ -213,12 +178,22 @@ impl Shard {
             }
         }
         let mut indexed = 0;
-        for p in self.index.iter().chain(&self.detached) {
-            for (k, idx) in p.pools.iter().enumerate() {
+        for (slot, l) in self.lists.iter().enumerate() {
+            if l.asleep != self.sleeps(l.owner) {
+                problems.push(format!(
+                    "the free lists of {:?} are marked {} but the tag is not",
+                    l.owner,
+                    if l.asleep { "asleep" } else { "awake" }
+                ));
+            }
+            for (k, idx) in l.pools.iter().enumerate() {
                 indexed += idx.len();
                 for id in idx.listed(&self.blocks) {
                     let b = &self.blocks[id];
-                    if b.state != BlockState::Free || b.stream != p.stream || b.pool as usize != k {
+                    if b.state != BlockState::Free
+                        || b.list as usize != slot
+                        || b.pool as usize != k
+                    {
                         problems.push(format!(
                             "the free index lists a block at {:#x} that is not free there",
                             b.addr
@@ -244,5 +219,22 @@ impl Shard {
                 self.pending.len()
             ));
         }
+    }
+
+    /// Bytes held for graph pools in this shard, and bytes of them handed out.
+    pub(crate) fn graph_bytes(&self) -> (u64, u64) {
+        let (mut reserved, mut allocated) = (0, 0);
+        for (_, s) in self.segments.iter().filter(|(_, s)| s.owner.is_pool()) {
+            reserved += s.backed_bytes();
+            let mut id = s.first;
+            while id != NIL {
+                let b = &self.blocks[id];
+                if b.state == BlockState::Allocated {
+                    allocated += b.size;
+                }
+                id = b.next;
+            }
+        }
+        (reserved, allocated)
     }
 }

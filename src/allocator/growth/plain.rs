@@ -1,34 +1,35 @@
-//! Plain segments: one `cuMemAlloc` per segment, sized by PyTorch's rules, freed whole by
+//! The native policy: one `cuMemAlloc` per segment, sized by PyTorch's rules, freed whole by
 //! `empty_cache` once its only block is free.
 //!
 //! Invariant: a plain segment is counted in the ledger's segment gauge and its bytes in
 //! reserved bytes exactly while the driver holds it.
 
-use super::{GrowError, Segment, SegmentKind, Shard};
 use crate::allocator::block::{BlockId, BlockState, NIL};
-use crate::allocator::core::Core;
+use crate::allocator::core::{Core, GrowError};
+use crate::allocator::history::Action;
+use crate::allocator::owner::Owner;
 use crate::allocator::planted::{self, Bug};
 use crate::allocator::rules;
+use crate::allocator::segment::{Segment, SegmentKind};
+use crate::allocator::shard::Shard;
 use crate::driver::{Driver, StreamId};
 use crate::error::Result;
-use crate::replay::trace::Action;
 
 impl Shard {
-    /// Get memory from the driver for a request that the cache cannot serve; returns a free
-    /// block (out of the index) that holds at least `rounded` bytes and may serve it.
+    /// Get a segment from the driver for `owner`, for a request (made on `stream`) that the
+    /// cache cannot serve; returns a free block (out of the index) that holds at least
+    /// `rounded` bytes and may serve it.
     pub(crate) fn grow_plain<D: Driver>(
         &mut self,
         core: &Core<D>,
+        owner: Owner,
         stream: StreamId,
         rounded: u64,
     ) -> std::result::Result<BlockId, GrowError> {
         let pool = rules::pool_for(rounded);
         let size = rules::segment_size(rounded);
         core.commit(size)?;
-        let base = match core
-            .driver
-            .alloc_segment(size, crate::allocator::regions::stream_of(stream))
-        {
+        let base = match core.driver.alloc_segment(size, stream) {
             Ok(p) => p,
             Err(e) => {
                 core.uncommit(size);
@@ -36,18 +37,12 @@ impl Shard {
             }
         };
         core.ledger.on_reserve(size, true);
-        core.graph_bytes(stream, size, false);
-        core.history.record(
-            Action::SegmentAlloc,
-            base,
-            size,
-            stream,
-            crate::tag::Tag::Untracked,
-        );
+        core.graph_bytes(owner, size, false);
+        core.record_segment(Action::SegmentAlloc, base, size, owner);
         let seg = Segment {
             base,
             size,
-            stream,
+            owner,
             pool,
             first: NIL,
             kind: SegmentKind::Plain,
@@ -56,25 +51,18 @@ impl Shard {
     }
 
     /// Free segment `seg` if its only block is free.
-    pub(super) fn free_plain<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {
+    pub(crate) fn free_plain<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {
         let s = self.segments.get(seg);
         let b = &self.blocks[s.first];
         if b.state != BlockState::Free || b.next != NIL {
             return Ok(());
         }
-        let (base, size, first, owner) = (s.base, s.size, s.first, s.stream);
+        let (base, size, first, owner) = (s.base, s.size, s.first, s.owner);
         core.driver.free_segment(base, size)?;
         core.graph_bytes(owner, size, true);
-        core.history.record(
-            Action::SegmentFree,
-            base,
-            size,
-            owner,
-            crate::tag::Tag::Untracked,
-        );
+        core.record_segment(Action::SegmentFree, base, size, owner);
         self.index_remove(first);
-        self.blocks.remove(first);
-        self.segments.remove(seg);
+        self.remove_segment(seg);
         core.ledger
             .on_unreserve(size, !planted::active(Bug::SegmentCount));
         core.uncommit(size);

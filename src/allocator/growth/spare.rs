@@ -1,4 +1,4 @@
-//! Remap mode's spare pieces: physical memory held but not mapped, waiting to be mapped
+//! The remap policy's spare pieces: physical memory held but not mapped, waiting to be mapped
 //! where a request needs it.
 //!
 //! Invariants:
@@ -7,32 +7,21 @@
 //! - Spare bytes count as reserved: they were reserved when created and are unreserved only
 //!   when released to the driver.
 
-use super::vmm::Mapping;
-use super::{GrowError, Shard};
-use crate::allocator::core::Core;
+use crate::allocator::core::{Core, GrowError};
+use crate::allocator::history::Action;
 use crate::allocator::planted::{self, Bug};
+use crate::allocator::segment::{Mapping, Spare};
+use crate::allocator::shard::Shard;
 use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
 use crate::error::Result;
 
-/// A physical handle held but not mapped.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Spare {
-    pub handle: PhysHandle,
-    pub bytes: u64,
-}
-
 impl Shard {
-    /// Physical memory held but not mapped.
-    pub(crate) fn spare_bytes(&self) -> u64 {
-        self.spare.iter().map(|p| p.bytes).sum()
-    }
-
     /// Map at least `bytes` (at most `room`) from `start`, one whole handle per map call:
     /// spare pieces of at most `piece` bytes first (the smallest that covers what is left,
     /// else the largest that fits), then new pieces of at most `piece` bytes. Returns the bytes
     /// mapped (a prefix) and the error that stopped it; a piece that could not be mapped stays
     /// spare.
-    pub(super) fn map_spare<D: Driver>(
+    pub(crate) fn map_spare<D: Driver>(
         &mut self,
         core: &Core<D>,
         seg: u32,
@@ -57,28 +46,16 @@ impl Shard {
                 self.spare.push(p);
                 return (done, Some(e.into()));
             }
-            let m = Mapping {
-                bytes: p.bytes,
-                handle: p.handle,
-                released: false,
-                pooled: true,
-                sleep: None,
-            };
+            let m = Mapping::new(p.bytes, p.handle, true);
             self.segments.get_mut(seg).virt_mut().mappings.insert(va, m);
-            self.record_map(
-                core,
-                seg,
-                crate::replay::trace::Action::SegmentMap,
-                va,
-                p.bytes,
-            );
+            self.record_map(core, seg, Action::SegmentMap, va, p.bytes);
             done += p.bytes;
         }
         (done, None)
     }
 
     /// The sizes of the spare pieces of at most `piece` bytes, for [`new_bytes_for`].
-    pub(super) fn spare_sizes(&self, piece: u64) -> Vec<u64> {
+    pub(crate) fn spare_sizes(&self, piece: u64) -> Vec<u64> {
         self.spare
             .iter()
             .map(|p| p.bytes)
@@ -87,7 +64,7 @@ impl Shard {
     }
 
     /// Give the spare pieces back to the driver.
-    pub(super) fn release_spare<D: Driver>(&mut self, core: &Core<D>) -> Result<()> {
+    pub(crate) fn release_spare<D: Driver>(&mut self, core: &Core<D>) -> Result<()> {
         let keep = usize::from(planted::active(Bug::RemapSpare));
         while self.spare.len() > keep {
             let p = self.spare.pop().expect("more than `keep` pieces");
@@ -182,7 +159,7 @@ fn next_piece(
 
 /// The bytes of new pieces that [`Shard::map_spare`] would create to map `bytes` into a range
 /// of `room` bytes with spare pieces of `sizes` on hand (the same choices, none made).
-pub(super) fn new_bytes_for(mut sizes: Vec<u64>, bytes: u64, room: u64, piece: u64, g: u64) -> u64 {
+pub(crate) fn new_bytes_for(mut sizes: Vec<u64>, bytes: u64, room: u64, piece: u64, g: u64) -> u64 {
     let (mut done, mut new) = (0, 0);
     while done < bytes {
         done += match next_piece(sizes.iter().copied(), bytes - done, room - done, piece, g) {

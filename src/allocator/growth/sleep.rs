@@ -1,38 +1,24 @@
 //! Sleep and wake in one shard: a tag's regions (its segments, with `Config::separate_tags`)
 //! lose their physical memory and keep their addresses; waking maps fresh memory at the same
-//! addresses. The allocator (`allocator/sleep.rs`) holds every shard's lock throughout and
-//! does the copies; this file keeps the shard's tables true.
+//! addresses. The allocator (`allocator/sleep.rs`) holds the shards' locks and does the
+//! copies; this file keeps the shard's tables true.
 //!
 //! Invariants:
 //! - A tag is asleep in a shard exactly when its bit is set in `asleep`; then its regions'
-//!   free lists are in `detached` (not in the index, so nothing is served from them), its
-//!   regions' segments are neither grown, released nor moved, and every mapping of them has
-//!   `sleep` set.
+//!   free lists are marked asleep (nothing is served from them), its regions' segments are
+//!   neither grown, released nor moved, and every mapping of them has `sleep` set.
 //! - An asleep mapping with `gone` has no memory behind its range (released and unmapped,
 //!   counted in the ledger's sleeping bytes, not in reserved); without `gone` it still holds
 //!   its memory (a release or unmap failed), mapped as before and counted in reserved.
 //! - A free of asleep memory is deferred (`deferred`) and applied once the tag wakes: nothing
-//!   is put back into a detached free list while it sleeps.
+//!   is put back into an asleep free list while it sleeps.
 
-use super::vmm::map_one;
-use super::{Shard, StreamPools};
+use super::mapped::map_one;
 use crate::allocator::core::Core;
-use crate::allocator::regions;
+use crate::allocator::segment::{Mapping, Slept, DISCARDED};
+use crate::allocator::shard::{tag_bit, Shard};
 use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
-use crate::error::{Error, Result};
 use crate::tag::Tag;
-
-/// An asleep mapping's state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Slept {
-    /// Where its contents wait in the tag's host memory (an offset), or [`DISCARDED`].
-    pub host: u64,
-    /// Its memory was given back (released and unmapped).
-    pub gone: bool,
-}
-
-/// [`Slept::host`] of a mapping whose contents are not kept.
-pub(crate) const DISCARDED: u64 = u64::MAX;
 
 /// One mapping of an asleep tag: its segment, address and size.
 #[derive(Clone, Copy, Debug)]
@@ -42,38 +28,12 @@ pub(crate) struct TagMapping {
     pub bytes: u64,
 }
 
-#[inline]
-fn bit(tag: Tag) -> u8 {
-    1 << tag.index()
-}
-
 impl Shard {
-    /// Whether `owner`'s memory is asleep.
-    #[inline]
-    pub(crate) fn sleeps(&self, owner: crate::driver::StreamId) -> bool {
-        self.asleep != 0 && regions::region_of(owner).is_some_and(|t| self.asleep & bit(t) != 0)
-    }
-
-    pub(crate) fn tag_asleep(&self, tag: Tag) -> bool {
-        self.asleep & bit(tag) != 0
-    }
-
-    /// Keep the free of asleep memory for when it wakes. A second free of the same pointer is
-    /// refused as any double free is.
-    #[cold]
-    pub(super) fn defer_free(&mut self, ptr: DevicePtr) -> Result<()> {
-        if self.deferred.contains(&ptr) {
-            return Err(Error::UnknownPointer(ptr));
-        }
-        self.deferred.push(ptr);
-        Ok(())
-    }
-
     /// Every mapping of `tag`'s regions in this shard, in segment and address order.
     pub(crate) fn tag_mappings(&self, tag: Tag) -> Vec<TagMapping> {
         let mut out = Vec::new();
         for (seg, s) in self.segments.iter() {
-            if regions::region_of(s.stream) != Some(tag) || !s.is_virtual() {
+            if s.owner.region() != Some(tag) || !s.is_virtual() {
                 continue;
             }
             for (&va, m) in &s.virt().mappings {
@@ -87,7 +47,7 @@ impl Shard {
         out
     }
 
-    /// Put `tag` to sleep here: its free lists leave the index, each of its mappings is
+    /// Put `tag` to sleep here: its free lists are marked asleep, each of its mappings is
     /// marked with where its contents wait (`hosts`, in [`Shard::tag_mappings`] order), and
     /// its memory is given back. Returns (bytes given back, bytes still held because a release
     /// or unmap failed; those stay mapped with their contents).
@@ -98,14 +58,10 @@ impl Shard {
         maps: &[TagMapping],
         hosts: &[u64],
     ) -> (u64, u64) {
-        self.asleep |= bit(tag);
-        let mut i = 0;
-        while i < self.index.len() {
-            if regions::region_of(self.index[i].stream) == Some(tag) {
-                let p: StreamPools = self.index.swap_remove(i);
-                self.detached.push(p);
-            } else {
-                i += 1;
+        self.asleep |= tag_bit(tag);
+        for l in &mut self.lists {
+            if l.owner.region() == Some(tag) {
+                l.asleep = true;
             }
         }
         let (mut gone, mut held) = (0, 0);
@@ -147,7 +103,7 @@ impl Shard {
         true
     }
 
-    fn mapping_mut(&mut self, m: &TagMapping) -> &mut super::vmm::Mapping {
+    fn mapping_mut(&mut self, m: &TagMapping) -> &mut Mapping {
         self.segments
             .get_mut(m.seg)
             .virt_mut()
@@ -219,38 +175,31 @@ impl Shard {
         }
         core.ledger.on_reserve(remade, false);
         core.ledger.sleeping_sub(tag, remade);
-        self.asleep &= !bit(tag);
-        let mut i = 0;
-        while i < self.detached.len() {
-            if regions::region_of(self.detached[i].stream) == Some(tag) {
-                let p = self.detached.swap_remove(i);
-                self.index.push(p);
-            } else {
-                i += 1;
+        self.asleep &= !tag_bit(tag);
+        for l in &mut self.lists {
+            if l.owner.region() == Some(tag) {
+                l.asleep = false;
             }
         }
         let deferred = std::mem::take(&mut self.deferred);
         for ptr in deferred {
-            if self.sleeps(self.live_owner(ptr)) {
+            let Some(id) = self.live_block(ptr) else {
+                tracing::warn!(
+                    ptr,
+                    "a free deferred while its memory slept names no allocation"
+                );
+                continue;
+            };
+            if self.sleeps(self.owner_of(id)) {
                 self.deferred.push(ptr);
                 continue;
             }
             // No stream can still be using it: sleep synchronised the device, and nothing
             // touched the memory while it slept. So the free needs no events and cannot fail.
-            if let Some(&id) = self.live.get(&ptr) {
-                self.blocks[id].used_streams.clear();
-            }
+            self.blocks[id].used_streams.clear();
             if let Err(e) = self.free(core, ptr) {
                 tracing::warn!(error = %e, ptr, "a free deferred while its memory slept failed");
             }
         }
-    }
-
-    fn live_owner(&self, ptr: DevicePtr) -> crate::driver::StreamId {
-        self.live
-            .get(&ptr)
-            .map_or(crate::driver::StreamId::DEFAULT, |&id| {
-                self.blocks[id].stream
-            })
     }
 }

@@ -1,6 +1,6 @@
-//! Virtual segments (the expandable, compact and remap modes): one address reservation per
-//! (stream, pool), physical memory mapped into it on demand and unmapped where it lies wholly
-//! inside free blocks.
+//! Virtual segments, what the expandable, compact and remap policies share: one address
+//! reservation per (owner, pool), physical memory mapped into it on demand and unmapped where
+//! it lies wholly inside free blocks.
 //!
 //! Invariants:
 //! - Every mapping starts at `base + k * unit` and is a multiple of `unit` long; CUDA maps
@@ -9,11 +9,6 @@
 //!   at all: a failure part-way through growth undoes the chunk it was on and keeps the
 //!   chunks before it, mapped and accounted.
 //! - `unmapped` holds exactly the `Unmapped` blocks of the segment, keyed by address.
-//! - Remap: moving memory before growth keeps the free blocks beside the range that growth is
-//!   to map, as chosen before the move (growth extends them in place; it chooses again after
-//!   the move, with the pieces moved, and may take another range).
-//! - Remap: the small pool's mappings are pages of one granule; its growth moves no memory and
-//!   maps no larger spare piece (a large piece there would be pinned by small blocks).
 //! - Before anything in a segment is unmapped, its stream is synchronised, or the whole device
 //!   ([`SyncFirst`]: a graph pool's segment, another stream's growth, a caller that has
 //!   synchronised it); a graph pool's memory is never moved to serve other growth.
@@ -22,19 +17,15 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{GrowError, Segment, SegmentKind, Shard};
-use crate::allocator::block::{BlockId, BlockState, NIL};
-use crate::allocator::config::SegmentMode;
-use crate::allocator::core::Core;
-use crate::allocator::graphs::is_pool_key;
-use crate::allocator::regions;
-use crate::allocator::rules::{self, PoolKind};
-use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle, StreamId};
+use crate::allocator::block::{Block, BlockId, BlockState, NIL};
+use crate::allocator::core::{Core, GrowError};
+use crate::allocator::history::Action;
+use crate::allocator::owner::Owner;
+use crate::allocator::rules::PoolKind;
+use crate::allocator::segment::{Mapping, Segment, SegmentKind, Spare, VirtualMap};
+use crate::allocator::shard::Shard;
+use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
 use crate::error::{OomCause, Result};
-use crate::replay::trace::Action;
-
-/// Remap growth weighs at most this many unmapped ranges for where to map spare pieces.
-const WEIGHED: usize = 32;
 
 /// What to synchronise before unmapping memory freed on a segment's stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,65 +39,28 @@ pub(crate) enum SyncFirst {
     Done,
 }
 
-/// Where growth goes ([`Shard::site`]).
+/// Where growth goes in a reservation.
 #[derive(Clone, Copy, Debug)]
-pub(super) enum Site {
+pub(crate) enum Site {
     /// A free block (in the index) that holds the request already.
     Free(BlockId),
     /// Map `bytes` at the front of unmapped block `range`.
     Map { range: BlockId, bytes: u64 },
 }
 
-/// The physical side of a virtual segment.
-#[derive(Debug)]
-pub(crate) struct VirtualMap {
-    /// Mappings start at multiples of this and are multiples of it long.
-    pub unit: u64,
-    /// One mapping per `unit` (PyTorch's expandable segments), or one per growth, sized to the
-    /// request (the compact mode).
-    pub per_unit: bool,
-    pub mappings: BTreeMap<DevicePtr, Mapping>,
-    /// Unmapped blocks by address, for growth.
-    pub unmapped: BTreeSet<(DevicePtr, BlockId)>,
-}
-
-/// One `cuMemMap`.
-#[derive(Debug)]
-pub(crate) struct Mapping {
-    pub bytes: u64,
-    pub handle: PhysHandle,
-    /// The handle was released but the unmap failed: the mapping still holds the memory.
-    pub released: bool,
-    /// Remap mode: unmapping keeps the handle as a spare piece (to be mapped again where it
-    /// is needed) instead of releasing it.
-    pub pooled: bool,
-    /// Asleep (`sleep.rs`): where its contents wait, and whether its memory was given back.
-    pub sleep: Option<super::sleep::Slept>,
-}
-
-impl Mapping {
-    /// Asleep with its memory given back: nothing is mapped at its range.
-    pub(crate) fn gone(&self) -> bool {
-        self.sleep.is_some_and(|s| s.gone)
-    }
-}
-
 impl Shard {
-    /// The reservation of (`stream`, `pool`), made on first use.
-    fn reservation<D: Driver>(
+    /// The reservation of (`owner`, `pool`), made on first use, its mappings multiples of
+    /// `unit` long.
+    pub(crate) fn reservation<D: Driver>(
         &mut self,
         core: &Core<D>,
-        stream: StreamId,
+        owner: Owner,
         pool: PoolKind,
+        unit: u64,
     ) -> std::result::Result<u32, GrowError> {
-        if let Some(seg) = self.reservation_of(stream, pool) {
+        if let Some(seg) = self.reservation_of(owner, pool) {
             return Ok(seg);
         }
-        let (unit, per_unit) = match core.mode {
-            SegmentMode::Compact => (core.granularity, false),
-            SegmentMode::Remap => (core.granularity, true),
-            _ => (rules::expandable_page(pool, core.granularity), true),
-        };
         // Address space for 9/8 of the device, as PyTorch reserves: enough to map every byte
         // of the device even with holes left by earlier unmaps. (Remap growth may pass over a
         // hole for a range where its spare pieces fit; if holes ever took more than the
@@ -116,12 +70,11 @@ impl Shard {
         let seg = Segment {
             base,
             size,
-            stream,
+            owner,
             pool,
             first: NIL,
             kind: SegmentKind::Virtual(VirtualMap {
                 unit,
-                per_unit,
                 mappings: BTreeMap::new(),
                 unmapped: BTreeSet::new(),
             }),
@@ -132,57 +85,46 @@ impl Shard {
             .virt_mut()
             .unmapped
             .insert((base, first));
-        self.reservations.push((stream, pool, seg));
+        self.reservations.push((owner, pool, seg));
         Ok(seg)
     }
 
-    /// The reservation of (`stream`, `pool`), if made.
-    fn reservation_of(&self, stream: StreamId, pool: PoolKind) -> Option<u32> {
+    /// The reservation of (`owner`, `pool`), if made.
+    pub(crate) fn reservation_of(&self, owner: Owner, pool: PoolKind) -> Option<u32> {
         self.reservations
             .iter()
-            .find(|&&(s, p, _)| s == stream && p == pool)
+            .find(|&&(o, p, _)| o == owner && p == pool)
             .map(|&(_, _, seg)| seg)
     }
 
-    /// Get memory from the driver for a request that the cache cannot serve; returns a free
-    /// block (out of the index) that holds at least `rounded` bytes and may serve it.
-    pub(crate) fn grow_virtual<D: Driver>(
+    /// Grow `seg` at `site` for a request of `rounded` bytes, `map` mapping at least the
+    /// bytes asked from the range's start (it is given the shard, the start, the bytes and
+    /// the range's size, and returns the bytes mapped, a prefix, and the error that stopped
+    /// it). Returns a free block (out of the index) that holds at least `rounded` bytes and may
+    /// serve it.
+    pub(crate) fn grow_at<D: Driver>(
         &mut self,
         core: &Core<D>,
-        stream: StreamId,
+        seg: u32,
+        site: Site,
         rounded: u64,
+        map: impl FnOnce(&mut Shard, DevicePtr, u64, u64) -> (u64, Option<GrowError>),
     ) -> std::result::Result<BlockId, GrowError> {
-        let pool = rules::pool_for(rounded);
-        let seg = self.reservation(core, stream, pool)?;
-        let (u, bytes) = match self.site(core, seg, rounded) {
-            None => return Err(GrowError::Memory(OomCause::AddressSpace)),
-            Some(Site::Free(free)) => {
+        let (u, bytes) = match site {
+            Site::Free(free) => {
                 self.index_remove(free);
                 return Ok(free);
             }
-            Some(Site::Map { range, bytes }) => (range, bytes),
+            Site::Map { range, bytes } => (range, bytes),
         };
-        let unit = self.segments.get(seg).virt().unit;
-        let per_unit = self.segments.get(seg).virt().per_unit;
         let (start, room) = (self.blocks[u].addr, self.blocks[u].size);
-        let (mapped, err) = if core.mode == SegmentMode::Remap {
-            self.map_spare(core, seg, start, bytes, room, largest_piece(core, pool))
-        } else {
-            core.commit(bytes)?;
-            let chunk = if per_unit { unit } else { bytes };
-            let (mapped, err) = self.map_chunks(core, seg, start, bytes, chunk);
-            core.uncommit(bytes - mapped);
-            if mapped > 0 {
-                core.ledger.on_reserve(mapped, false);
-            }
-            (mapped, err.map(GrowError::from))
-        };
+        let (mapped, err) = map(self, start, bytes, room);
         if mapped == 0 {
             return Err(err.expect("nothing mapped means an error"));
         }
-        core.graph_bytes(stream, mapped, false);
+        core.graph_bytes(self.segments.get(seg).owner, mapped, false);
         // The mapped front of the unmapped block becomes a free block, merged with its
-        // neighbours; by the choice above the merged block holds the request.
+        // neighbours; by the choice of site the merged block holds the request.
         let id = self.split_front(u, mapped, seg);
         let id = self.insert_free(id);
         if let Some(e) = err {
@@ -196,60 +138,40 @@ impl Shard {
         Ok(id)
     }
 
-    /// Where in `seg` growth for a request of `rounded` bytes goes: a free block that holds it
-    /// already (the cache passed it over only because it is at least max_split_size; growth
-    /// serves from it, as PyTorch's expandable segments do), or an unmapped range that, with the
-    /// free blocks on either side, holds it, and the bytes to map at its front.
-    ///
-    /// The lowest such range, as low addresses first keeps the mapped memory compact; except
-    /// that remap mode with spare pieces on hand weighs the lowest
-    /// [`WEIGHED`] ranges and takes the one that needs the fewest new bytes, the lowest of those:
-    /// a range too narrow for the pieces would leave them unused and create new memory. Only
-    /// [`WEIGHED`] ranges: each costs a pass over the spare pieces per piece mapped, and a
-    /// reservation riddled with holes must not make growth slow.
-    pub(super) fn site<D: Driver>(&self, core: &Core<D>, seg: u32, rounded: u64) -> Option<Site> {
-        let s = self.segments.get(seg);
-        let v = s.virt();
-        let piece = largest_piece(core, s.pool);
-        // Only the pieces this pool may map weigh (`next_piece` passes over larger ones).
-        let spare = (core.mode == SegmentMode::Remap)
-            .then(|| self.spare_sizes(piece))
-            .filter(|sizes| !sizes.is_empty());
-        let (mut best, mut best_new, mut weighed) = (None, u64::MAX, 0);
-        for &(_, u) in &v.unmapped {
-            let bytes = match self.site_at(core, seg, u, rounded) {
-                None => continue,
-                Some(Site::Map { bytes, .. }) => bytes,
-                free => return free,
-            };
-            let b = &self.blocks[u];
-            let Some(sizes) = &spare else {
-                return Some(Site::Map { range: u, bytes });
-            };
-            let new =
-                super::spare::new_bytes_for(sizes.clone(), bytes, b.size, piece, core.granularity);
-            if new < best_new {
-                (best, best_new) = (Some(Site::Map { range: u, bytes }), new);
-            }
-            weighed += 1;
-            if new == 0 || weighed == WEIGHED {
-                break;
-            }
-        }
-        best
+    /// The lowest place in `seg` for growth for a request of `rounded` bytes, mapping at
+    /// least `floor` bytes (low addresses first keeps the mapped memory compact).
+    pub(crate) fn lowest_site(&self, seg: u32, rounded: u64, floor: u64) -> Option<Site> {
+        let v = self.segments.get(seg).virt();
+        v.unmapped
+            .iter()
+            .find_map(|&(_, u)| self.site_at(seg, u, rounded, floor))
     }
 
-    /// Growth for a request of `rounded` bytes at unmapped block `u` of `seg`
-    /// ([`Shard::site`]), if `u` holds the request with the free blocks on either side.
-    fn site_at<D: Driver>(
-        &self,
+    /// Map `bytes` of new memory from `start` in mappings of `chunk` bytes, committed against
+    /// the limit first; returns the bytes mapped (a prefix) and the error that stopped it.
+    pub(crate) fn map_new<D: Driver>(
+        &mut self,
         core: &Core<D>,
         seg: u32,
-        u: BlockId,
-        rounded: u64,
-    ) -> Option<Site> {
-        let s = self.segments.get(seg);
-        let v = s.virt();
+        start: DevicePtr,
+        bytes: u64,
+        chunk: u64,
+    ) -> (u64, Option<GrowError>) {
+        if let Err(e) = core.commit(bytes) {
+            return (0, Some(e));
+        }
+        let (mapped, err) = self.map_chunks(core, seg, start, bytes, chunk);
+        core.uncommit(bytes - mapped);
+        if mapped > 0 {
+            core.ledger.on_reserve(mapped, false);
+        }
+        (mapped, err.map(GrowError::from))
+    }
+
+    /// Growth for a request of `rounded` bytes at unmapped block `u` of `seg`, mapping at
+    /// least `floor` bytes, if `u` holds the request with the free blocks on either side.
+    pub(crate) fn site_at(&self, seg: u32, u: BlockId, rounded: u64, floor: u64) -> Option<Site> {
+        let v = self.segments.get(seg).virt();
         let b = &self.blocks[u];
         let free_size = |id: BlockId| {
             if id != NIL && self.blocks[id].state == BlockState::Free {
@@ -265,13 +187,6 @@ impl Shard {
         if before + b.size + free_size(b.next) < rounded {
             return None;
         }
-        // Remap mode grows the large pool by at least a large segment's worth, as PyTorch's
-        // segments do: small requests then do not each cost a map.
-        let floor = if core.mode == SegmentMode::Remap && s.pool == PoolKind::Large {
-            rules::LARGE_BUFFER
-        } else {
-            0
-        };
         let bytes = ((rounded - before).max(floor).div_ceil(v.unit) * v.unit).min(b.size);
         Some(Site::Map { range: u, bytes })
     }
@@ -292,13 +207,7 @@ impl Shard {
             let va = start + done;
             match map_one(&core.driver, va, chunk) {
                 Ok(handle) => {
-                    let m = Mapping {
-                        bytes: chunk,
-                        handle,
-                        released: false,
-                        pooled: false,
-                        sleep: None,
-                    };
+                    let m = Mapping::new(chunk, handle, false);
                     self.segments.get_mut(seg).virt_mut().mappings.insert(va, m);
                     self.record_map(core, seg, Action::SegmentMap, va, chunk);
                     done += chunk;
@@ -307,67 +216,6 @@ impl Shard {
             }
         }
         (done, None)
-    }
-
-    /// Compact and remap modes, before growing for `stream`: move memory rather than add it
-    /// (remap: for the large pool only; a small-pool page is new memory, see `room_wanted`).
-    /// Free mappings of this shard are unmapped first, so that reserved bytes follow live bytes
-    /// (compact: their memory goes back to the driver; remap: their pieces become spare, to be
-    /// mapped here), except (remap) the free blocks beside the range that growth will map:
-    /// growth uses them where they are, and moving them would only map their pieces back (one
-    /// unmap, map and set-access each, for nothing). Returns the bytes still wanted. A failure
-    /// only means that less is moved.
-    pub(crate) fn make_room<D: Driver>(
-        &mut self,
-        core: &Core<D>,
-        stream: StreamId,
-        rounded: u64,
-    ) -> u64 {
-        let (want, site) = self.room_wanted(core, stream, rounded);
-        if want == 0 {
-            return 0;
-        }
-        let keep = site.map_or([NIL; 2], |u| [self.blocks[u].prev, self.blocks[u].next]);
-        match self.release_for_growth(core, want, SyncFirst::Owner, keep) {
-            Ok(got) => want.saturating_sub(got),
-            Err(e) => {
-                note_move_failure(core, &e);
-                want
-            }
-        }
-    }
-
-    /// How much memory growth for `stream` should move before it adds any, and (remap mode)
-    /// the unmapped range it will map ([`Shard::site`], with the spare pieces on hand now).
-    pub(crate) fn room_wanted<D: Driver>(
-        &self,
-        core: &Core<D>,
-        stream: StreamId,
-        rounded: u64,
-    ) -> (u64, Option<BlockId>) {
-        match core.mode {
-            // A capture records the addresses it uses: grow, move nothing, while it runs (a
-            // graph pool grows only during a capture).
-            _ if is_pool_key(stream) || core.driver.is_capturing(regions::stream_of(stream)) => {
-                (0, None)
-            }
-            // A small-pool page is one granule: moving memory for it would map a whole free
-            // piece of the large pool (CUDA maps whole handles), where small blocks that live
-            // long would pin all of it. New pages cost a map each, as the small pool's always do.
-            SegmentMode::Remap if rules::pool_for(rounded) == PoolKind::Small => (0, None),
-            SegmentMode::Remap => {
-                let g = core.granularity;
-                let seg = self.reservation_of(stream, rules::pool_for(rounded));
-                let (bytes, site) = match seg.and_then(|seg| self.site(core, seg, rounded)) {
-                    Some(Site::Free(_)) => return (0, None),
-                    Some(Site::Map { range, bytes }) => (bytes, Some(range)),
-                    None => (rounded.div_ceil(g) * g, None),
-                };
-                (bytes.saturating_sub(self.spare_bytes()), site)
-            }
-            SegmentMode::Compact => (rounded, None),
-            _ => (0, None),
-        }
     }
 
     /// Unmap about `want` bytes of free memory from this shard's virtual segments (not graph
@@ -384,7 +232,7 @@ impl Shard {
         let segs: Vec<u32> = self
             .reservations
             .iter()
-            .filter(|&&(owner, _, _)| !is_pool_key(owner))
+            .filter(|&&(owner, _, _)| !owner.is_pool())
             .map(|&(_, _, seg)| seg)
             .collect();
         let mut left = want;
@@ -411,7 +259,7 @@ impl Shard {
         keep: [BlockId; 2],
     ) -> Result<u64> {
         // Asleep memory is neither given back nor moved: its free lists are detached.
-        if self.sleeps(self.segments.get(seg).stream) {
+        if self.sleeps(self.segments.get(seg).owner) {
             return Ok(0);
         }
         // Runs of contiguous mappings inside each free block.
@@ -436,7 +284,7 @@ impl Shard {
         if runs.is_empty() {
             return Ok(0);
         }
-        let owner = s.stream;
+        let owner = s.owner;
         match sync {
             SyncFirst::Owner => core.sync_owner(owner)?,
             SyncFirst::Device => core.driver.sync_device()?,
@@ -500,7 +348,7 @@ impl Shard {
             let (bytes, handle) = (m.bytes, m.handle);
             core.driver.unmap(va, bytes)?;
             mappings.remove(&va);
-            self.spare.push(super::Spare { handle, bytes });
+            self.spare.push(Spare { handle, bytes });
             self.record_map(core, seg, Action::SegmentUnmap, va, bytes);
             return Ok((bytes, 0));
         }
@@ -531,7 +379,7 @@ impl Shard {
         // Head stays in `id`; the middle and tail become new blocks.
         let mut mid = id;
         if lo > addr {
-            mid = self.insert_after(id, lo, hi - lo, seg, BlockState::Unmapped);
+            mid = self.insert_after(id, lo, hi - lo, BlockState::Unmapped);
             self.blocks[id].size = lo - addr;
             self.index_insert(id);
         } else {
@@ -539,7 +387,7 @@ impl Shard {
             self.blocks[id].state = BlockState::Unmapped;
         }
         let tail = (hi < end).then(|| {
-            let tail = self.insert_after(mid, hi, end - hi, seg, BlockState::Free);
+            let tail = self.insert_after(mid, hi, end - hi, BlockState::Free);
             self.index_insert(tail);
             tail
         });
@@ -582,22 +430,15 @@ impl Shard {
         b.size -= bytes;
         // The new front takes `u`'s place in the list: `u` moves up by `bytes`.
         let fid = if prev == NIL {
-            let (stream, pool) = (b.stream, b.pool);
-            let fid = self.blocks.insert(crate::allocator::block::Block {
+            let (list, pool) = (b.list, b.pool);
+            let fid = self.blocks.insert(Block {
                 next: u,
-                ..crate::allocator::block::Block::new(
-                    addr,
-                    bytes,
-                    seg,
-                    BlockState::Free,
-                    stream,
-                    pool,
-                )
+                ..Block::new(addr, bytes, seg, list, BlockState::Free, pool)
             });
             self.segments.get_mut(seg).first = fid;
             fid
         } else {
-            self.insert_after(prev, addr, bytes, seg, BlockState::Free)
+            self.insert_after(prev, addr, bytes, BlockState::Free)
         };
         self.blocks[u].prev = fid;
         fid
@@ -605,7 +446,7 @@ impl Shard {
 
     /// Unmap every free mapping of `seg`, and give its reservation back once nothing in it is
     /// mapped.
-    pub(super) fn shrink_virtual<D: Driver>(
+    pub(crate) fn shrink_virtual<D: Driver>(
         &mut self,
         core: &Core<D>,
         seg: u32,
@@ -617,19 +458,18 @@ impl Shard {
         if b.state != BlockState::Unmapped || b.next != NIL {
             return Ok(());
         }
-        let (base, size, first, stream, pool) = (s.base, s.size, s.first, s.stream, s.pool);
+        let (base, size, owner, pool) = (s.base, s.size, s.owner, s.pool);
         core.driver.release_va(base, size)?;
-        self.blocks.remove(first);
-        self.segments.remove(seg);
+        self.remove_segment(seg);
         self.reservations
-            .retain(|&(st, p, _)| !(st == stream && p == pool));
+            .retain(|&(o, p, _)| !(o == owner && p == pool));
         Ok(())
     }
 }
 
 impl Shard {
     /// Record a mapping made or removed in segment `seg` (when the history is recorded).
-    pub(super) fn record_map<D: Driver>(
+    pub(crate) fn record_map<D: Driver>(
         &self,
         core: &Core<D>,
         seg: u32,
@@ -637,25 +477,12 @@ impl Shard {
         va: DevicePtr,
         bytes: u64,
     ) {
-        if core.history.on() {
-            let stream = self.segments.get(seg).stream;
-            core.history
-                .record(action, va, bytes, stream, crate::tag::Tag::Untracked);
-        }
-    }
-}
-
-/// Remap mode: the largest new piece growth in `pool` creates (the small pool's pages are
-/// one granule each).
-fn largest_piece<D: Driver>(core: &Core<D>, pool: PoolKind) -> u64 {
-    match pool {
-        PoolKind::Small => core.granularity,
-        PoolKind::Large => core.remap_piece,
+        core.record_segment(action, va, bytes, self.segments.get(seg).owner);
     }
 }
 
 /// Create physical memory of `bytes` and map it at `va`; on failure undo what this did.
-pub(super) fn map_one<D: Driver>(
+pub(crate) fn map_one<D: Driver>(
     driver: &D,
     va: DevicePtr,
     bytes: u64,
@@ -680,10 +507,11 @@ pub(super) fn map_one<D: Driver>(
     Ok(h)
 }
 
-/// A move that failed: counted, and the allocation takes new memory instead.
+/// A move that failed: counted and logged, and the allocation takes new memory instead (what
+/// was unmapped before the failure is accounted; the rest stays mapped where it was).
 pub(crate) fn note_move_failure<D: Driver>(core: &Core<D>, e: &crate::error::Error) {
     core.ledger
         .move_failures
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    tracing::debug!(error = %e, "could not release free mappings before growing");
+    tracing::warn!(error = %e, "could not move free memory before growing; growing with new memory instead");
 }

@@ -1,0 +1,522 @@
+//! The allocator for one device: its entry points (allocate, free, `record_stream`,
+//! `empty_cache`, figures), which shard's lock a call takes, when pending events are polled,
+//! and what happens when a shard cannot grow (release every shard's cache, unless the calling
+//! stream is capturing a graph; retry once; then report out of memory with the whole
+//! breakdown). Graph pools (`graphs.rs`) and sleep (`sleep.rs`) add their entry points to the
+//! same type; what a shard does with its blocks lives in `shard/`, how it grows in `growth/`.
+//!
+//! Invariants kept across the allocator (see `shard/mod.rs` for the per-shard ones):
+//! - A stream's blocks live in exactly one shard (dealt by the stream table, `streams.rs`),
+//!   so a cached allocation or free takes one lock and never allocates on the heap.
+//! - Cross-shard work (releasing the cache, dumps, statistics) takes shard locks one at a
+//!   time, in index order, never while holding another, so it cannot deadlock with allocation;
+//!   the one exception, moves between shards (`growth/moves.rs`), only tries the other locks.
+//! - Code holding a shard lock never takes the graph-pool registry's lock (the registry's
+//!   holders take shard locks).
+//! - A shard whose operation panicked is poisoned: every later call that needs it gets
+//!   [`Error::Poisoned`], never its half-updated state.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use crossbeam::utils::CachePadded;
+
+use super::config::{Config, Limit, SegmentMode};
+use super::core::{Allocation, Core, GrowError, NONE};
+use super::dump::{PoolStats, StateDump};
+use super::growth::{Growth, SyncFirst};
+use super::history::{Action, HistoryEntry};
+use super::host::SleepState;
+use super::owner::Owner;
+use super::routes::GraphRegistry;
+use super::rules;
+use super::shard::{Shard, Shards};
+use super::spin::{SpinGuard, SpinLock};
+use super::streams::{StreamTable, SHARDS};
+use crate::driver::counting::DriverCalls;
+use crate::driver::{DevicePtr, Driver, StreamId};
+use crate::error::{Error, OomCause, OomReport, Result};
+use crate::ledger::{Ledger, PerTag, Snapshot};
+use crate::tag::Tag;
+
+#[cold]
+fn poisoned(shard: usize) -> Error {
+    Error::Poisoned { shard }
+}
+
+/// A caching allocator for one device.
+pub struct Allocator<D: Driver> {
+    pub(super) core: Core<D>,
+    pub(super) growth: Growth,
+    streams: StreamTable,
+    pub(super) shards: Box<Shards>,
+    pub(super) graphs: GraphRegistry,
+    pub(super) sleep: parking_lot::Mutex<SleepState>,
+}
+
+impl<D: Driver> Allocator<D> {
+    /// An allocator over `driver`. Asks the driver once for the device's total memory (for a
+    /// fractional limit and the virtual reservations).
+    pub fn new(driver: D, config: Config) -> Result<Self> {
+        let core = Core::new(driver, &config, Ledger::new(SHARDS))?;
+        let a = Allocator {
+            growth: Growth::new(&config, core.granularity, core.max_split),
+            core,
+            streams: StreamTable::default(),
+            shards: (0..SHARDS)
+                .map(|id| CachePadded::new(SpinLock::new(Shard::new(id))))
+                .collect(),
+            graphs: GraphRegistry::default(),
+            sleep: Default::default(),
+        };
+        a.set_limit(config.limit)?;
+        Ok(a)
+    }
+
+    /// The driver the allocator was built on.
+    pub fn driver(&self) -> &D {
+        self.core.driver.inner()
+    }
+
+    pub fn ledger(&self) -> &Ledger {
+        &self.core.ledger
+    }
+
+    /// Every driver call the allocator has made, by name.
+    pub fn driver_calls(&self) -> DriverCalls {
+        self.core.driver.calls()
+    }
+
+    /// Every counter, now.
+    pub fn snapshot(&self) -> Snapshot {
+        self.core.ledger.snapshot(self.driver_calls())
+    }
+
+    pub fn mode(&self) -> SegmentMode {
+        self.growth.mode()
+    }
+
+    /// The device's total memory, as the driver reported it at creation.
+    pub fn device_total(&self) -> u64 {
+        self.core.device_total
+    }
+
+    /// Set or clear the limit on reserved bytes. A limit below what is held now is allowed:
+    /// growth fails (after releasing the cache) until enough is freed.
+    pub fn set_limit(&self, limit: Option<Limit>) -> Result<()> {
+        let bytes = match limit {
+            None => NONE,
+            Some(Limit::Bytes(b)) => b,
+            Some(Limit::Fraction(f)) if f > 0.0 && f <= 1.0 => {
+                (self.core.device_total as f64 * f) as u64
+            }
+            Some(Limit::Fraction(f)) => {
+                return Err(Error::InvalidLimit(format!(
+                    "fraction {f} is not in (0, 1]"
+                )))
+            }
+        };
+        self.core.limit.store(bytes, Relaxed);
+        Ok(())
+    }
+
+    /// The limit in bytes, if any.
+    pub fn limit(&self) -> Option<u64> {
+        Some(self.core.limit.load(Relaxed)).filter(|&l| l != NONE)
+    }
+
+    /// Hold this process to `cap` bytes of device memory in all, or lift the cap: the budget
+    /// contract. Before every growth the allocator re-reads this process's usage (so memory
+    /// that appears outside it later counts), and growth that would pass the cap fails like
+    /// any other out-of-memory: the cache is released and the request retried once, then
+    /// [`Error::OutOfMemory`] says the cap was the limit. Profiling sets it to the requested
+    /// memory unless told not to. When the driver cannot see this process's usage, growth
+    /// assumes the memory outside the allocator that profiling measured (0 if it never ran):
+    /// without per-process figures, nothing outside can be measured again.
+    pub fn set_cap(&self, cap: Option<u64>) {
+        let floor = match cap {
+            Some(_) => self.core.outside_now(),
+            None => 0,
+        };
+        self.arm_cap(cap, floor);
+    }
+
+    /// [`Allocator::set_cap`], with the memory outside the allocator to assume while the
+    /// driver cannot report this process's usage.
+    pub(crate) fn arm_cap(&self, cap: Option<u64>, outside_floor: u64) {
+        self.core.outside_floor.store(outside_floor, Relaxed);
+        self.core.cap.store(cap.unwrap_or(NONE), Relaxed);
+        match cap {
+            Some(c) => tracing::info!(
+                cap = c,
+                "budget contract set: this process may use {}",
+                crate::units::Bytes(c)
+            ),
+            None => tracing::info!("budget contract lifted"),
+        }
+    }
+
+    /// The budget contract in bytes, if one is set.
+    pub fn cap(&self) -> Option<u64> {
+        Some(self.core.cap.load(Relaxed)).filter(|&c| c != NONE)
+    }
+
+    /// The shard that serves `stream` (assigned on first use). Peaks are kept per shard and
+    /// summed (see [`crate::ledger`]), so this tells which streams' peaks add up exactly.
+    pub fn shard_of(&self, stream: StreamId) -> usize {
+        self.streams.shard(stream)
+    }
+
+    #[inline]
+    pub(super) fn lock(&self, shard: usize) -> Result<SpinGuard<'_, Shard>> {
+        match self.shards[shard].lock() {
+            Ok(sh) => Ok(sh),
+            Err(_) => Err(poisoned(shard)),
+        }
+    }
+
+    /// Allocate `size` bytes for use on `stream`, tagged with this thread's current tag.
+    #[inline]
+    pub fn allocate(&self, size: u64, stream: StreamId) -> Result<Allocation> {
+        self.allocate_tagged(size, stream, Tag::current())
+    }
+
+    /// Allocate `size` bytes for use on `stream` with an explicit tag.
+    ///
+    /// A zero-byte request returns an [`Allocation`] whose pointer is 0 and counts nothing;
+    /// freeing pointer 0 does nothing (PyTorch's allocator behaves the same way). Requests of
+    /// 2^60 bytes or more are refused with [`Error::SizeTooLarge`]. When neither the cache nor
+    /// the driver can serve the request, every shard's cache is released and the request is
+    /// retried once before [`Error::OutOfMemory`] is returned.
+    #[inline]
+    pub fn allocate_tagged(&self, size: u64, stream: StreamId, tag: Tag) -> Result<Allocation> {
+        if size == 0 {
+            return Ok(Allocation {
+                ptr: 0,
+                size: 0,
+                requested: 0,
+                stream,
+                tag,
+            });
+        }
+        if size >= rules::ABSURD_SIZE {
+            return Err(Error::SizeTooLarge(size));
+        }
+        let rounded = self.growth.round(size);
+        let cause = {
+            let mut sh = self.lock(self.streams.shard(stream))?;
+            // Completed events are polled here, except while the stream captures a graph
+            // (querying an event would invalidate the capture).
+            if !sh.pending.is_empty() && !self.core.driver.is_capturing(stream) {
+                sh.process_pending(&self.core, false)?;
+            }
+            let owner = self.owner(&sh, stream, tag);
+            if let Some(a) = sh.try_alloc(&self.core, owner, stream, rounded, size, tag) {
+                return Ok(self.hand_out(&sh, a));
+            }
+            match self.grow_and_take(&mut sh, owner, stream, rounded, size, tag)? {
+                Ok(a) => return Ok(self.hand_out(&sh, a)),
+                Err(cause) => cause,
+            }
+        };
+        self.retry_after_release(stream, rounded, size, tag, cause)
+    }
+
+    /// Whose memory serves `tag` on `stream`: the stream's own (its tag's region of it when
+    /// tags are kept apart), or the graph pool its capture is routed to.
+    #[inline]
+    fn owner(&self, sh: &Shard, stream: StreamId, tag: Tag) -> Owner {
+        self.core
+            .region(sh.graphs.owner(&self.core.driver, stream), tag)
+    }
+
+    /// Serve a request the cache could not serve from new memory for `owner` (the calling
+    /// stream's, or the graph pool its capture is routed to). `Ok(Err(cause))` when the
+    /// memory is not there (worth releasing the cache and retrying). Out of line: the cached
+    /// path above stays small.
+    #[inline(never)]
+    fn grow_and_take(
+        &self,
+        sh: &mut Shard,
+        owner: Owner,
+        stream: StreamId,
+        rounded: u64,
+        size: u64,
+        tag: Tag,
+    ) -> Result<std::result::Result<Allocation, OomCause>> {
+        if sh.sleeps(owner) {
+            return Err(Error::Asleep(tag));
+        }
+        match self
+            .growth
+            .grow(&self.core, &self.shards, sh, owner, stream, rounded)
+        {
+            Ok(id) => Ok(Ok(sh.take(&self.core, id, stream, rounded, size, tag))),
+            Err(GrowError::Memory(cause)) => Ok(Err(cause)),
+            Err(GrowError::Driver(e)) => Err(e.into()),
+        }
+    }
+
+    /// The slow end of an allocation: release every shard's cache, try once more, and report
+    /// out of memory with the cause of the last attempt (the one made with the cache
+    /// released, which is what the caller can act on).
+    #[cold]
+    fn retry_after_release(
+        &self,
+        stream: StreamId,
+        rounded: u64,
+        size: u64,
+        tag: Tag,
+        first: OomCause,
+    ) -> Result<Allocation> {
+        self.core.ledger.retries.fetch_add(1, Relaxed);
+        tracing::debug!(size, cause = %first, "allocation missed the cache and the driver; releasing the cache and retrying");
+        // Releasing the cache waits for events and unmaps: not while this stream captures a
+        // graph (that would spoil the capture). The retry then sees what the others freed.
+        if !self.core.driver.is_capturing(stream) {
+            if let Err(e) = self.empty_cache() {
+                tracing::warn!(error = %e, "releasing the cache before a retry failed");
+            }
+        }
+        let mut sh = self.lock(self.streams.shard(stream))?;
+        let owner = self.owner(&sh, stream, tag);
+        let served = match sh.try_alloc(&self.core, owner, stream, rounded, size, tag) {
+            Some(a) => Ok(a),
+            None => self.grow_and_take(&mut sh, owner, stream, rounded, size, tag)?,
+        };
+        let cause = match served {
+            Ok(a) => return Ok(self.hand_out(&sh, a)),
+            Err(cause) => cause,
+        };
+        drop(sh);
+        self.core.ledger.ooms.fetch_add(1, Relaxed);
+        let report = self.oom_report(size, rounded, cause);
+        tracing::warn!("{report}");
+        Err(Error::OutOfMemory(Box::new(report)))
+    }
+
+    pub(super) fn oom_report(&self, requested: u64, rounded: u64, cause: OomCause) -> OomReport {
+        let info = self.core.driver.mem_info().unwrap_or_default();
+        let usage = self.core.driver.process_usage().ok().flatten();
+        let snap = self.snapshot();
+        let reserved = snap.reserved_bytes.current;
+        let needed = self.growth.needed(rounded, self.core.granularity);
+        OomReport {
+            requested,
+            needed,
+            device_total: info.total,
+            device_free: info.free,
+            process_usage: usage,
+            allocated: snap.all.allocated_bytes.current,
+            reserved,
+            cached: snap.cached_bytes,
+            non_allocator: usage.map(|u| u.saturating_sub(reserved)),
+            per_tag: PerTag(snap.per_tag.0.map(|t| t.allocated_bytes.current)),
+            limit: self.limit(),
+            cap: self.cap(),
+            cause,
+        }
+    }
+
+    /// The allocation, recorded in the history when that is on.
+    #[inline]
+    fn hand_out(&self, sh: &Shard, a: Allocation) -> Allocation {
+        if sh.recording {
+            self.record_alloc(&a);
+        }
+        a
+    }
+
+    #[cold]
+    fn record_alloc(&self, a: &Allocation) {
+        // The size asked for, as PyTorch's traces record it (the rounding is the allocator's).
+        self.core
+            .history
+            .record(Action::Alloc, a.ptr, a.requested, a.stream, a.tag);
+    }
+
+    /// Start recording the allocation history (clearing what was recorded before), keeping the
+    /// newest `max_entries` entries, or stop recording (what was recorded stays readable).
+    /// While it is off, the cached path costs what it costs without it.
+    pub fn record_history(&self, enabled: bool, max_entries: usize) -> Result<()> {
+        self.core.history.set(enabled, max_entries);
+        let mut first = None;
+        for i in 0..self.shards.len() {
+            match self.lock(i) {
+                Ok(mut sh) => sh.recording = enabled,
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// The recorded history, oldest first, and how many older entries the bound dropped.
+    pub fn history(&self) -> (Vec<HistoryEntry>, u64) {
+        self.core.history.entries()
+    }
+
+    /// Free an allocation. Looks the pointer up in every shard; prefer [`Allocator::free_on`]
+    /// when the allocation's stream is known. Pointer 0 is a no-op.
+    pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        self.in_owning_shard(ptr, |sh| sh.free(&self.core, ptr))
+    }
+
+    /// Run `op` on each shard in turn until one knows `ptr`. `op` must change nothing and
+    /// return `UnknownPointer` when its shard does not hold the pointer. A poisoned shard is
+    /// passed over: if the pointer is nowhere else, the error says which shard was poisoned.
+    fn in_owning_shard(
+        &self,
+        ptr: DevicePtr,
+        mut op: impl FnMut(&mut Shard) -> Result<()>,
+    ) -> Result<()> {
+        let mut poisoned = None;
+        for i in 0..self.shards.len() {
+            let r = match self.lock(i) {
+                Ok(mut sh) => op(&mut sh),
+                Err(e) => {
+                    poisoned.get_or_insert(e);
+                    continue;
+                }
+            };
+            match r {
+                Err(Error::UnknownPointer(_)) => continue,
+                done => return done,
+            }
+        }
+        Err(poisoned.unwrap_or(Error::UnknownPointer(ptr)))
+    }
+
+    /// Free an allocation made on `stream`: one lock. Falls back to a search of every shard when
+    /// the pointer is not in `stream`'s shard.
+    #[inline]
+    pub fn free_on(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        // An unknown pointer changes nothing in the shard, so trying it there first is safe.
+        // The guard must be gone before the fallback locks every shard, this one included.
+        let first = self
+            .lock(self.streams.shard(stream))
+            .and_then(|mut sh| sh.free(&self.core, ptr));
+        match first {
+            Err(Error::UnknownPointer(_)) => self.free(ptr),
+            done => done,
+        }
+    }
+
+    /// Record that `stream` uses the allocation at `ptr`: when it is freed, its memory is not
+    /// reused until the work queued on `stream` by then has completed.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        self.in_owning_shard(ptr, |sh| sh.record_stream(ptr, stream))
+    }
+
+    /// Give every cached byte back to the driver (waiting first for the streams that still use
+    /// freed blocks). Every shard is attempted; the first error is returned and what could not
+    /// be released stays cached and accounted.
+    pub fn empty_cache(&self) -> Result<()> {
+        self.release_all(SyncFirst::Owner)
+    }
+
+    pub(super) fn release_all(&self, sync: SyncFirst) -> Result<()> {
+        let mut first = None;
+        for i in 0..self.shards.len() {
+            if let Err(e) = self
+                .lock(i)
+                .and_then(|mut sh| sh.release_cached(&self.core, sync))
+            {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Live allocations, over all streams (poisoned shards are not counted).
+    pub fn live_allocations(&self) -> usize {
+        (0..self.shards.len())
+            .filter_map(|i| self.lock(i).ok().map(|sh| sh.live_count()))
+            .sum()
+    }
+
+    /// Per-pool figures (small, large) now, as `memory_stats` reports them. Walks every
+    /// block, one shard at a time; not for the hot path.
+    pub fn pool_stats(&self) -> [PoolStats; 2] {
+        let mut pools = [PoolStats::default(); 2];
+        for i in 0..self.shards.len() {
+            if let Ok(sh) = self.lock(i) {
+                sh.pool_stats(&mut pools);
+            }
+        }
+        pools
+    }
+
+    /// A copy of the allocator's whole state, for the invariant checker.
+    pub fn dump(&self) -> StateDump {
+        let mut dump = StateDump::default();
+        for i in 0..self.shards.len() {
+            let sh = match self.lock(i) {
+                Ok(sh) => sh,
+                Err(e) => {
+                    dump.problems.push(e.to_string());
+                    continue;
+                }
+            };
+            if sh.id != i {
+                dump.problems
+                    .push(format!("shard {i} writes the counters of shard {}", sh.id));
+            }
+            sh.self_check(&mut dump.problems);
+            sh.dump_into(&mut dump);
+        }
+        dump.ledger = self.snapshot();
+        dump.committed = self.core.committed();
+        dump
+    }
+}
+
+impl<D: Driver> Drop for Allocator<D> {
+    /// Cached device memory, the copy stream and the host memory kept for the next sleep go
+    /// with the allocator: one dropped in the middle of a process (an engine restarted, a test)
+    /// must not hold them for the rest of it. What stays held is warned about: live
+    /// allocations (their pointers may still be in use, and nothing can free them any more),
+    /// graph pools a graph may still replay into, asleep tags' memory, a poisoned shard's.
+    ///
+    /// A copy of a sleep or wake left queued by a failed synchronisation is waited for first;
+    /// if that fails, nothing is freed. Then the whole device is synchronised once, not each
+    /// segment's stream (streams the allocator saw may have been destroyed by now); if that
+    /// fails, the device memory is kept. No device memory is released while the thread
+    /// unwinds from a panic (a second panic there would abort the process).
+    fn drop(&mut self) {
+        if !self.sleep.get_mut().settle(&self.core.driver) {
+            return;
+        }
+        if !std::thread::panicking() {
+            self.release_at_drop();
+        }
+        self.sleep.get_mut().release(&self.core.driver);
+    }
+}
+
+impl<D: Driver> Allocator<D> {
+    fn release_at_drop(&self) {
+        if let Err(e) = self.core.driver.sync_device() {
+            tracing::error!(error = %e, "could not synchronise the device when the allocator was dropped; its device memory is kept");
+            return;
+        }
+        if let Err(e) = self.release_all(SyncFirst::Done) {
+            tracing::error!(error = %e, "could not give the cache back when the allocator was dropped");
+        }
+        let reserved = self.core.ledger.reserved();
+        if reserved > 0 {
+            let live = self.live_allocations();
+            tracing::warn!(
+                reserved,
+                live,
+                "allocator dropped holding memory (live allocations, graph pools, asleep tags or a poisoned shard): it stays held for the rest of the process"
+            );
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! The remap policy: physical memory in pieces of at most [`Remap::piece`], each mapped whole.
+//! Before growing the large pool, the shard unmaps pieces lying wholly inside its free blocks
+//! (and, with `across_streams`, other shards'), keeping them as spare, and maps those same
+//! pieces where the request needs them (`spare.rs`): few physical allocations, the least
+//! fragmentation.
+//!
+//! Invariants:
+//! - Moving memory before growth keeps the free blocks beside the range that growth is to
+//!   map, as chosen before the move (growth extends them in place; it chooses again after the
+//!   move, with the pieces moved, and may take another range).
+//! - The small pool's mappings are pages of one granule; its growth moves no memory and maps
+//!   no larger spare piece (a large piece there would be pinned by small blocks).
+//! - A large block is rounded up to whole granules when that adds at most
+//!   1/[`rules::REMAP_ALIGN_WASTE`] of it, but never across `max_split_size`.
+
+use super::mapped::{note_move_failure, Site, SyncFirst};
+use super::spare::new_bytes_for;
+use super::{may_move, moves};
+use crate::allocator::block::{BlockId, NIL};
+use crate::allocator::config::{Config, DEFAULT_REMAP_PIECE};
+use crate::allocator::core::{Core, GrowError};
+use crate::allocator::owner::Owner;
+use crate::allocator::rules::{self, PoolKind};
+use crate::allocator::shard::{Shard, Shards};
+use crate::driver::{Driver, StreamId};
+use crate::error::OomCause;
+
+/// Growth weighs at most this many unmapped ranges for where to map spare pieces.
+const WEIGHED: usize = 32;
+
+#[derive(Debug)]
+pub(crate) struct Remap {
+    /// The largest piece of the large pool mapped by one `cuMemMap` (whole granules).
+    pub(crate) piece: u64,
+    /// [`crate::Config::move_across_streams`].
+    pub(crate) across_streams: bool,
+    granularity: u64,
+    max_split: u64,
+}
+
+impl Remap {
+    pub(super) fn new(config: &Config, granularity: u64, max_split: u64) -> Remap {
+        let piece = config.remap_piece.unwrap_or(DEFAULT_REMAP_PIECE).max(1);
+        Remap {
+            piece: piece.div_ceil(granularity) * granularity,
+            across_streams: config.move_across_streams,
+            granularity,
+            max_split,
+        }
+    }
+
+    /// The block size for a request of `size` bytes: PyTorch's rounding, and a large block up
+    /// to a whole granule when that costs little ([`rules::remap_round`]), but never across
+    /// `max_split_size` (a request under it must not become an oversize one, which may take a
+    /// larger cached block whole).
+    #[inline]
+    pub(super) fn round(&self, size: u64) -> u64 {
+        let rounded = rules::round_size(size);
+        let up = rules::remap_round(rounded, self.granularity);
+        if rounded < self.max_split && up >= self.max_split {
+            rounded
+        } else {
+            up
+        }
+    }
+
+    /// The largest new piece growth in `pool` creates (the small pool's pages are one granule).
+    fn largest_piece(&self, pool: PoolKind) -> u64 {
+        match pool {
+            PoolKind::Small => self.granularity,
+            PoolKind::Large => self.piece,
+        }
+    }
+
+    pub(super) fn grow<D: Driver>(
+        &self,
+        core: &Core<D>,
+        shards: &Shards,
+        sh: &mut Shard,
+        owner: Owner,
+        stream: StreamId,
+        rounded: u64,
+    ) -> Result<BlockId, GrowError> {
+        let pool = rules::pool_for(rounded);
+        // A small-pool page is one granule: moving memory for it would map a whole free piece
+        // of the large pool (CUDA maps whole handles), where small blocks that live long would
+        // pin all of it. New pages cost a map each, as the small pool's always do.
+        if pool == PoolKind::Large && may_move(core, owner, stream) {
+            let left = self.make_room(core, sh, owner, rounded);
+            if left > 0 && self.across_streams && !sh.graphs.capturing() {
+                // With the pieces moved in, growth chooses its site again and may need more
+                // than the site chosen first lacked (a piece too wide for a hole goes to a range
+                // that needs more of it): ask the other shards once more, if they had anything
+                // to give.
+                let spare = sh.spare_bytes();
+                moves::from_other_shards(core, shards, sh, left, true);
+                if sh.spare_bytes() > spare {
+                    let more = self.room_wanted(core, sh, owner, rounded).0;
+                    if more > 0 {
+                        moves::from_other_shards(core, shards, sh, more, true);
+                    }
+                }
+            }
+        }
+        let seg = sh.reservation(core, owner, pool, self.granularity)?;
+        let site = self
+            .site(sh, seg, rounded)
+            .ok_or(GrowError::Memory(OomCause::AddressSpace))?;
+        let piece = self.largest_piece(pool);
+        sh.grow_at(core, seg, site, rounded, |sh, start, bytes, room| {
+            sh.map_spare(core, seg, start, bytes, room, piece)
+        })
+    }
+
+    /// Before growing the large pool: unmap free pieces of this shard, so that reserved bytes
+    /// follow live bytes (their pieces become spare, to be mapped here), except the free blocks
+    /// beside the range that growth will map: growth uses them where they are, and moving them
+    /// would only map their pieces back (one unmap, map and set-access each, for nothing).
+    /// Returns the bytes still wanted. A failure only means that less is moved.
+    fn make_room<D: Driver>(
+        &self,
+        core: &Core<D>,
+        sh: &mut Shard,
+        owner: Owner,
+        rounded: u64,
+    ) -> u64 {
+        let (want, site) = self.room_wanted(core, sh, owner, rounded);
+        if want == 0 {
+            return 0;
+        }
+        let keep = site.map_or([NIL; 2], |u| [sh.blocks[u].prev, sh.blocks[u].next]);
+        match sh.release_for_growth(core, want, SyncFirst::Owner, keep) {
+            Ok(got) => want.saturating_sub(got),
+            Err(e) => {
+                note_move_failure(core, &e);
+                want
+            }
+        }
+    }
+
+    /// How much memory large-pool growth for `owner` should move before it adds any, and the
+    /// unmapped range it will map ([`Remap::site`], with the spare pieces on hand now).
+    fn room_wanted<D: Driver>(
+        &self,
+        core: &Core<D>,
+        sh: &Shard,
+        owner: Owner,
+        rounded: u64,
+    ) -> (u64, Option<BlockId>) {
+        let g = core.granularity;
+        let seg = sh.reservation_of(owner, rules::pool_for(rounded));
+        let (bytes, site) = match seg.and_then(|seg| self.site(sh, seg, rounded)) {
+            Some(Site::Free(_)) => return (0, None),
+            Some(Site::Map { range, bytes }) => (bytes, Some(range)),
+            None => (rounded.div_ceil(g) * g, None),
+        };
+        (bytes.saturating_sub(sh.spare_bytes()), site)
+    }
+
+    /// Where in `seg` growth for a request of `rounded` bytes goes: a free block that holds it
+    /// already (the cache passed it over only because it is at least max_split_size; growth
+    /// serves from it, as PyTorch's expandable segments do), or an unmapped range that, with the
+    /// free blocks on either side, holds it, and the bytes to map at its front.
+    ///
+    /// The lowest such range; except that with spare pieces on hand it weighs the lowest
+    /// [`WEIGHED`] ranges and takes the one that needs the fewest new bytes, the lowest of those:
+    /// a range too narrow for the pieces would leave them unused and create new memory. Only
+    /// [`WEIGHED`] ranges: each costs a pass over the spare pieces per piece mapped, and a
+    /// reservation riddled with holes must not make growth slow.
+    fn site(&self, sh: &Shard, seg: u32, rounded: u64) -> Option<Site> {
+        let s = sh.segments.get(seg);
+        let piece = self.largest_piece(s.pool);
+        // The large pool grows by at least a large segment's worth, as PyTorch's segments do:
+        // small requests then do not each cost a map.
+        let floor = match s.pool {
+            PoolKind::Large => rules::LARGE_BUFFER,
+            PoolKind::Small => 0,
+        };
+        // Only the pieces this pool may map weigh (`next_piece` passes over larger ones).
+        let sizes = sh.spare_sizes(piece);
+        if sizes.is_empty() {
+            return sh.lowest_site(seg, rounded, floor);
+        }
+        let (mut best, mut best_new, mut weighed) = (None, u64::MAX, 0);
+        for &(_, u) in &s.virt().unmapped {
+            let bytes = match sh.site_at(seg, u, rounded, floor) {
+                None => continue,
+                Some(Site::Map { bytes, .. }) => bytes,
+                free => return free,
+            };
+            let room = sh.blocks[u].size;
+            let new = new_bytes_for(sizes.clone(), bytes, room, piece, self.granularity);
+            if new < best_new {
+                (best, best_new) = (Some(Site::Map { range: u, bytes }), new);
+            }
+            weighed += 1;
+            if new == 0 || weighed == WEIGHED {
+                break;
+            }
+        }
+        best
+    }
+}

@@ -1,0 +1,167 @@
+//! Sleep's state beside the shards: the copy stream and each tag's page-locked host memory,
+//! and the copies between device memory and it. Needs only the driver: the allocator's sleep
+//! and wake (`sleep.rs`) decide what is copied where.
+//!
+//! Invariants:
+//! - Host memory is pinned in chunks, reused while a tag sleeps again if asked to retain it,
+//!   and otherwise freed once the tag is awake. A chunk that cannot be freed is kept (and
+//!   freed by a later wake), never forgotten.
+//! - No host memory is freed, and the copy stream is not destroyed, while a copy queued on it
+//!   may still run: the stream is synchronised first, and if that fails both are kept.
+
+use crate::driver::{DevicePtr, Driver, DriverResult, HostPtr, StreamId};
+use crate::tag::Tag;
+use crate::units::MIB;
+
+/// Page-locked host memory is pinned in pieces of this size: pinning starts sooner and a
+/// piece is reused whole.
+const CHUNK: u64 = 256 * MIB;
+
+/// Page-locked host memory of one tag: chunks that together hold its offloaded contents.
+#[derive(Default, Debug)]
+pub(crate) struct HostArena {
+    chunks: Vec<(HostPtr, u64)>,
+}
+
+impl HostArena {
+    pub(crate) fn capacity(&self) -> u64 {
+        self.chunks.iter().map(|c| c.1).sum()
+    }
+
+    /// Pin chunks until `need` bytes fit, on several threads at once (pinning is the kernel
+    /// faulting in and locking pages: it scales with threads, and it, not the copy, is what
+    /// a first sleep waits for). What was pinned stays on failure.
+    pub(crate) fn grow_to<D: Driver>(&mut self, d: &D, need: u64) -> DriverResult<()> {
+        let mut sizes = Vec::new();
+        let mut have = self.capacity();
+        while have < need {
+            let n = (need - have).min(CHUNK);
+            sizes.push(n);
+            have += n;
+        }
+        let results = crate::threads::on_threads(&sizes, |&n| d.host_alloc(n).map(|p| (p, n)));
+        let mut first = None;
+        for r in results {
+            match r {
+                Ok(c) => self.chunks.push(c),
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Free every chunk (on several threads, as pinning); one that cannot be freed is kept
+    /// (logged).
+    pub(crate) fn free_all<D: Driver>(&mut self, d: &D) {
+        let chunks = std::mem::take(&mut self.chunks);
+        let results = crate::threads::on_threads(&chunks, |&(p, _)| d.host_free(p));
+        for (c, r) in chunks.into_iter().zip(results) {
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "could not free page-locked host memory; kept for later");
+                self.chunks.push(c);
+            }
+        }
+    }
+
+    /// The host pieces of `[off, off + len)` of the arena.
+    pub(crate) fn pieces(&self, mut off: u64, mut len: u64) -> Vec<(HostPtr, u64)> {
+        let mut out = Vec::new();
+        for &(p, size) in &self.chunks {
+            if len == 0 {
+                break;
+            }
+            if off >= size {
+                off -= size;
+                continue;
+            }
+            let n = (size - off).min(len);
+            out.push((HostPtr(p.0 + off), n));
+            off = 0;
+            len -= n;
+        }
+        assert_eq!(len, 0, "the arena was sized for every offloaded byte");
+        out
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Direction {
+    ToHost,
+    ToDevice,
+}
+
+/// Queue the copies between the `bytes` at device address `va` and the arena from `off`, piece
+/// by piece (a mapping may span host chunks).
+pub(crate) fn queue_copies<D: Driver>(
+    d: &D,
+    arena: &HostArena,
+    off: u64,
+    va: DevicePtr,
+    bytes: u64,
+    stream: StreamId,
+    dir: Direction,
+) -> DriverResult<()> {
+    let mut dev = va;
+    for (h, n) in arena.pieces(off, bytes) {
+        match dir {
+            Direction::ToHost => d.copy_to_host(h, dev, n, stream)?,
+            Direction::ToDevice => d.copy_to_device(dev, h, n, stream)?,
+        }
+        dev += n;
+    }
+    Ok(())
+}
+
+/// Sleep's state beside the shards: the copy stream and each tag's host memory.
+#[derive(Default, Debug)]
+pub(crate) struct SleepState {
+    pub(crate) stream: Option<StreamId>,
+    pub(crate) host: [HostArena; Tag::COUNT],
+    pub(crate) retain_host: bool,
+}
+
+impl SleepState {
+    pub(crate) fn stream<D: Driver>(&mut self, d: &D) -> DriverResult<StreamId> {
+        if let Some(s) = self.stream {
+            return Ok(s);
+        }
+        let s = d.create_stream()?;
+        self.stream = Some(s);
+        Ok(s)
+    }
+
+    pub(crate) fn host_bytes(&self) -> u64 {
+        self.host.iter().map(HostArena::capacity).sum()
+    }
+
+    /// At the allocator's drop, first: wait for the copy stream. A sleep or wake whose
+    /// synchronisation failed may have left copies queued between device memory and the host
+    /// memory kept for the next sleep; false when even this fails (then neither may be freed).
+    pub(crate) fn settle<D: Driver>(&self, d: &D) -> bool {
+        let Some(s) = self.stream else {
+            return true;
+        };
+        match d.sync_stream(s) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(error = %e, "could not synchronise the copy stream; its device and host memory are kept");
+                false
+            }
+        }
+    }
+
+    /// At the allocator's drop, last: the copy stream and the host memory kept for the next
+    /// sleep go.
+    pub(crate) fn release<D: Driver>(&mut self, d: &D) {
+        if let Some(s) = self.stream.take() {
+            if let Err(e) = d.destroy_stream(s) {
+                tracing::error!(error = %e, "could not destroy the copy stream");
+            }
+        }
+        for arena in &mut self.host {
+            arena.free_all(d);
+        }
+    }
+}
