@@ -43,6 +43,15 @@ impl Tag {
         }
     }
 
+    /// The other spellings accepted for the tag.
+    pub const fn aliases(self) -> &'static [&'static str] {
+        match self {
+            Tag::Activation => &["activations"],
+            Tag::KvCache => &["kv"],
+            Tag::Weights | Tag::Untracked => &[],
+        }
+    }
+
     /// This thread's current tag.
     pub fn current() -> Tag {
         CURRENT.with(Cell::get)
@@ -64,13 +73,10 @@ impl FromStr for Tag {
     type Err = UnknownTag;
 
     fn from_str(s: &str) -> Result<Tag, UnknownTag> {
-        match s {
-            "weights" => Ok(Tag::Weights),
-            "activation" | "activations" => Ok(Tag::Activation),
-            "kv_cache" | "kv" => Ok(Tag::KvCache),
-            "untracked" => Ok(Tag::Untracked),
-            other => Err(UnknownTag(other.to_owned())),
-        }
+        Tag::ALL
+            .into_iter()
+            .find(|t| t.name() == s || t.aliases().contains(&s))
+            .ok_or_else(|| UnknownTag(s.to_owned()))
     }
 }
 
@@ -140,6 +146,7 @@ mod tests {
             assert_eq!(t.name().parse::<Tag>().unwrap(), t);
         }
         assert_eq!("kv".parse::<Tag>().unwrap(), Tag::KvCache);
+        assert_eq!("activations".parse::<Tag>().unwrap(), Tag::Activation);
         let err = "weight".parse::<Tag>().unwrap_err();
         assert!(err.to_string().contains("weight"));
         assert!("".parse::<Tag>().is_err());

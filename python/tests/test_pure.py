@@ -42,7 +42,7 @@ def test_a_failed_free_is_reported_through_logging_or_on_stderr():
         "class H(logging.Handler):\n"
         "    def emit(self, r): seen.append((r.levelname, r.name, r.getMessage()))\n"
         "logging.getLogger('vram_ledger').addHandler(H())\n"
-        "lib = vl._lib()\nlib.vram_ledger_free(0x1234, 64, 0, None)\nprint('went on', seen)\n"
+        "lib = vl._lib.load()\nlib.vram_ledger_free(0x1234, 64, 0, None)\nprint('went on', seen)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "went on" in out.stdout, out.stderr
@@ -127,7 +127,7 @@ def test_unknown_tag_raises_the_library_message():
             pass
 
 
-@pytest.mark.skipif(vl._lib().vram_ledger_device_count() > 0, reason="a GPU is present: device 0 exists")
+@pytest.mark.skipif(vl._lib.load().vram_ledger_device_count() > 0, reason="a GPU is present: device 0 exists")
 def test_device_errors_become_exceptions():
     with pytest.raises(vl.VramLedgerError, match="no device with ordinal 0|no CUDA"):
         vl.stats(0)
@@ -155,20 +155,20 @@ def test_unknown_mode_is_refused():
 
 
 def test_the_c_abi_survives_abuse():
-    lib = vl._lib()
+    lib = vl._lib.load()
     assert lib.vram_ledger_pop_tag() == -1
-    assert "without a matching push_tag" in vl._last_error()
+    assert "without a matching push_tag" in vl._lib._last_error()
     assert lib.vram_ledger_set_tag(None) == -1
-    assert "NULL" in vl._last_error()
+    assert "NULL" in vl._lib._last_error()
     assert lib.vram_ledger_configure(b"warp") == -1
-    assert "unknown segment mode" in vl._last_error()
+    assert "unknown segment mode" in vl._lib._last_error()
     assert not lib.vram_ledger_malloc(-5, 0, None)
-    assert "negative size" in vl._last_error()
+    assert "negative size" in vl._lib._last_error()
     assert not lib.vram_ledger_profile_end(0)
-    assert "no profiling scope is open" in vl._last_error()
+    assert "no profiling scope is open" in vl._lib._last_error()
     # A pointer this library never returned: refused with a message of its own, not a crash.
     lib.vram_ledger_free(0xDEAD000, 0, 0, None)
-    err = vl._last_error()
+    err = vl._lib._last_error()
     if lib.vram_ledger_device_count() > 0:
         assert "not allocated by this allocator" in err, err
     else:
@@ -184,14 +184,14 @@ def run_on_sim(code: str) -> dict:
     package = str(Path(vl.__file__).resolve().parent.parent)
     env = {**os.environ, **SIM, "PYTHONPATH": os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")]))}
     env["VRAM_LEDGER_LIB"] = vl.library_path()
-    prelude = "import json, sys, types\nimport vram_ledger as vl\nlib = vl._lib()\n"
+    prelude = "import json, sys, types\nimport vram_ledger as vl\nlib = vl._lib.load()\n"
     out = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_a_tag_body_error_is_not_replaced_by_a_failing_clean_up(caplog):
-    lib = vl._lib()
+    lib = vl._lib.load()
     with pytest.raises(KeyError, match="from the body") as info:
         with vl.tag("weights"):
             # Popped here, the block's own pop on the way out fails.
@@ -207,7 +207,7 @@ def test_a_tag_body_error_is_not_replaced_by_a_failing_clean_up(caplog):
 def test_a_tag_clean_up_failure_raises_when_the_body_succeeded():
     with pytest.raises(vl.VramLedgerError, match="without a matching push_tag"):
         with vl.tag("weights"):
-            assert vl._lib().vram_ledger_pop_tag() == 0
+            assert vl._lib.load().vram_ledger_pop_tag() == 0
     assert vl.current_tag() == "untracked"
 
 
@@ -216,7 +216,7 @@ def test_a_tag_is_restored_when_the_body_raises():
         with vl.tag("weights"):
             raise KeyError("x")
     assert vl.current_tag() == "untracked"
-    assert vl._lib().vram_ledger_pop_tag() == -1, "the block popped what it pushed, once"
+    assert vl._lib.load().vram_ledger_pop_tag() == -1, "the block popped what it pushed, once"
 
 
 def test_a_profile_body_error_is_not_replaced_by_a_failing_clean_up():
@@ -307,7 +307,7 @@ def test_freeing_null_is_not_an_error_on_a_device():
     r = run_on_sim(
         """
         lib.vram_ledger_free(None, 0, 0, None)
-        print(json.dumps({"error": vl._last_error(), "devices": lib.vram_ledger_device_count()}))
+        print(json.dumps({"error": vl._lib._last_error(), "devices": lib.vram_ledger_device_count()}))
         """
     )
     assert r == {"error": "", "devices": 2}
@@ -356,7 +356,7 @@ def test_torch_statistics_answer_with_the_ledger():
     r = run_on_sim(
         """
         import torch
-        vl._patch_torch_stats(torch)
+        vl._torch._patch_torch_stats(torch)
         # Before CUDA is initialised: nothing, and no device touched (as PyTorch answers).
         empty = dict(torch.cuda.memory_stats(0))
         created = vl.metrics().count("vram_ledger_reserved_bytes{")
@@ -436,7 +436,7 @@ def test_install_turns_inductor_graph_trees_off():
     before = inductor.triton.cudagraph_trees
     try:
         inductor.triton.cudagraph_trees = True
-        vl._plain_inductor_graphs()
+        vl._torch._plain_inductor_graphs()
         assert inductor.triton.cudagraph_trees is False
     finally:
         inductor.triton.cudagraph_trees = before
@@ -461,7 +461,7 @@ def test_sleep_and_wake_on_two_simulated_devices():
         # Allocating a sleeping tag is refused with the library's message; freeing is deferred.
         with vl.tag("weights"):
             seen["refused"] = lib.vram_ledger_malloc(1 << 20, 1, None) is None
-            seen["refusal"] = vl._last_error()
+            seen["refusal"] = vl._lib._last_error()
         lib.vram_ledger_free(ptrs[1, "kv"], 128 << 20, 1, None)
         seen["wake"] = vl.wake(device=1)
         seen["after"] = vl.stats(1)["reserved_bytes"]["current"]

@@ -19,6 +19,9 @@
 //!   `vram_ledger_string_free`; the last-error string stays valid until the next call that
 //!   fails on the same thread.
 //!
+//! Hosts that bind the library at run time read its tags, modes and entry-point signatures from
+//! `vram_ledger_abi_json()` rather than keeping their own copy.
+//!
 //! Out of memory: `vram_ledger_malloc` returns NULL after releasing the cache and retrying,
 //! and prints the full breakdown to stderr (and the log). PyTorch's pluggable allocator does not
 //! check for NULL (the first kernel touching a tensor at address 0 ends the CUDA context), so
@@ -36,6 +39,7 @@ macro_rules! on_device {
     };
 }
 
+mod abi;
 mod boundary;
 mod graphs;
 mod ledger;
@@ -43,6 +47,7 @@ mod profile;
 mod pytorch;
 mod sleep;
 
+pub use self::abi::vram_ledger_abi_json;
 pub use self::boundary::{
     vram_ledger_device_count, vram_ledger_last_error, vram_ledger_string_free,
 };

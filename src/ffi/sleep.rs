@@ -1,6 +1,6 @@
 //! Sleep and wake by tag (see `Allocator::sleep`). Tags are given as bit masks: bit `i` is
-//! `Tag::ALL[i]` (1 weights, 2 activation, 4 kv_cache, 8 untracked). A negative device means
-//! every device in use, one after the other.
+//! `Tag::ALL[i]` (1 weights, 2 activation, 4 kv_cache, 8 untracked; `vram_ledger_abi_json` gives
+//! them to hosts). A negative device means every device in use, one after the other.
 
 use std::ffi::{c_char, c_int};
 
@@ -8,7 +8,12 @@ use super::boundary::*;
 use crate::devices::{self, Device};
 use crate::{Config, Tag};
 
-fn tags(mask: c_int, what: &str) -> Result<Vec<Tag>, String> {
+/// The bit of `tag` in the masks of sleep and wake.
+pub(super) const fn tag_bit(tag: Tag) -> c_int {
+    1 << tag.index()
+}
+
+pub(super) fn tags(mask: c_int, what: &str) -> Result<Vec<Tag>, String> {
     if !(0..1 << Tag::COUNT).contains(&mask) {
         return Err(format!(
             "{what} {mask} is not a mask of tags (0 to {})",
@@ -17,7 +22,7 @@ fn tags(mask: c_int, what: &str) -> Result<Vec<Tag>, String> {
     }
     Ok(Tag::ALL
         .into_iter()
-        .filter(|t| mask & (1 << t.index()) != 0)
+        .filter(|&t| mask & tag_bit(t) != 0)
         .collect())
 }
 

@@ -1,0 +1,111 @@
+"""install() and mempool() against a stand-in for the few parts of PyTorch they touch, on a
+simulated device: what they hand PyTorch and what they patch, where PyTorch is not installed."""
+
+import textwrap
+
+from test_pure import run_on_sim
+
+STAND_IN = """
+import contextlib, ctypes
+calls = []
+
+class Raw:
+    def set_init_fn(self, f): calls.append(["init", f])
+    def set_reset_fn(self, f): calls.append(["reset", f])
+    def set_memory_fraction_fn(self, f): calls.append(["memory_fraction", f])
+    def set_record_stream_fn(self, f): calls.append(["record_stream", f])
+
+class Plug:
+    def __init__(self, path, alloc, free):
+        calls.append(["plug", path, alloc, free])
+        self.raw = Raw()
+    def allocator(self): return self.raw
+
+class Graph:
+    def capture_begin(self, pool=None): calls.append(["capture_begin", pool])
+    def capture_end(self): calls.append(["capture_end"])
+    def reset(self): calls.append(["graph_reset"])
+    def pool(self): return (7, 8)
+
+@contextlib.contextmanager
+def use_mem_pool(pool):
+    calls.append(["use_mem_pool", pool])
+    yield
+
+torch = types.ModuleType("torch")
+state = {"initialized": False}
+memory = types.SimpleNamespace(CUDAPluggableAllocator=Plug, change_current_allocator=lambda a: calls.append(["change"]))
+torch.cuda = types.SimpleNamespace(
+    is_initialized=lambda: state["initialized"], memory=memory, CUDAGraph=Graph, current_device=lambda: 0,
+    current_stream=lambda d: types.SimpleNamespace(cuda_stream=0), MemPool=lambda raw: ["pool"], use_mem_pool=use_mem_pool,
+)
+utils = types.ModuleType("torch.cuda._utils")
+utils._get_device_index = lambda d, optional: 0 if d is None else d
+inductor = types.ModuleType("torch._inductor")
+inductor.config = types.ModuleType("torch._inductor.config")
+inductor.config.triton = types.SimpleNamespace(cudagraph_trees=True)
+torch._inductor = inductor
+sys.modules.update({"torch": torch, "torch.cuda": torch.cuda, "torch.cuda._utils": utils,
+                    "torch._inductor": inductor, "torch._inductor.config": inductor.config})
+address = lambda name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+"""
+
+
+def test_install_hands_pytorch_the_hooks_and_patches_its_statistics_graphs_and_inductor():
+    r = run_on_sim(
+        STAND_IN
+        + textwrap.dedent(
+            """
+        alloc = vl.install(mode="expandable", sleep=True)
+        seen = {"same": vl.install() is alloc, "calls": calls[:], "trees": inductor.config.triton.cudagraph_trees}
+        seen["hooks"] = {k: address("vram_ledger_" + k) for k in ("init", "reset", "memory_fraction", "record_stream")}
+        seen["library"] = vl.library_path()
+        seen["before_cuda"] = dict(torch.cuda.memory_stats(0))
+        state["initialized"] = True
+        with vl.tag("weights"):
+            p = lib.vram_ledger_malloc(3 << 20, 0, None)
+        seen["patched"] = torch.cuda.memory_stats(0) == dict(sorted(vl.memory_stats(0).items()))
+        seen["allocated"] = torch.cuda.memory.memory_stats()["allocated_bytes.all.current"]
+        seen["maps"] = vl.stats(0)["driver_calls"]["map"]
+        del calls[:]
+        # The simulated stream is not capturing: the graph pool is refused, and the patch ends
+        # the capture it began before raising the library's error.
+        try:
+            Graph().capture_begin()
+        except vl.VramLedgerError as e:
+            seen["graph_error"] = str(e)
+        seen["graph"] = calls[:]
+        seen["slept"] = vl.sleep(offload="weights", device=0)[0]["tags"]
+        vl.wake(device=0)
+        print(json.dumps(seen))
+        """
+        )
+    )
+    plug, change = r["calls"][0], r["calls"][-1]
+    assert plug == ["plug", r["library"], "vram_ledger_malloc_or_throw", "vram_ledger_free"], r
+    assert change == ["change"], r
+    assert {c[0]: c[1] for c in r["calls"][1:-1]} == r["hooks"], r
+    assert r["same"] and r["trees"] is False, r
+    assert r["before_cuda"] == {}, "nothing asked of the library before CUDA is initialised"
+    assert r["patched"] and r["allocated"] == 3 << 20, r
+    assert r["maps"] > 0, "install's mode reached the library"
+    assert "is not capturing a CUDA graph" in r["graph_error"], r
+    assert r["graph"] == [["capture_begin", None], ["capture_end"]], r
+    assert r["slept"] == ["weights"], "install's sleep=True kept the tags apart"
+
+
+def test_mempool_allocates_under_its_tag():
+    r = run_on_sim(
+        STAND_IN
+        + textwrap.dedent(
+            """
+        pool = vl.mempool("kv")
+        with pool:
+            inside = vl.current_tag()
+        print(json.dumps({"inside": inside, "after": vl.current_tag(), "calls": calls, "tag": pool.tag}))
+        """
+        )
+    )
+    assert r["inside"] == "kv_cache" and r["after"] == "untracked", r
+    assert r["calls"][0] == ["plug", r["calls"][0][1], "vram_ledger_malloc", "vram_ledger_free"], r
+    assert r["calls"][1] == ["use_mem_pool", ["pool"]] and r["tag"] == "kv", r

@@ -1,0 +1,212 @@
+"""PyTorch integration: install() as its CUDA allocator, the patches that make torch.cuda's
+statistics and CUDA graphs work under a pluggable allocator, and MemPools backed by the library."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+from . import _args
+from ._lib import _LOG, VramLedgerError, _check, _clean_up_after, _last_error, abi, library_path, load
+from .metrics import memory_stats, reset_peak_memory_stats
+from .tags import tag
+
+if TYPE_CHECKING:
+    from torch.cuda.memory import CUDAPluggableAllocator
+
+_INSTALLED: Dict[str, Any] = {}
+
+
+def _address(fn: Any) -> Optional[int]:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def install(
+    mode: Optional[str] = None, torch_stats: bool = True, cudagraph_trees: bool = False, sleep: bool = False
+) -> CUDAPluggableAllocator:
+    """Make vram-ledger PyTorch's CUDA allocator for this process, with the init, empty_cache,
+    memory-fraction and record_stream hooks. Must run before any CUDA use; permanent. With
+    `torch_stats` (the default), torch.cuda.memory_stats() and the functions built on it
+    (memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved,
+    memory_summary, reset_peak_memory_stats) answer with vram-ledger's figures, which a
+    pluggable allocator otherwise cannot give.
+
+    torch.compile(mode="reduce-overhead") captures CUDA graphs. Inductor's CUDA-graph trees
+    checkpoint and restore the private pool state of PyTorch's own allocator, which a
+    pluggable allocator cannot provide, so install() turns them off
+    (torch._inductor.config.triton.cudagraph_trees = False): inductor then captures each
+    compiled graph with torch.cuda.graph, into a graph pool of vram-ledger's like any other
+    capture. `cudagraph_trees=True` leaves inductor's setting alone.
+
+    `sleep=True` keeps each tag's memory apart so that `sleep()` can give a tag's memory back
+    and `wake()` restore it at the same addresses; it needs a virtual-memory mode
+    (expandable, compact or remap)."""
+    if "allocator" in _INSTALLED:
+        return _INSTALLED["allocator"]
+    mode = _args.mode(mode)
+    if sleep and (mode is None or mode not in abi().virtual_modes):
+        first, *others = [m for m in abi().modes if m in abi().virtual_modes]
+        raise ValueError(f"sleep=True needs a virtual-memory mode: install(mode={first!r}, sleep=True), or {', or '.join(others)}")
+    import torch
+
+    # Checked before anything is configured: a refused install leaves the library as it was.
+    if torch.cuda.is_initialized():
+        raise VramLedgerError("install() must run before any CUDA use (CUDA is already initialised in this process)")
+    lib = load()
+    if mode is not None:
+        _check(lib.vram_ledger_configure(mode.encode()))
+    if sleep:
+        _check(lib.vram_ledger_separate_tags(1))
+    # The throwing hook: PyTorch does not check for NULL, so out of memory is an exception
+    # ("CUDA out of memory. ..."), not a tensor at address 0.
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc_or_throw", "vram_ledger_free")
+    raw = alloc.allocator()
+    raw.set_init_fn(_address(lib.vram_ledger_init))
+    raw.set_reset_fn(_address(lib.vram_ledger_reset))
+    raw.set_memory_fraction_fn(_address(lib.vram_ledger_memory_fraction))
+    raw.set_record_stream_fn(_address(lib.vram_ledger_record_stream))
+    torch.cuda.memory.change_current_allocator(alloc)
+    _patch_graphs(torch)
+    if torch_stats:
+        _patch_torch_stats(torch)
+    if not cudagraph_trees:
+        _plain_inductor_graphs()
+    _INSTALLED["allocator"] = alloc
+    return alloc
+
+
+def _plain_inductor_graphs() -> None:
+    try:
+        import torch._inductor.config as inductor
+    except ImportError:  # a torch without inductor has nothing to turn off
+        return
+    inductor.triton.cudagraph_trees = False
+
+
+def _patch_torch_stats(torch: Any) -> None:
+    """torch.cuda.memory_stats() (PyTorch's keys and meanings, plus `tag.*`) and
+    reset_peak_memory_stats() from vram-ledger; everything PyTorch builds on them follows."""
+    mem = torch.cuda.memory
+    if getattr(mem, "_vram_ledger_stats", False):
+        return
+    from torch.cuda._utils import _get_device_index
+
+    # Before CUDA is initialised there is nothing to report (as with PyTorch's allocator), and
+    # asking the library would create a device's context and profiling baseline too early.
+    def memory_stats_(device: Any = None) -> Dict[str, int]:
+        if not torch.cuda.is_initialized():
+            return collections.OrderedDict()
+        stats = memory_stats(_get_device_index(device, optional=True))
+        return collections.OrderedDict(sorted(stats.items()))
+
+    def reset_peak_memory_stats_(device: Any = None) -> None:
+        if torch.cuda.is_initialized():
+            reset_peak_memory_stats(_get_device_index(device, optional=True))
+
+    for owner in (mem, torch.cuda):
+        owner.memory_stats = memory_stats_
+        owner.reset_peak_memory_stats = reset_peak_memory_stats_
+    mem._vram_ledger_stats = True
+
+
+def _patch_graphs(torch: Any) -> None:
+    """Give every CUDA graph captured in this process a graph pool, as PyTorch's allocator does
+    (its pluggable allocator does not pass the pool calls on): memory freed during a capture is
+    never handed to code outside the graph while the graph can replay; graphs captured with
+    the same `pool=` share memory; resetting or destroying the last graph that uses a pool gives
+    its memory back. Also measures what capturing and instantiating adds outside the allocator."""
+    G = torch.cuda.CUDAGraph
+    if getattr(G, "_vram_ledger_pools", False):
+        return
+    begin, end, reset = G.capture_begin, G.capture_end, G.reset
+    lib = load()
+
+    def capture_begin(self: Any, *args: Any, **kwargs: Any) -> None:
+        begin(self, *args, **kwargs)
+        d = torch.cuda.current_device()
+        stream = torch.cuda.current_stream(d).cuda_stream
+        # PyTorch names the graph's pool only once the capture is over: a shared pool is the
+        # one passed in; a graph's private pool gets an id of ours, which no handle can equal.
+        shared = args[0] if args else kwargs.get("pool")
+        if shared is not None:
+            shared = tuple(int(x) for x in shared)
+            pool = _POOL_ALIASES.get(shared, shared)
+        else:
+            pool = (next(_PRIVATE_POOLS), 0)
+        if lib.vram_ledger_graph_begin(d, stream, pool[0], pool[1]) != 0:
+            error = VramLedgerError(_last_error())
+            # Leave no capture running behind the error (torch.cuda.graph's exit never runs).
+            try:
+                end(self)
+            except Exception as e:  # noqa: BLE001 - the first error is the one to raise
+                _LOG.error("ending the capture after a failed graph pool also failed: %s", e)
+            raise error
+        # One reference per captured graph, dropped by reset() or when the graph is collected.
+        self._vram_ledger_pool = (d, pool, stream, weakref.finalize(self, _release_pool, d, pool))
+
+    def capture_end(self: Any) -> None:
+        d, pool, stream, _ = self._vram_ledger_pool
+        try:
+            end(self)
+            # Another graph may share this one's pool by PyTorch's name for it (`pool=g.pool()`).
+            _POOL_ALIASES.setdefault(tuple(int(x) for x in self.pool()), pool)
+        except BaseException as body_error:
+            _clean_up_after(body_error, "ending the graph pool", lambda: _check(lib.vram_ledger_graph_end(d, stream, pool[0], pool[1])))
+            raise
+        _check(lib.vram_ledger_graph_end(d, stream, pool[0], pool[1]))
+
+    def reset_(self: Any) -> None:
+        reset(self)
+        held = getattr(self, "_vram_ledger_pool", None)
+        if held is not None:
+            held[3]()  # a finalizer runs once: a later collection does nothing
+
+    G.capture_begin, G.capture_end, G.reset = capture_begin, capture_end, reset_
+    G._vram_ledger_pools = True
+
+
+_PRIVATE_POOLS = itertools.count(1 << 62)
+# PyTorch's name for a graph's private pool -> ours (PyTorch names it only after the capture).
+_POOL_ALIASES: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
+
+
+def _release_pool(d: int, pool: Tuple[int, ...]) -> None:
+    if load().vram_ledger_graph_release(d, pool[0], pool[1]) != 0:
+        _LOG.error("releasing CUDA graph pool %s failed: %s", pool, _last_error())
+
+
+class TaggedPool:
+    """A torch.cuda.MemPool whose segments come from vram-ledger; `with pool:` allocates into it
+    (under the pool's tag, if it has one)."""
+
+    def __init__(self, tag_name: Optional[str]):
+        self.tag = _args.pool_tag(tag_name)
+        import torch
+
+        self._plug = _INSTALLED.get("pool_allocator")
+        if self._plug is None:
+            self._plug = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc", "vram_ledger_free")
+            _INSTALLED["pool_allocator"] = self._plug
+        self.pool = torch.cuda.MemPool(self._plug.allocator())
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> TaggedPool:
+        import torch
+
+        self._stack.enter_context(torch.cuda.use_mem_pool(self.pool))
+        if self.tag is not None:
+            self._stack.enter_context(tag(self.tag))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+
+def mempool(tag_name: Optional[str] = None) -> TaggedPool:
+    """A torch.cuda.MemPool backed by vram-ledger: PyTorch's allocator stays in charge (its
+    statistics keep working) and asks vram-ledger for whole segments."""
+    return TaggedPool(tag_name)

@@ -1,0 +1,49 @@
+"""Sleep and wake by tag: a tag's device memory given back and restored at the same addresses."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Optional, Union
+
+from . import _args
+from ._lib import _check, _json, abi, load
+
+Tags = Union[str, Iterable[str], None]
+
+
+def _per_device(ptr: Optional[int]) -> Dict[int, Dict[str, Any]]:
+    return {int(k): v for k, v in _json(ptr).items()}
+
+
+def sleep(offload: Tags = (), discard: Tags = (), device: Optional[int] = None, force: bool = False) -> Dict[int, Dict[str, Any]]:
+    """Give the memory of the `offload` tags (copied to page-locked host memory first) and of
+    the `discard` tags (contents lost) back to the GPU, keeping their addresses: pointers and
+    captured CUDA graphs stay valid for after `wake()`. The cache of every tag is given back
+    too. Needs `install(mode=..., sleep=True)`. Every device in use unless `device` is given;
+    returns each device's report (bytes offloaded, discarded, given back; host bytes; seconds).
+    Tensors of a sleeping tag must not be used until it wakes; freeing them is deferred.
+
+    "untracked" is refused unless `force=True`: PyTorch keeps its own buffers there (cuBLAS
+    workspaces, for instance), and the next kernel that touches one while it sleeps would end
+    the process's CUDA context."""
+    offload_mask, discard_mask = _args.tag_mask(offload, "offload"), _args.tag_mask(discard, "discard")
+    if not force and (offload_mask | discard_mask) & abi().tag_bits["untracked"]:
+        raise ValueError("sleeping 'untracked' would take PyTorch's own buffers (cuBLAS workspaces, ...) away; pass force=True if nothing uses them")
+    d = _args.devices(device)
+    return _per_device(load().vram_ledger_sleep(d, offload_mask, discard_mask))
+
+
+def wake(tags: Tags = None, device: Optional[int] = None) -> Dict[int, Dict[str, Any]]:
+    """Map fresh memory at the sleeping tags' addresses (all of them, or `tags`) and copy the
+    offloaded contents back. If the device lacks room the error says so, the tag stays asleep
+    with nothing lost, and wake can be retried."""
+    mask = _args.tag_mask(tags, "tags")
+    if tags is not None and mask == 0:
+        return {}  # an empty selection wakes nothing (None wakes every tag)
+    d = _args.devices(device)
+    return _per_device(load().vram_ledger_wake(d, mask))
+
+
+def set_retain_host(retain: bool = True, device: Optional[int] = None) -> None:
+    """Keep the page-locked host memory of offloaded tags after wake, so that the next sleep
+    does not pin it again (default: freed at wake)."""
+    _check(load().vram_ledger_set_retain_host(_args.devices(device), 1 if retain else 0))
