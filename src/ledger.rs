@@ -128,6 +128,7 @@ struct TagCells {
     allocated: LocalGauge,
     requested: LocalGauge,
     count: LocalGauge,
+    /// Allocations ever made; kept per tag only (the total is their sum).
     total_allocs: AtomicU64,
 }
 
@@ -137,6 +138,10 @@ impl TagCells {
         self.allocated.add(bytes);
         self.requested.add(requested);
         self.count.add(1);
+    }
+
+    #[inline]
+    fn count_alloc(&self) {
         self.total_allocs
             .store(self.total_allocs.load(Relaxed) + 1, Relaxed);
     }
@@ -148,9 +153,8 @@ impl TagCells {
         self.count.sub(1);
     }
 
-    fn read(&self) -> TagStats {
+    fn read(&self, total: u64) -> TagStats {
         let count = self.count.read();
-        let total = self.total_allocs.load(Relaxed);
         TagStats {
             allocated_bytes: self.allocated.read(),
             requested_bytes: self.requested.read(),
@@ -167,7 +171,9 @@ impl TagCells {
     }
 }
 
-/// The per-allocation counters of one shard. Written only under that shard's lock.
+/// The per-allocation counters of one shard. Written only under that shard's lock. The
+/// figures of all tags together are gauges of their own (a peak of a sum is not the sum of the
+/// peaks), but for the count of allocations ever made, which is the tags' sum.
 #[derive(Default, Debug)]
 pub(crate) struct ShardCells {
     tags: [TagCells; Tag::COUNT],
@@ -178,7 +184,9 @@ pub(crate) struct ShardCells {
 impl ShardCells {
     #[inline]
     pub(crate) fn on_alloc(&self, tag: Tag, bytes: u64, requested: u64) {
-        self.tags[tag.index()].alloc(bytes, requested);
+        let t = &self.tags[tag.index()];
+        t.alloc(bytes, requested);
+        t.count_alloc();
         self.all.alloc(bytes, requested);
         self.active.add(bytes);
     }
@@ -323,10 +331,14 @@ impl Ledger {
         let mut all = TagStats::default();
         let mut active = Counter::default();
         for s in self.shards.iter() {
+            let mut total = 0;
             for t in Tag::ALL {
-                per_tag[t] = per_tag[t].plus(s.tags[t.index()].read());
+                let cells = &s.tags[t.index()];
+                let n = cells.total_allocs.load(Relaxed);
+                total += n;
+                per_tag[t] = per_tag[t].plus(cells.read(n));
             }
-            all = all.plus(s.all.read());
+            all = all.plus(s.all.read(total));
             active = active.plus(s.active.read());
         }
         let reserved = self.reserved.read();

@@ -36,9 +36,10 @@ pub(crate) struct Block {
     pub requested: u64,
     pub prev: BlockId,
     pub next: BlockId,
-    /// Links of the free list of the block's bin (meaningful only while `Free`).
+    /// Links of the free list of the block's bin, and the bin (meaningful only while `Free`).
     pub free_prev: BlockId,
     pub free_next: BlockId,
+    pub bin: u16,
     pub segment: u32,
     /// The slot of its owner's free lists in the shard (the owner is found there).
     pub list: u32,
@@ -50,33 +51,20 @@ pub(crate) struct Block {
     pub used_streams: Vec<StreamId>,
 }
 
-impl Block {
-    /// A block with no neighbours, no tag and no other streams.
-    pub fn new(
-        addr: DevicePtr,
-        size: u64,
-        segment: u32,
-        list: u32,
-        state: BlockState,
-        pool: PoolKind,
-    ) -> Block {
-        Block {
-            addr,
-            size,
-            requested: 0,
-            prev: NIL,
-            next: NIL,
-            free_prev: NIL,
-            free_next: NIL,
-            segment,
-            list,
-            state,
-            tag: Tag::Untracked,
-            pool,
-            used_streams: Vec::new(),
-        }
-    }
+/// What a new block is: everything but its tag, request and other streams, which start empty.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Fresh {
+    pub addr: DevicePtr,
+    pub size: u64,
+    pub segment: u32,
+    pub list: u32,
+    pub state: BlockState,
+    pub pool: PoolKind,
+    pub prev: BlockId,
+    pub next: BlockId,
+}
 
+impl Block {
     pub fn end(&self) -> DevicePtr {
         self.addr + self.size
     }
@@ -90,22 +78,47 @@ pub(crate) struct Arena {
 }
 
 impl Arena {
-    pub fn insert(&mut self, block: Block) -> BlockId {
-        match self.vacant.pop() {
-            Some(id) => {
-                self.blocks[id as usize] = block;
-                id
-            }
-            None => {
-                self.blocks.push(block);
-                (self.blocks.len() - 1) as BlockId
-            }
-        }
+    /// A new block, in a recycled slot when there is one (written in place: the slot's empty
+    /// list of other streams keeps its capacity).
+    #[inline]
+    pub fn insert(&mut self, f: Fresh) -> BlockId {
+        let Some(id) = self.vacant.pop() else {
+            self.blocks.push(Block {
+                addr: f.addr,
+                size: f.size,
+                requested: 0,
+                prev: f.prev,
+                next: f.next,
+                free_prev: NIL,
+                free_next: NIL,
+                bin: 0,
+                segment: f.segment,
+                list: f.list,
+                state: f.state,
+                tag: Tag::Untracked,
+                pool: f.pool,
+                used_streams: Vec::new(),
+            });
+            return (self.blocks.len() - 1) as BlockId;
+        };
+        let b = &mut self.blocks[id as usize];
+        b.addr = f.addr;
+        b.size = f.size;
+        b.requested = 0;
+        b.prev = f.prev;
+        b.next = f.next;
+        b.segment = f.segment;
+        b.list = f.list;
+        b.state = f.state;
+        b.tag = Tag::Untracked;
+        b.pool = f.pool;
+        b.used_streams.clear();
+        id
     }
 
     /// Forget a block; its id may be reused by the next insert.
+    #[inline]
     pub fn remove(&mut self, id: BlockId) {
-        self.blocks[id as usize].used_streams = Vec::new();
         self.vacant.push(id);
     }
 }

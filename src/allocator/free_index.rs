@@ -1,10 +1,14 @@
-//! The free-block index of one (stream, pool): segregated bins with intrusive lists.
+//! The free-block index of one (owner, pool): segregated bins with intrusive lists.
 //!
 //! Invariants:
-//! - Sizes are multiples of 512 B. Sizes under 32 KiB have a bin each; above, every power of
-//!   two is cut into 32 bins, so two blocks in one bin differ by less than 1/32 of their size.
-//! - A block is in the list of the bin of its size exactly while it is `Free`; its size does
-//!   not change while it is listed (callers remove, resize, reinsert).
+//! - Sizes are multiples of 512 B. A block of `n` units of 512 B goes by `n - 1`: under 64
+//!   units a bin each; above, every power of two is cut into 32 bins, so two blocks in one bin
+//!   differ by less than 1/32 of their size. (Going by `n - 1` puts a power-of-two block at
+//!   the top of its bin, so splitting a small front off it, the common case of a fresh 2 MiB
+//!   segment, leaves the rest in the same bin.)
+//! - A block is listed in exactly one bin while it is `Free`, the bin its `bin` field names,
+//!   which is the bin of its size: a listed block whose size changes is rebinned
+//!   ([`FreeIndex::resized`]), which costs nothing while the size stays in the bin.
 //! - Bit `b` of `words` is set exactly when bin `b` is non-empty, and bit `w` of `summary`
 //!   exactly when word `w` is non-zero; so the first non-empty bin at or above any bin is
 //!   found with two bit scans.
@@ -23,14 +27,14 @@ const WORDS: usize = BINS.div_ceil(64);
 const SCAN: usize = 16;
 
 #[inline]
-fn bin_of(size: u64) -> usize {
-    let units = size >> 9;
-    if units < EXACT as u64 {
-        return units as usize;
+fn bin_of(size: u64) -> u16 {
+    let u = (size >> 9).saturating_sub(1);
+    if u < EXACT as u64 {
+        return u as u16;
     }
-    let fl = 63 - units.leading_zeros();
-    let sl = (units >> (fl - SUB)) & ((1 << SUB) - 1);
-    EXACT + ((fl - 6) << SUB) as usize + sl as usize
+    let fl = 63 - u.leading_zeros();
+    let sl = (u >> (fl - SUB)) & ((1 << SUB) - 1);
+    (EXACT as u32 + ((fl - 6) << SUB) + sl as u32) as u16
 }
 
 #[derive(Debug)]
@@ -59,21 +63,51 @@ impl FreeIndex {
 
     pub(crate) fn insert(&mut self, arena: &mut Arena, id: BlockId) {
         let b = bin_of(arena[id].size);
-        let head = self.heads[b];
-        arena[id].free_prev = NIL;
-        arena[id].free_next = head;
-        if head != NIL {
-            arena[head].free_prev = id;
-        }
-        self.heads[b] = id;
-        self.words[b / 64] |= 1 << (b % 64);
-        self.summary |= 1 << (b / 64);
+        self.link(arena, id, b);
         self.len += 1;
     }
 
     pub(crate) fn remove(&mut self, arena: &mut Arena, id: BlockId) {
-        let b = bin_of(arena[id].size);
-        let (prev, next) = (arena[id].free_prev, arena[id].free_next);
+        self.unlink(arena, id);
+        self.len -= 1;
+    }
+
+    /// Listed block `id` changed size: it moves to the bin of its new size, if that is another.
+    #[inline]
+    pub(crate) fn resized(&mut self, arena: &mut Arena, id: BlockId) {
+        let blk = &arena[id];
+        let b = bin_of(blk.size);
+        if b != blk.bin {
+            self.rebin(arena, id, b);
+        }
+    }
+
+    #[inline(never)]
+    fn rebin(&mut self, arena: &mut Arena, id: BlockId, b: u16) {
+        self.unlink(arena, id);
+        self.link(arena, id, b);
+    }
+
+    #[inline]
+    fn link(&mut self, arena: &mut Arena, id: BlockId, b: u16) {
+        let bi = b as usize;
+        let head = self.heads[bi];
+        let blk = &mut arena[id];
+        blk.bin = b;
+        blk.free_prev = NIL;
+        blk.free_next = head;
+        if head != NIL {
+            arena[head].free_prev = id;
+        }
+        self.heads[bi] = id;
+        self.words[bi / 64] |= 1 << (bi % 64);
+        self.summary |= 1 << (bi / 64);
+    }
+
+    #[inline]
+    fn unlink(&mut self, arena: &mut Arena, id: BlockId) {
+        let blk = &arena[id];
+        let (b, prev, next) = (blk.bin as usize, blk.free_prev, blk.free_next);
         if prev != NIL {
             arena[prev].free_next = next;
         } else {
@@ -89,7 +123,6 @@ impl FreeIndex {
         if next != NIL {
             arena[next].free_prev = prev;
         }
-        self.len -= 1;
     }
 
     /// The first non-empty bin at or after `b`.
@@ -128,7 +161,7 @@ impl FreeIndex {
     /// The best cached block for `size` bytes.
     #[inline]
     pub(crate) fn best_fit(&self, arena: &Arena, size: u64) -> Option<BlockId> {
-        let b = bin_of(size);
+        let b = bin_of(size) as usize;
         if let Some(id) = self.best_in(arena, b, size) {
             return Some(id);
         }
@@ -149,9 +182,13 @@ impl FreeIndex {
         out
     }
 
-    /// Whether `id` is listed in the bin of its size.
+    /// Whether `id` is listed in the bin of its size (and names that bin).
     pub(crate) fn contains(&self, arena: &Arena, id: BlockId) -> bool {
-        let mut cur = self.heads[bin_of(arena[id].size)];
+        let b = bin_of(arena[id].size);
+        if arena[id].bin != b {
+            return false;
+        }
+        let mut cur = self.heads[b as usize];
         while cur != NIL {
             if cur == id {
                 return true;
@@ -174,15 +211,16 @@ mod tests {
             assert!(b >= last, "bins must not decrease with size");
             last = b;
         }
-        assert_eq!(bin_of(512), 1);
-        assert_eq!(bin_of(63 * 512), 63);
-        assert!(bin_of((1u64 << 60) - 512) < BINS);
+        assert_eq!(bin_of(512), 0);
+        assert_eq!(bin_of(64 * 512), 63);
+        assert!((bin_of((1u64 << 60) - 512) as usize) < BINS);
         // Within one bin, sizes differ by less than 1/32.
-        let (lo, hi) = (
-            64 * 512 * 1024,
-            64 * 512 * 1024 + 64 * 512 * 1024 / 32 - 512,
-        );
+        let lo = 64 * 512 * 1024 + 512;
+        let hi = lo + 64 * 512 * 1024 / 32 - 512;
         assert_eq!(bin_of(lo), bin_of(hi));
         assert_ne!(bin_of(lo), bin_of(hi + 512));
+        assert_ne!(bin_of(lo), bin_of(lo - 512));
+        // A power of two is the top of its bin: a small front split off leaves it there.
+        assert_eq!(bin_of(2 << 20), bin_of((2 << 20) - 4096));
     }
 }

@@ -29,7 +29,7 @@ use super::host::SleepState;
 use super::owner::Owner;
 use super::routes::GraphRegistry;
 use super::rules;
-use super::shard::{Shard, Shards};
+use super::shard::{Shard, Shards, Taken};
 use super::spin::{SpinGuard, SpinLock};
 use super::streams::{StreamTable, SHARDS};
 use crate::driver::counting::DriverCalls;
@@ -202,23 +202,37 @@ impl<D: Driver> Allocator<D> {
             return Err(Error::SizeTooLarge(size));
         }
         let rounded = self.growth.round(size);
-        let cause = {
-            let mut sh = self.lock(self.streams.shard(stream))?;
+        let i = self.streams.shard(stream);
+        // What growth lacked, when it lacked memory (worth releasing the cache and retrying).
+        let mut short = None;
+        let served = self.shards[i].with(|sh| -> Result<Option<Allocation>> {
             // Completed events are polled here, except while the stream captures a graph
             // (querying an event would invalidate the capture).
             if !sh.pending.is_empty() && !self.core.driver.is_capturing(stream) {
                 sh.process_pending(&self.core, false)?;
             }
-            let owner = self.owner(&sh, stream, tag);
-            if let Some(a) = sh.try_alloc(&self.core, owner, stream, rounded, size, tag) {
-                return Ok(self.hand_out(&sh, a));
+            let owner = self.owner(sh, stream, tag);
+            let taken = match sh.try_alloc(&self.core, owner, rounded, size, tag) {
+                Some(t) => t,
+                None => match self.grow_and_take(sh, owner, stream, rounded, size, tag)? {
+                    Ok(t) => t,
+                    Err(cause) => {
+                        short = Some(cause);
+                        return Ok(None);
+                    }
+                },
+            };
+            Ok(Some(self.hand_out(sh, taken.allocation(size, stream, tag))))
+        });
+        match served {
+            Ok(Ok(Some(a))) => Ok(a),
+            Ok(Ok(None)) => {
+                let cause = short.expect("growth said what it lacked");
+                self.retry_after_release(stream, rounded, size, tag, cause)
             }
-            match self.grow_and_take(&mut sh, owner, stream, rounded, size, tag)? {
-                Ok(a) => return Ok(self.hand_out(&sh, a)),
-                Err(cause) => cause,
-            }
-        };
-        self.retry_after_release(stream, rounded, size, tag, cause)
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(poisoned(i)),
+        }
     }
 
     /// Whose memory serves `tag` on `stream`: the stream's own (its tag's region of it when
@@ -230,9 +244,9 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// Serve a request the cache could not serve from new memory for `owner` (the calling
-    /// stream's, or the graph pool its capture is routed to). `Ok(Err(cause))` when the
-    /// memory is not there (worth releasing the cache and retrying). Out of line: the cached
-    /// path above stays small.
+    /// stream's, or the graph pool its capture is routed to). `Ok(Err(cause))` when the memory
+    /// is not there (worth releasing the cache and retrying).
+    /// Out of line: the cached path above stays small.
     #[inline(never)]
     fn grow_and_take(
         &self,
@@ -242,7 +256,7 @@ impl<D: Driver> Allocator<D> {
         rounded: u64,
         size: u64,
         tag: Tag,
-    ) -> Result<std::result::Result<Allocation, OomCause>> {
+    ) -> Result<std::result::Result<Taken, OomCause>> {
         if sh.sleeps(owner) {
             return Err(Error::Asleep(tag));
         }
@@ -250,7 +264,7 @@ impl<D: Driver> Allocator<D> {
             .growth
             .grow(&self.core, &self.shards, sh, owner, stream, rounded)
         {
-            Ok(id) => Ok(Ok(sh.take(&self.core, id, stream, rounded, size, tag))),
+            Ok(id) => Ok(Ok(sh.take(&self.core, id, rounded, size, tag))),
             Err(GrowError::Memory(cause)) => Ok(Err(cause)),
             Err(GrowError::Driver(e)) => Err(e.into()),
         }
@@ -279,12 +293,12 @@ impl<D: Driver> Allocator<D> {
         }
         let mut sh = self.lock(self.streams.shard(stream))?;
         let owner = self.owner(&sh, stream, tag);
-        let served = match sh.try_alloc(&self.core, owner, stream, rounded, size, tag) {
-            Some(a) => Ok(a),
+        let served = match sh.try_alloc(&self.core, owner, rounded, size, tag) {
+            Some(t) => Ok(t),
             None => self.grow_and_take(&mut sh, owner, stream, rounded, size, tag)?,
         };
         let cause = match served {
-            Ok(a) => return Ok(self.hand_out(&sh, a)),
+            Ok(t) => return Ok(self.hand_out(&sh, t.allocation(size, stream, tag))),
             Err(cause) => cause,
         };
         drop(sh);
@@ -398,13 +412,21 @@ impl<D: Driver> Allocator<D> {
             return Ok(());
         }
         // An unknown pointer changes nothing in the shard, so trying it there first is safe.
-        // The guard must be gone before the fallback locks every shard, this one included.
-        let first = self
-            .lock(self.streams.shard(stream))
-            .and_then(|mut sh| sh.free(&self.core, ptr));
-        match first {
-            Err(Error::UnknownPointer(_)) => self.free(ptr),
-            done => done,
+        // The lock must be given back before the fallback locks every shard, this one included.
+        let i = self.streams.shard(stream);
+        let mut failed = None;
+        let here = self.shards[i].with(|sh| match sh.free(&self.core, ptr) {
+            Ok(()) => true,
+            Err(Error::UnknownPointer(_)) => false,
+            Err(e) => {
+                failed = Some(e);
+                true
+            }
+        });
+        match here {
+            Ok(true) => failed.map_or(Ok(()), Err),
+            Ok(false) => self.free(ptr),
+            Err(_) => Err(poisoned(i)),
         }
     }
 

@@ -148,7 +148,7 @@ impl<D: Driver> Allocator<D> {
             for &key in &keys {
                 if let Err(e) = self
                     .lock(i)
-                    .and_then(|mut sh| sh.release_owner(&self.core, Owner::Pool(key)))
+                    .and_then(|mut sh| sh.release_owner(&self.core, Owner::of_pool(key)))
                 {
                     first.get_or_insert(e);
                 }

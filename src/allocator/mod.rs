@@ -4,7 +4,8 @@
 //! Where things live, from the bottom up (each file imports only files listed before it):
 //! - vocabulary: `owner.rs` (who owns a block), `config.rs` (settings, the segment mode),
 //!   `rules.rs` (PyTorch's sizing rules), `history.rs` (the trace vocabulary and the ring),
-//!   `dump.rs` (copies of the state for readers), `block.rs`, `free_index.rs`, `segment.rs`,
+//!   `dump.rs` (copies of the state for readers), `block.rs`, `free_index.rs`, `live.rs`,
+//!   `segment.rs`,
 //!   `spin.rs`, `streams.rs`, `planted.rs`;
 //! - `core.rs`: what every shard shares (driver, ledger, limit, cap);
 //! - `routes.rs`: graph-pool routing; `host.rs`: sleep's host memory;
@@ -23,6 +24,7 @@ mod graphs;
 mod growth;
 pub mod history;
 mod host;
+mod live;
 mod owner;
 mod planted;
 mod routes;

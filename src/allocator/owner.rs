@@ -16,49 +16,86 @@ use crate::tag::Tag;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct PoolKey(pub(crate) u32);
 
-/// The owner of a block, a segment and a set of free lists.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Owner {
-    /// A stream's own memory.
-    Stream(StreamId),
-    /// A stream's memory of one tag (tags kept apart).
-    Region(StreamId, Tag),
-    /// A graph pool's memory.
-    Pool(PoolKey),
+/// The owner of a block, a segment and a set of free lists: a stream's own memory, a stream's
+/// memory of one tag (tags kept apart), or a graph pool's memory. Two words, compared as such:
+/// the cached path compares owners to find a shard's free lists.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Owner {
+    /// The stream, or the pool's key.
+    id: u64,
+    /// [`STREAM`], [`POOL`], or a region's tag index + 1.
+    kind: u32,
 }
 
+const STREAM: u32 = 0;
+const POOL: u32 = u32::MAX;
+
 impl Owner {
+    /// A stream's own memory.
+    #[inline]
+    pub(crate) const fn of_stream(s: StreamId) -> Owner {
+        Owner {
+            id: s.0,
+            kind: STREAM,
+        }
+    }
+
+    /// A graph pool's memory.
+    #[inline]
+    pub(crate) const fn of_pool(key: PoolKey) -> Owner {
+        Owner {
+            id: key.0 as u64,
+            kind: POOL,
+        }
+    }
+
     /// The stream whose work uses this memory; none for a graph pool (graphs replay on streams
     /// the allocator never sees).
     #[inline]
     pub(crate) fn stream(self) -> Option<StreamId> {
-        match self {
-            Owner::Stream(s) | Owner::Region(s, _) => Some(s),
-            Owner::Pool(_) => None,
-        }
+        (self.kind != POOL).then_some(StreamId(self.id))
     }
 
     /// The tag whose region this is, if it is one.
     #[inline]
     pub(crate) fn region(self) -> Option<Tag> {
-        match self {
-            Owner::Region(_, t) => Some(t),
-            Owner::Stream(_) | Owner::Pool(_) => None,
+        match self.kind {
+            STREAM | POOL => None,
+            k => Some(Tag::ALL[k as usize - 1]),
         }
     }
 
     /// This owner's region of `tag` (a graph pool stays whole).
     #[inline]
     pub(crate) fn in_region(self, tag: Tag) -> Owner {
-        match self {
-            Owner::Stream(s) | Owner::Region(s, _) => Owner::Region(s, tag),
-            Owner::Pool(_) => self,
+        match self.kind {
+            POOL => self,
+            _ => Owner {
+                id: self.id,
+                kind: tag.index() as u32 + 1,
+            },
         }
+    }
+
+    /// The pool's key, when this is a graph pool.
+    #[inline]
+    pub(crate) fn pool(self) -> Option<PoolKey> {
+        (self.kind == POOL).then_some(PoolKey(self.id as u32))
     }
 
     #[inline]
     pub(crate) fn is_pool(self) -> bool {
-        matches!(self, Owner::Pool(_))
+        self.kind == POOL
+    }
+}
+
+impl std::fmt::Debug for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.pool(), self.region()) {
+            (Some(key), _) => write!(f, "pool {}", key.0),
+            (None, Some(t)) => write!(f, "stream {:#x}, {t}", self.id),
+            (None, None) => write!(f, "stream {:#x}", self.id),
+        }
     }
 }
 
@@ -75,16 +112,19 @@ mod tests {
                 StreamId(u64::MAX),
                 StreamId(1 << 63),
             ] {
-                let r = Owner::Stream(s).in_region(tag);
-                assert_ne!(r, Owner::Stream(s));
+                let r = Owner::of_stream(s).in_region(tag);
+                assert_ne!(r, Owner::of_stream(s));
                 assert_eq!(r.region(), Some(tag));
                 assert_eq!(r.stream(), Some(s));
                 assert!(!r.is_pool());
             }
         }
-        let pool = Owner::Pool(PoolKey(3));
+        let pool = Owner::of_pool(PoolKey(3));
         assert_eq!(pool.in_region(Tag::Weights), pool);
         assert_eq!(pool.stream(), None);
-        assert_eq!(Owner::Stream(StreamId(5)).region(), None);
+        assert_eq!(pool.pool(), Some(PoolKey(3)));
+        assert_ne!(pool, Owner::of_stream(StreamId(3)));
+        assert_eq!(Owner::of_stream(StreamId(5)).region(), None);
+        assert_eq!(Owner::of_stream(StreamId(5)).pool(), None);
     }
 }

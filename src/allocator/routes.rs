@@ -4,7 +4,7 @@
 //! A replayed graph writes to the addresses it was captured with, freed or not. So memory
 //! freed during a capture must never be handed to code outside that graph while the graph
 //! lives: allocations on a stream that is part of a routed capture are filed under the pool's
-//! [`Owner::Pool`] key, and only allocations routed to the same pool reuse its blocks.
+//! [`Owner::of_pool`] key, and only allocations routed to the same pool reuse its blocks.
 //!
 //! Invariants:
 //! - Every shard holds the same routes and the same held keys (they change under each shard's
@@ -36,7 +36,7 @@ impl GraphRoutes {
     #[inline]
     pub(crate) fn owner<D: Driver>(&self, driver: &D, stream: StreamId) -> Owner {
         if self.routes.is_empty() {
-            return Owner::Stream(stream);
+            return Owner::of_stream(stream);
         }
         self.route(driver, stream)
     }
@@ -48,8 +48,8 @@ impl GraphRoutes {
                 .routes
                 .iter()
                 .find(|&&(c, _)| c == id)
-                .map_or(Owner::Stream(stream), |&(_, key)| Owner::Pool(key)),
-            Capture::None | Capture::Unknown => Owner::Stream(stream),
+                .map_or(Owner::of_stream(stream), |&(_, key)| Owner::of_pool(key)),
+            Capture::None | Capture::Unknown => Owner::of_stream(stream),
         }
     }
 
@@ -63,10 +63,7 @@ impl GraphRoutes {
     /// Whether the memory of `owner` may be released or moved.
     #[inline]
     pub(crate) fn releasable(&self, owner: Owner) -> bool {
-        match owner {
-            Owner::Pool(key) => !self.held.contains(&key),
-            Owner::Stream(_) | Owner::Region(..) => true,
-        }
+        owner.pool().is_none_or(|key| !self.held.contains(&key))
     }
 }
 

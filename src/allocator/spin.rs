@@ -8,11 +8,15 @@
 //! Invariant: `data` is only reached through a guard, and at most one guard exists at a time
 //! (the exchange from FREE to LOCKED is the only way to make one).
 //!
-//! Poisoning: a guard dropped while its thread panics, when it was not already unwinding as it
-//! took the lock, leaves the lock POISONED instead of FREE, and every later `lock` refuses, since the data may be half-updated. The lock word has
-//! three states, so the exchange that takes the lock also reports the poison: the uncontended
-//! path costs what it did, plus `thread::panicking` on taking and on release (a load of a
-//! global that only changes while some thread panics).
+//! Poisoning: a panic while the data is being changed leaves the lock POISONED instead of FREE,
+//! and every later `lock` refuses, since the data may be half-updated. The lock word has three
+//! states, so the exchange that takes the lock also reports the poison. Two ways in:
+//! - [`SpinLock::with`], for the cached path: the section is a closure, and a guard armed
+//!   around it poisons the lock only if the closure unwinds (a normal return disarms it), so
+//!   nothing asks whether the thread is panicking;
+//! - [`SpinLock::lock`], a guard for sections that span calls (the slow paths): its drop poisons
+//!   when the thread is panicking and was not already unwinding when it took the lock (a
+//!   `Drop` freeing memory during a panic elsewhere is a whole, normal operation).
 
 use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
@@ -64,6 +68,31 @@ impl<T> SpinLock<T> {
         }
     }
 
+    /// Run `f` on the data with the lock held; refused once a panic poisoned it. A panic in
+    /// `f` poisons the lock and unwinds on.
+    #[inline]
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut T) -> R) -> Result<R, Poisoned> {
+        match self
+            .state
+            .compare_exchange(FREE, LOCKED, Ordering::Acquire, Ordering::Relaxed)
+        {
+            Ok(_) => {}
+            Err(_) => self.wait()?,
+        }
+        struct PoisonOnUnwind<'a>(&'a AtomicU8);
+        impl Drop for PoisonOnUnwind<'_> {
+            fn drop(&mut self) {
+                self.0.store(POISONED, Ordering::Release);
+            }
+        }
+        let armed = PoisonOnUnwind(&self.state);
+        // SAFETY: the exchange above made this the only holder (module invariant).
+        let r = f(unsafe { &mut *self.data.get() });
+        std::mem::forget(armed);
+        self.state.store(FREE, Ordering::Release);
+        Ok(r)
+    }
+
     /// Take the lock if it is free now; `None` when another thread holds it or it is poisoned.
     pub(crate) fn try_lock(&self) -> Option<SpinGuard<'_, T>> {
         self.state
@@ -75,6 +104,12 @@ impl<T> SpinLock<T> {
     /// Held by another thread (wait), or poisoned (refuse, leaving the poison in place).
     #[cold]
     fn lock_slow(&self) -> Result<SpinGuard<'_, T>, Poisoned> {
+        self.wait().map(|()| SpinGuard::new(self))
+    }
+
+    /// Wait until the lock is taken by this thread (or found poisoned).
+    #[cold]
+    fn wait(&self) -> Result<(), Poisoned> {
         let mut spins = 0u32;
         loop {
             // Wait on a plain load, so waiters do not bounce the cache line.
@@ -95,7 +130,7 @@ impl<T> SpinLock<T> {
                 .state
                 .compare_exchange(FREE, LOCKED, Ordering::Acquire, Ordering::Relaxed)
             {
-                Ok(_) => return Ok(SpinGuard::new(self)),
+                Ok(_) => return Ok(()),
                 Err(POISONED) => return Err(Poisoned),
                 Err(_) => {}
             }
@@ -184,6 +219,48 @@ mod tests {
         assert!(l.lock().is_err());
         // Refusing must not leave the lock held.
         assert!(l.lock().is_err());
+    }
+
+    #[test]
+    fn a_panic_inside_with_poisons_and_a_normal_section_does_not() {
+        let l = Arc::new(SpinLock::new(0u64));
+        assert_eq!(
+            l.with(|v| {
+                *v += 1;
+                *v
+            }),
+            Ok(1)
+        );
+        let l2 = l.clone();
+        let r = std::thread::spawn(move || {
+            l2.with(|v| {
+                *v = 7;
+                panic!("half-way through");
+            })
+        })
+        .join();
+        assert!(r.is_err());
+        assert!(l.with(|_| ()).is_err());
+        assert!(l.lock().is_err());
+    }
+
+    #[test]
+    fn with_taken_while_already_unwinding_is_not_poisoned() {
+        struct FreeOnDrop(Arc<SpinLock<u64>>);
+        impl Drop for FreeOnDrop {
+            fn drop(&mut self) {
+                self.0.with(|v| *v += 1).unwrap();
+            }
+        }
+        let l = Arc::new(SpinLock::new(0u64));
+        let l2 = l.clone();
+        let r = std::thread::spawn(move || {
+            let _buffer = FreeOnDrop(l2);
+            panic!("elsewhere in the engine");
+        })
+        .join();
+        assert!(r.is_err());
+        assert_eq!(l.with(|v| *v), Ok(1));
     }
 
     #[test]

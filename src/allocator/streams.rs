@@ -3,11 +3,16 @@
 //! shards puts two of eight streams together more often than not); later streams, or a full
 //! table, fall back to a hash.
 //!
+//! Each thread remembers the last stream it looked up (per table): an engine thread allocates
+//! on one stream almost always, so the cached path reads a thread-local instead of probing.
+//!
 //! Invariants: a stream's shard never changes once assigned (its blocks live there), and every
 //! thread sees the same one; lookups take no lock: an open-addressing table of atomics where a
 //! slot is claimed by one compare-and-swap, its value written, then its key published
 //! (release/acquire); a key, once published, is never removed; a thread that meets a claimed
-//! slot waits for it to be published before deciding whose it is (checked with loom).
+//! slot waits for it to be published before deciding whose it is (checked with loom). A
+//! thread's remembered lookup names its table by a number no other table of the process gets,
+//! so it is never taken for another table's (a table dropped and another made at its address).
 
 #[cfg(loom)]
 use loom::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -46,6 +51,17 @@ pub(crate) struct StreamTable {
     keys: Box<[AtomicU64]>,
     shards: Box<[AtomicUsize]>,
     next: AtomicUsize,
+    /// This table's number, for the threads' remembered lookups.
+    id: u64,
+}
+
+/// The numbers tables get (0 is none's: a thread that has looked nothing up).
+static TABLES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+#[cfg(not(loom))]
+thread_local! {
+    /// (table number, stream, shard) of this thread's last lookup.
+    static LAST: std::cell::Cell<(u64, u64, usize)> = const { std::cell::Cell::new((0, 0, 0)) };
 }
 
 impl Default for StreamTable {
@@ -54,13 +70,37 @@ impl Default for StreamTable {
             keys: (0..SLOTS).map(|_| AtomicU64::new(EMPTY)).collect(),
             shards: (0..SLOTS).map(|_| AtomicUsize::new(0)).collect(),
             next: AtomicUsize::new(0),
+            id: TABLES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
     }
 }
 
 impl StreamTable {
+    /// The shard that serves `stream`, assigned on its first use.
+    #[cfg(not(loom))]
     #[inline]
     pub(crate) fn shard(&self, stream: StreamId) -> usize {
+        let (table, s, shard) = LAST.get();
+        if table == self.id && s == stream.0 {
+            return shard;
+        }
+        self.remember(stream)
+    }
+
+    #[cfg(not(loom))]
+    #[cold]
+    fn remember(&self, stream: StreamId) -> usize {
+        let shard = self.lookup(stream);
+        LAST.set((self.id, stream.0, shard));
+        shard
+    }
+
+    #[cfg(loom)]
+    pub(crate) fn shard(&self, stream: StreamId) -> usize {
+        self.lookup(stream)
+    }
+
+    fn lookup(&self, stream: StreamId) -> usize {
         let key = stream.0.wrapping_add(1);
         if key == EMPTY || key == CLAIMED {
             return Self::fallback(stream);
@@ -143,6 +183,23 @@ mod tests {
         for (s, sh) in streams.iter().zip(&shards) {
             assert_eq!(t.shard(*s), *sh);
         }
+    }
+
+    #[test]
+    fn a_thread_remembers_lookups_per_table() {
+        let (a, b) = (StreamTable::default(), StreamTable::default());
+        // Table `a` deals streams 1 and 2 to shards 0 and 1; `b` deals stream 2 first.
+        assert_eq!(a.shard(StreamId(1)), 0);
+        assert_eq!(b.shard(StreamId(2)), 0);
+        assert_eq!(a.shard(StreamId(2)), 1);
+        // The thread's remembered lookup (stream 2 in `a`) is not taken for `b`'s.
+        assert_eq!(b.shard(StreamId(2)), 0);
+        assert_eq!(a.shard(StreamId(2)), 1);
+        assert_eq!(a.shard(StreamId(1)), 0);
+        // A table made where a dropped one stood starts afresh.
+        drop(a);
+        let c = StreamTable::default();
+        assert_eq!(c.shard(StreamId(2)), 0);
     }
 
     #[test]

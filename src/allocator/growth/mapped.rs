@@ -17,7 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::allocator::block::{Block, BlockId, BlockState, NIL};
+use crate::allocator::block::{BlockId, BlockState, Fresh, NIL};
 use crate::allocator::core::{Core, GrowError};
 use crate::allocator::history::Action;
 use crate::allocator::owner::Owner;
@@ -100,8 +100,7 @@ impl Shard {
     /// Grow `seg` at `site` for a request of `rounded` bytes, `map` mapping at least the
     /// bytes asked from the range's start (it is given the shard, the start, the bytes and
     /// the range's size, and returns the bytes mapped, a prefix, and the error that stopped
-    /// it). Returns a free block (out of the index) that holds at least `rounded` bytes and may
-    /// serve it.
+    /// it). Returns a free block (listed) that holds at least `rounded` bytes and may serve it.
     pub(crate) fn grow_at<D: Driver>(
         &mut self,
         core: &Core<D>,
@@ -111,10 +110,7 @@ impl Shard {
         map: impl FnOnce(&mut Shard, DevicePtr, u64, u64) -> (u64, Option<GrowError>),
     ) -> std::result::Result<BlockId, GrowError> {
         let (u, bytes) = match site {
-            Site::Free(free) => {
-                self.index_remove(free);
-                return Ok(free);
-            }
+            Site::Free(free) => return Ok(free),
             Site::Map { range, bytes } => (range, bytes),
         };
         let (start, room) = (self.blocks[u].addr, self.blocks[u].size);
@@ -134,7 +130,6 @@ impl Shard {
         if self.blocks[id].size < rounded {
             return Err(GrowError::Memory(OomCause::NotContiguous));
         }
-        self.index_remove(id);
         Ok(id)
     }
 
@@ -428,12 +423,18 @@ impl Shard {
         let b = &mut self.blocks[u];
         b.addr += bytes;
         b.size -= bytes;
+        let (list, pool) = (b.list, b.pool);
         // The new front takes `u`'s place in the list: `u` moves up by `bytes`.
         let fid = if prev == NIL {
-            let (list, pool) = (b.list, b.pool);
-            let fid = self.blocks.insert(Block {
+            let fid = self.blocks.insert(Fresh {
+                addr,
+                size: bytes,
+                segment: seg,
+                list,
+                state: BlockState::Free,
+                pool,
+                prev: NIL,
                 next: u,
-                ..Block::new(addr, bytes, seg, list, BlockState::Free, pool)
             });
             self.segments.get_mut(seg).first = fid;
             fid

@@ -92,8 +92,8 @@ impl Growth {
     }
 
     /// Get memory for `owner` for a request of `rounded` bytes, made on `stream`, that its
-    /// cache could not serve; returns a free block (out of the index) that holds the request
-    /// and may serve it. `shards` are every shard of the allocator (`sh` among them, held).
+    /// cache could not serve; returns a free block (listed) that holds the request and may
+    /// serve it. `shards` are every shard of the allocator (`sh` among them, held).
     pub(crate) fn grow<D: Driver>(
         &self,
         core: &Core<D>,

@@ -17,8 +17,8 @@ use crate::error::Result;
 
 impl Shard {
     /// Get a segment from the driver for `owner`, for a request (made on `stream`) that the
-    /// cache cannot serve; returns a free block (out of the index) that holds at least
-    /// `rounded` bytes and may serve it.
+    /// cache cannot serve; returns a free block (listed) that holds at least `rounded` bytes
+    /// and may serve it.
     pub(crate) fn grow_plain<D: Driver>(
         &mut self,
         core: &Core<D>,
@@ -47,7 +47,9 @@ impl Shard {
             first: NIL,
             kind: SegmentKind::Plain,
         };
-        Ok(self.add_segment(seg, BlockState::Free).1)
+        let (_, first) = self.add_segment(seg, BlockState::Free);
+        self.index_insert(first);
+        Ok(first)
     }
 
     /// Free segment `seg` if its only block is free.

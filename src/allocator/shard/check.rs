@@ -145,7 +145,7 @@ impl Shard {
                     }
                     BlockState::Allocated => {
                         live_seen += 1;
-                        if self.live.get(&b.addr) != Some(&id) {
+                        if self.live.get(b.addr) != Some(id) {
                             problems.push(format!(
                                 "allocated block at {:#x} is not in the live map",
                                 b.addr

@@ -27,15 +27,15 @@
 
 mod check;
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::num::NonZeroU64;
 
 use crossbeam::utils::CachePadded;
 
-use super::block::{Arena, Block, BlockId, BlockState, NIL};
+use super::block::{Arena, BlockId, BlockState, Fresh, NIL};
 use super::core::{Allocation, Core};
 use super::free_index::FreeIndex;
 use super::history::Action;
+use super::live::LiveMap;
 use super::owner::Owner;
 use super::planted::{self, Bug};
 use super::routes::GraphRoutes;
@@ -49,24 +49,25 @@ use crate::tag::Tag;
 /// Every shard of an allocator, by index.
 pub(crate) type Shards = [CachePadded<SpinLock<Shard>>];
 
-/// A multiplicative hash for device addresses: they are distinct, 512-byte aligned integers,
-/// so SipHash's protection buys nothing and costs most of a lookup.
-#[derive(Default)]
-pub(crate) struct PtrHasher(u64);
+/// What an allocation got: its address and the bytes reserved for it (small enough to come
+/// back in registers).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Taken {
+    pub(crate) ptr: NonZeroU64,
+    pub(crate) size: u64,
+}
 
-impl Hasher for PtrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
+impl Taken {
+    /// The allocation as its caller on `stream` sees it.
     #[inline]
-    fn write_u64(&mut self, x: u64) {
-        let h = (x >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.0 = h ^ (h >> 29);
+    pub(crate) fn allocation(self, requested: u64, stream: StreamId, tag: Tag) -> Allocation {
+        Allocation {
+            ptr: self.ptr.get(),
+            size: self.size,
+            requested,
+            stream,
+            tag,
+        }
     }
 }
 
@@ -87,7 +88,7 @@ pub(crate) struct Shard {
     pub(crate) segments: Segments,
     /// Free lists by owner; almost always one or two, so found by a linear search.
     pub(crate) lists: Vec<OwnerLists>,
-    live: HashMap<DevicePtr, BlockId, BuildHasherDefault<PtrHasher>>,
+    live: LiveMap,
     /// Events other streams must reach before a freed block is reused.
     pub(crate) pending: Vec<(EventId, BlockId)>,
     /// The virtual segment of each (owner, pool) in this shard.
@@ -118,12 +119,15 @@ impl Shard {
         }
     }
 
-    /// The slot of `owner`'s free lists, if it has one that may serve.
+    /// The slot of `owner`'s free lists, if it has one that may serve. Most shards serve one
+    /// owner: the first slot is tried before the search.
     #[inline]
     fn list_of(&self, owner: Owner) -> Option<usize> {
-        self.lists
-            .iter()
-            .position(|l| l.owner == owner && !l.asleep)
+        let serves = |l: &OwnerLists| l.owner == owner && !l.asleep;
+        if serves(self.lists.first()?) {
+            return Some(0);
+        }
+        self.lists.iter().position(serves)
     }
 
     /// The slot of `owner`'s free lists, made on first use.
@@ -161,95 +165,116 @@ impl Shard {
         self.lists[list].pools[pool].remove(&mut self.blocks, id);
     }
 
+    /// Listed block `id` changed size.
+    #[inline(always)]
+    fn index_resized(&mut self, id: BlockId) {
+        let b = &self.blocks[id];
+        let (list, pool) = (b.list as usize, b.pool as usize);
+        self.lists[list].pools[pool].resized(&mut self.blocks, id);
+    }
+
     /// Serve a request from the cache, if it can be.
     #[inline]
     pub(crate) fn try_alloc<D: Driver>(
         &mut self,
         core: &Core<D>,
         owner: Owner,
-        stream: StreamId,
         rounded: u64,
         requested: u64,
         tag: Tag,
-    ) -> Option<Allocation> {
+    ) -> Option<Taken> {
         let pool = rules::pool_for(rounded);
         let list = self.list_of(owner)?;
-        let index = &mut self.lists[list].pools[pool as usize];
-        let id = index.best_fit(&self.blocks, rounded)?;
+        let id = self.lists[list].pools[pool as usize].best_fit(&self.blocks, rounded)?;
         // Both max-split rules only get stricter as blocks grow, so if the best fit may not
         // serve, no larger block may.
         if !rules::may_serve(core.max_split, self.blocks[id].size, rounded) {
             return None;
         }
-        index.remove(&mut self.blocks, id);
-        Some(self.take(core, id, stream, rounded, requested, tag))
+        Some(self.take(core, id, rounded, requested, tag))
     }
 
-    /// Hand out the front of free block `id` (out of the index: a best fit, or fresh memory
-    /// from growth) to a caller on `stream`, splitting off the tail when the split rule says so.
+    /// Hand out the front of listed free block `id` (a best fit, or fresh memory from growth),
+    /// splitting off the tail when the split rule says so. The tail keeps the block (and its
+    /// place in the index, while its size stays in its bin); the front becomes a block of its
+    /// own.
     pub(crate) fn take<D: Driver>(
         &mut self,
         core: &Core<D>,
         id: BlockId,
-        stream: StreamId,
         rounded: u64,
         requested: u64,
         tag: Tag,
-    ) -> Allocation {
+    ) -> Taken {
         let b = &self.blocks[id];
-        let (size, pool) = (b.size, b.pool);
-        let virt = self.segments.get(b.segment).is_virtual();
-        if rules::should_split(pool, virt, core.max_split, size, rounded) {
+        let (addr, size, pool) = (b.addr, b.size, b.pool);
+        // Only the large pool's rule depends on the segment's kind.
+        let virt = pool == PoolKind::Large && self.segments.get(b.segment).is_virtual();
+        let front = if rules::should_split(pool, virt, core.max_split, size, rounded) {
             let cut = if planted::active(Bug::SplitOffBy512) {
                 rounded - rules::MIN_BLOCK
             } else {
                 rounded
             };
-            let tid = self.insert_after(id, b.addr + cut, size - cut, BlockState::Free);
-            self.blocks[id].size = rounded;
-            self.index_insert(tid);
-        }
-        let b = &mut self.blocks[id];
+            let front = self.insert_before(id, addr, rounded, BlockState::Allocated);
+            let tail = &mut self.blocks[id];
+            tail.addr = addr + cut;
+            tail.size = size - cut;
+            self.index_resized(id);
+            front
+        } else {
+            self.index_remove(id);
+            id
+        };
+        let b = &mut self.blocks[front];
         b.state = BlockState::Allocated;
         b.requested = requested;
         b.tag = tag;
-        let alloc = Allocation {
-            ptr: b.addr,
-            size: b.size,
-            requested,
-            stream,
-            tag,
-        };
-        self.live.insert(alloc.ptr, id);
-        core.ledger
-            .shard(self.id)
-            .on_alloc(tag, alloc.size, requested);
-        alloc
+        let (ptr, size) = (b.addr, b.size);
+        self.live.insert(ptr, front);
+        core.ledger.shard(self.id).on_alloc(tag, size, requested);
+        Taken {
+            ptr: NonZeroU64::new(ptr).expect("device address 0 is never allocated"),
+            size,
+        }
     }
 
-    /// Make `id` free, merge it with free neighbours, and put the result in the index; returns
-    /// the merged block.
-    pub(crate) fn insert_free(&mut self, mut id: BlockId) -> BlockId {
-        self.blocks[id].state = BlockState::Free;
-        let prev = self.blocks[id].prev;
-        if prev != NIL && self.blocks[prev].state == BlockState::Free {
-            self.index_remove(prev);
-            self.absorb_next(prev);
-            id = prev;
-        }
-        let next = self.blocks[id].next;
-        if next != NIL
+    /// Make `id` free, merged with free neighbours, and listed; returns the merged block (a
+    /// neighbour that absorbs it keeps its own block and place in the index).
+    #[inline(always)]
+    pub(crate) fn insert_free(&mut self, id: BlockId) -> BlockId {
+        let (prev, next) = (self.blocks[id].prev, self.blocks[id].next);
+        let prev_free = prev != NIL && self.blocks[prev].state == BlockState::Free;
+        let next_free = next != NIL
             && self.blocks[next].state == BlockState::Free
-            && !planted::active(Bug::MissedMerge)
-        {
-            self.index_remove(next);
-            self.absorb_next(id);
+            && !planted::active(Bug::MissedMerge);
+        match (prev_free, next_free) {
+            (false, false) => {
+                self.blocks[id].state = BlockState::Free;
+                self.index_insert(id);
+                id
+            }
+            (true, false) => {
+                self.absorb_next(prev);
+                self.index_resized(prev);
+                prev
+            }
+            (false, true) => {
+                self.absorb_prev(next);
+                self.index_resized(next);
+                next
+            }
+            (true, true) => {
+                self.index_remove(next);
+                self.absorb_next(prev);
+                self.absorb_next(prev);
+                self.index_resized(prev);
+                prev
+            }
         }
-        self.index_insert(id);
-        id
     }
 
-    /// Merge the block after `id` into `id` (neither is in the index).
+    /// Merge the block after `id` into `id` (the one absorbed is not listed).
     pub(crate) fn absorb_next(&mut self, id: BlockId) {
         let next = self.blocks[id].next;
         let (size, after) = (self.blocks[next].size, self.blocks[next].next);
@@ -259,6 +284,29 @@ impl Shard {
             self.blocks[after].prev = id;
         }
         self.blocks.remove(next);
+    }
+
+    /// Merge the block before `id` into `id`, which grows down over it (the one absorbed is
+    /// not listed).
+    #[inline(always)]
+    fn absorb_prev(&mut self, id: BlockId) {
+        let gone = self.blocks[id].prev;
+        let (addr, size, before) = (
+            self.blocks[gone].addr,
+            self.blocks[gone].size,
+            self.blocks[gone].prev,
+        );
+        let b = &mut self.blocks[id];
+        b.addr = addr;
+        b.size += size;
+        b.prev = before;
+        if before != NIL {
+            self.blocks[before].next = id;
+        } else {
+            let seg = self.blocks[id].segment;
+            self.segments.get_mut(seg).first = id;
+        }
+        self.blocks.remove(gone);
     }
 
     /// A new block of `id`'s segment linked in right after `id`, with its owner and pool.
@@ -271,16 +319,51 @@ impl Shard {
         state: BlockState,
     ) -> BlockId {
         let b = &self.blocks[id];
-        let (seg, list, pool, next) = (b.segment, b.list, b.pool, b.next);
-        let nid = self.blocks.insert(Block {
+        let nid = self.blocks.insert(Fresh {
+            addr,
+            size,
+            segment: b.segment,
+            list: b.list,
+            state,
+            pool: b.pool,
             prev: id,
-            next,
-            ..Block::new(addr, size, seg, list, state, pool)
+            next: b.next,
         });
+        let next = self.blocks[nid].next;
         if next != NIL {
             self.blocks[next].prev = nid;
         }
         self.blocks[id].next = nid;
+        nid
+    }
+
+    /// A new block of `id`'s segment linked in right before `id`, with its owner and pool.
+    #[inline]
+    fn insert_before(
+        &mut self,
+        id: BlockId,
+        addr: DevicePtr,
+        size: u64,
+        state: BlockState,
+    ) -> BlockId {
+        let b = &self.blocks[id];
+        let (seg, prev) = (b.segment, b.prev);
+        let nid = self.blocks.insert(Fresh {
+            addr,
+            size,
+            segment: seg,
+            list: b.list,
+            state,
+            pool: b.pool,
+            prev,
+            next: id,
+        });
+        if prev != NIL {
+            self.blocks[prev].next = nid;
+        } else {
+            self.segments.get_mut(seg).first = nid;
+        }
+        self.blocks[id].prev = nid;
         nid
     }
 
@@ -289,9 +372,16 @@ impl Shard {
         let (base, size, owner, pool) = (seg.base, seg.size, seg.owner, seg.pool);
         let list = self.list_for(owner);
         let sid = self.segments.insert(seg);
-        let first = self
-            .blocks
-            .insert(Block::new(base, size, sid, list, state, pool));
+        let first = self.blocks.insert(Fresh {
+            addr: base,
+            size,
+            segment: sid,
+            list,
+            state,
+            pool,
+            prev: NIL,
+            next: NIL,
+        });
         self.segments.get_mut(sid).first = first;
         (sid, first)
     }
@@ -315,17 +405,32 @@ impl Shard {
 
     /// The block allocated at `ptr`, if any.
     pub(crate) fn live_block(&self, ptr: DevicePtr) -> Option<BlockId> {
-        self.live.get(&ptr).copied()
+        self.live.get(ptr)
     }
 
     /// Return an allocation to the cache (or to the pending list when other streams used it).
     /// Unknown pointers are an error and change nothing.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn free<D: Driver>(&mut self, core: &Core<D>, ptr: DevicePtr) -> Result<()> {
-        let Some(id) = self.live.remove(&ptr) else {
+        let Some(id) = self.live.remove(ptr) else {
             return Err(Error::UnknownPointer(ptr));
         };
-        // One byte tested on the cached path; the rest out of line.
+        // Three flags tested on the cached path; the rest out of line.
+        if self.asleep != 0 || self.recording || !self.blocks[id].used_streams.is_empty() {
+            return self.free_slow(core, ptr, id);
+        }
+        let b = &self.blocks[id];
+        core.ledger
+            .shard(self.id)
+            .on_free(b.tag, b.size, b.requested, false);
+        self.insert_free(id);
+        Ok(())
+    }
+
+    /// [`Shard::free`] of block `id` (out of `live`) when a tag sleeps here, the history is
+    /// recorded, or other streams used the block.
+    #[cold]
+    fn free_slow<D: Driver>(&mut self, core: &Core<D>, ptr: DevicePtr, id: BlockId) -> Result<()> {
         if self.asleep != 0 && self.lists[self.blocks[id].list as usize].asleep {
             return self.defer_free(ptr, id);
         }
@@ -346,7 +451,6 @@ impl Shard {
     /// Free block `id` (out of `live`) that other streams may still be using: it is reusable
     /// once each of them has reached the point where it was freed. On a failure nothing
     /// changed: the block is live again.
-    #[cold]
     fn free_used_elsewhere<D: Driver>(
         &mut self,
         core: &Core<D>,
@@ -384,7 +488,7 @@ impl Shard {
 
     /// Note that `stream` uses the allocation at `ptr`.
     pub(crate) fn record_stream(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
-        let &id = self.live.get(&ptr).ok_or(Error::UnknownPointer(ptr))?;
+        let id = self.live.get(ptr).ok_or(Error::UnknownPointer(ptr))?;
         let own = self.owner_of(id).stream();
         let b = &mut self.blocks[id];
         if own != Some(stream) && !b.used_streams.contains(&stream) {
@@ -442,7 +546,6 @@ impl Shard {
 
     /// Keep the free of asleep block `id` (out of `live`) for when its tag wakes; it stays
     /// live until then. A second free of the same pointer is refused as any double free is.
-    #[cold]
     fn defer_free(&mut self, ptr: DevicePtr, id: BlockId) -> Result<()> {
         self.live.insert(ptr, id);
         if self.deferred.contains(&ptr) {
