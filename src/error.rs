@@ -183,6 +183,12 @@ pub enum Error {
     #[error("cannot {0} while a CUDA graph is being captured")]
     Capturing(&'static str),
 
+    #[error("the KV cache cannot grow: {0}")]
+    KvShort(Box<OomCause>),
+
+    #[error("no KV cache is reserved on this device")]
+    NoKvCache,
+
     #[error("could not wake {tag}: {source}")]
     Wake {
         tag: crate::tag::Tag,

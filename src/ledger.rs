@@ -227,6 +227,11 @@ pub struct Ledger {
     pub(crate) graph_outside: AtomicU64,
     /// Bytes of each tag given back while it sleeps (not in `reserved`).
     sleeping: [AtomicU64; Tag::COUNT],
+    /// The KV cache's address space, its mapped bytes (part of `reserved`), and the bytes of
+    /// the blocks the engine may use.
+    kv_reserved: AtomicU64,
+    pub(crate) kv_mapped: Gauge,
+    kv_usable: AtomicU64,
 }
 
 impl Default for Ledger {
@@ -250,7 +255,18 @@ impl Ledger {
             graph_reserved: Gauge::default(),
             graph_outside: AtomicU64::new(0),
             sleeping: Default::default(),
+            kv_reserved: AtomicU64::new(0),
+            kv_mapped: Gauge::default(),
+            kv_usable: AtomicU64::new(0),
         }
+    }
+
+    pub(crate) fn kv_reserved(&self, bytes: u64) {
+        self.kv_reserved.store(bytes, Relaxed);
+    }
+
+    pub(crate) fn kv_usable(&self, bytes: u64) {
+        self.kv_usable.store(bytes, Relaxed);
     }
 
     pub(crate) fn sleeping_add(&self, tag: Tag, bytes: u64) {
@@ -315,6 +331,7 @@ impl Ledger {
         }
         self.reserved.reset_peak();
         self.segments.reset_peak();
+        self.kv_mapped.reset_peak();
     }
 
     /// Peaks of one tag become its current values.
@@ -341,6 +358,24 @@ impl Ledger {
             all = all.plus(s.all.read(total));
             active = active.plus(s.active.read());
         }
+        // The KV cache is one allocation of the KV tag, of its mapped bytes. Its peak adds to
+        // the shards' peaks: an upper bound, exact while the KV cache does not change.
+        let kv = self.kv_mapped.read();
+        if kv.peak > 0 {
+            let region = TagStats {
+                allocated_bytes: kv,
+                requested_bytes: kv,
+                allocations: Counter {
+                    current: u64::from(kv.current > 0),
+                    peak: 1,
+                },
+                total_allocations: 0,
+                total_frees: 0,
+            };
+            per_tag[Tag::KvCache] = per_tag[Tag::KvCache].plus(region);
+            all = all.plus(region);
+            active = active.plus(kv);
+        }
         let reserved = self.reserved.read();
         let sleeping = PerTag(std::array::from_fn(|i| self.sleeping[i].load(Relaxed)));
         // Asleep allocations stay allocated; their memory is counted as sleeping, not reserved.
@@ -360,6 +395,11 @@ impl Ledger {
             usage_read_failures: self.usage_read_failures.load(Relaxed),
             graph_reserved_bytes: self.graph_reserved.read(),
             graph_outside_bytes: self.graph_outside.load(Relaxed),
+            kv_cache: KvBytes {
+                reserved: self.kv_reserved.load(Relaxed),
+                mapped: kv,
+                usable: self.kv_usable.load(Relaxed),
+            },
         }
     }
 }
@@ -459,6 +499,21 @@ pub struct Snapshot {
     /// its allocations stay allocated).
     #[serde(default)]
     pub sleeping_bytes: PerTag<u64>,
+    /// The KV cache in reserved address space ([`crate::Allocator::reserve_kv`]): its mapped
+    /// bytes are part of `reserved_bytes` and of the KV tag's allocated bytes.
+    #[serde(default)]
+    pub kv_cache: KvBytes,
+}
+
+/// The KV cache's bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvBytes {
+    /// Address space reserved for it (its largest size).
+    pub reserved: u64,
+    /// Physical memory mapped into it.
+    pub mapped: Counter,
+    /// The bytes of the blocks the engine may use (at most `mapped`).
+    pub usable: u64,
 }
 
 /// What changed between two snapshots (later − earlier) in the current values and totals.

@@ -40,10 +40,10 @@ mod threads;
 pub mod units;
 
 pub use allocator::{
-    Allocation, Allocator, Config, GraphMemory, Limit, PoolStats, SegmentMode, SleepReport,
-    WakeReport,
+    Allocation, Allocator, Config, GraphMemory, KvCache, KvCommit, KvRoom, Limit, PoolStats,
+    SegmentMode, SleepReport, WakeReport,
 };
 pub use driver::{Capture, DevicePtr, Driver, GraphPool, StreamId};
 pub use error::{Error, OomCause, OomReport, Result};
-pub use ledger::{Counter, PerTag, Snapshot, TagStats};
+pub use ledger::{Counter, KvBytes, PerTag, Snapshot, TagStats};
 pub use tag::Tag;

@@ -373,73 +373,144 @@ pub fn device_wide_budget(
     requested as i64 - (weights + peak_increase + non_torch_increase)
 }
 
-impl<D: Driver> ProfileScope<'_, '_, D> {
-    /// Close the scope: measure, and compute the budget.
-    pub fn end(self) -> Result<ProfileResult, ProfileError> {
-        let alloc = self.profiler.alloc;
-        let base = &self.profiler.baseline;
-        let exit = MemorySnapshot::take(alloc)?;
-        let granule = alloc.driver().granularity();
-        let l = &exit.ledger;
+/// What the allocator held at the pass's peak, apart from the KV cache.
+struct AllocatorPeak {
+    weights: u64,
+    activation_peak: u64,
+    untracked_peak: u64,
+    kv_allocated: u64,
+    graph_pools: u64,
+    /// Everything but the KV cache at the peak, graph pools included.
+    total: u64,
+    cached: u64,
+}
+
+impl AllocatorPeak {
+    fn of(l: &Snapshot) -> AllocatorPeak {
         let weights = l.per_tag[Tag::Weights].allocated_bytes.current;
         let activation_peak = l.per_tag[Tag::Activation].allocated_bytes.peak;
         let untracked_peak = l.per_tag[Tag::Untracked].allocated_bytes.peak;
         let kv_allocated = l.per_tag[Tag::KvCache].allocated_bytes.current;
         let tags_peak =
             l.per_tag[Tag::Weights].allocated_bytes.peak + activation_peak + untracked_peak;
-        // What the allocator holds for everything but the KV cache at its peak: never less than
-        // the tags' peaks, and including the slack it reserved around them. Graph pools are held
-        // as long as their graphs live and serve nothing else, free blocks included, so they
-        // come on top of the tags' peaks in full (a capture usually follows the largest pass,
-        // whose memory the capture's `empty_cache` gave back: the reserved peak misses them).
+        // Never less than the tags' peaks, and including the slack reserved around them. Graph
+        // pools are held as long as their graphs live and serve nothing else, free blocks
+        // included, so they come on top of the tags' peaks in full (a capture usually follows
+        // the largest pass, whose memory the capture's `empty_cache` gave back: the reserved
+        // peak misses them).
         let graph_pools = l.graph_reserved_bytes.current;
-        let allocator_peak = l
+        let total = l
             .reserved_bytes
             .peak
             .saturating_sub(kv_allocated)
             .max(tags_peak + graph_pools);
-        let cached = allocator_peak.saturating_sub(tags_peak + graph_pools);
-        let mut warnings = Vec::new();
-        let (non_allocator, non_allocator_baseline, other_processes) = match (
-            exit.non_allocator(),
-            base.non_allocator(),
-        ) {
-            (Some(now), Some(before)) => (
+        AllocatorPeak {
+            weights,
+            activation_peak,
+            untracked_peak,
+            kv_allocated,
+            graph_pools,
+            total,
+            cached: total.saturating_sub(tags_peak + graph_pools),
+        }
+    }
+}
+
+/// This process's memory outside the allocator at the end of profiling, the part of it present
+/// at the baseline, and other processes' memory (when the driver can see this process), with
+/// the warnings of the device-wide fallback.
+struct Outside {
+    now: u64,
+    baseline: u64,
+    other_processes: Option<u64>,
+    warnings: Vec<String>,
+}
+
+impl<D: Driver> ProfileScope<'_, '_, D> {
+    /// Close the scope: measure, compute the budget, and (unless told not to) hold the process
+    /// to what it requested.
+    pub fn end(self) -> Result<ProfileResult, ProfileError> {
+        let alloc = self.profiler.alloc;
+        let exit = MemorySnapshot::take(alloc)?;
+        let peak = AllocatorPeak::of(&exit.ledger);
+        let outside = self.outside(&exit)?;
+        let result = self.compute(&exit, &peak, outside);
+        result.log();
+        if !result.overridden && self.requested <= result.non_kv + result.margin {
+            return Err(ProfileError::NoRoomForKvCache(Box::new(result)));
+        }
+        if self.options.contract {
+            // What lies outside the allocator now is the floor for when the driver cannot
+            // report it later (the device-wide figure cannot be re-read per process).
+            alloc.arm_cap(Some(self.requested), result.non_allocator);
+        }
+        // Eager work's peak: the pools' allocations are in the tags' peaks and in the pools
+        // both (the part still allocated shows which; freed ones go uncounted, on the safe side).
+        let in_pools = alloc.graph_memory().allocated;
+        alloc.note_profile(
+            peak.total.saturating_sub(peak.graph_pools + in_pools),
+            result.graph_pools + result.graph_outside,
+            result.margin,
+        );
+        Ok(result)
+    }
+
+    /// Memory outside the allocator, per process when the driver can see it, otherwise the
+    /// change in (device used − reserved) since the baseline (vLLM's method), refusing a
+    /// measurement that another process's free spoiled.
+    fn outside(&self, exit: &MemorySnapshot) -> Result<Outside, ProfileError> {
+        let base = &self.profiler.baseline;
+        if let (Some(now), Some(before)) = (exit.non_allocator(), base.non_allocator()) {
+            return Ok(Outside {
                 now,
-                before,
-                Some(
+                baseline: before,
+                other_processes: Some(
                     exit.device_used()
                         .saturating_sub(exit.process_usage.unwrap_or(0)),
                 ),
-            ),
-            _ => {
-                // Fallback: the change in (device used − reserved) since the baseline.
-                let delta = exit.device_wide_non_allocator() - base.device_wide_non_allocator();
-                if delta < -(granule as i64) {
-                    return Err(ProfileError::OtherProcessFreed {
-                        rose: delta.unsigned_abs(),
-                    });
-                }
-                let grown =
-                    exit.device_wide_non_allocator() - self.entry.device_wide_non_allocator();
-                if grown > granule as i64 {
-                    warnings.push(format!(
-                        "Device free memory fell by {} more than the allocator's growth during profiling; if another \
-                         process allocated meanwhile, it is charged to this engine and the KV budget may be short by \
-                         up to that much.",
-                        Bytes(grown as u64)
-                    ));
-                }
-                warnings.push(
-                    "This process's usage is not visible to the driver (NVML): memory outside the allocator is \
-                     measured device-wide since the baseline, and what predates the baseline (the CUDA context) is \
-                     not counted."
-                        .to_string(),
-                );
-                (delta.max(0) as u64, 0, None)
-            }
-        };
-        let non_kv = allocator_peak + non_allocator;
+                warnings: Vec::new(),
+            });
+        }
+        let granule = self.profiler.alloc.driver().granularity() as i64;
+        let delta = exit.device_wide_non_allocator() - base.device_wide_non_allocator();
+        if delta < -granule {
+            return Err(ProfileError::OtherProcessFreed {
+                rose: delta.unsigned_abs(),
+            });
+        }
+        let mut warnings = Vec::new();
+        let grown = exit.device_wide_non_allocator() - self.entry.device_wide_non_allocator();
+        if grown > granule {
+            warnings.push(format!(
+                "Device free memory fell by {} more than the allocator's growth during profiling; if another \
+                 process allocated meanwhile, it is charged to this engine and the KV budget may be short by \
+                 up to that much.",
+                Bytes(grown as u64)
+            ));
+        }
+        warnings.push(
+            "This process's usage is not visible to the driver (NVML): memory outside the allocator is \
+             measured device-wide since the baseline, and what predates the baseline (the CUDA context) is \
+             not counted."
+                .to_string(),
+        );
+        Ok(Outside {
+            now: delta.max(0) as u64,
+            baseline: 0,
+            other_processes: None,
+            warnings,
+        })
+    }
+
+    /// The budget from what was measured.
+    fn compute(
+        &self,
+        exit: &MemorySnapshot,
+        peak: &AllocatorPeak,
+        outside: Outside,
+    ) -> ProfileResult {
+        let alloc = self.profiler.alloc;
+        let non_kv = peak.total + outside.now;
         let margin = match self.options.margin {
             Margin::Bytes(b) => b,
             Margin::Fraction(f) => (self.requested as f64 * f).ceil() as u64,
@@ -469,41 +540,37 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
         let max_concurrency = kv_tokens
             .zip(self.options.max_model_len.filter(|&m| m > 0))
             .map(|(t, m)| t as f64 / m as f64);
-        let result = ProfileResult {
+        ProfileResult {
             source: exit.source,
             utilization: self.options.utilization,
             requested: self.requested,
-            weights,
-            activation_peak,
-            untracked_peak,
-            kv_allocated,
-            cached,
-            non_allocator,
-            non_allocator_baseline,
-            graph_pools,
-            graph_outside: l
+            weights: peak.weights,
+            activation_peak: peak.activation_peak,
+            untracked_peak: peak.untracked_peak,
+            kv_allocated: peak.kv_allocated,
+            cached: peak.cached,
+            non_allocator: outside.now,
+            non_allocator_baseline: outside.baseline,
+            graph_pools: peak.graph_pools,
+            graph_outside: exit
+                .ledger
                 .graph_outside_bytes
                 .saturating_sub(self.entry.ledger.graph_outside_bytes),
-            other_processes: other_processes.unwrap_or(0),
+            other_processes: outside.other_processes.unwrap_or(0),
             non_kv,
             margin,
             kv_budget,
             kv_tokens,
             max_concurrency,
             overridden,
-            device_wide_kv_budget: device_wide_budget(base, &self.entry, &exit, self.requested),
+            device_wide_kv_budget: device_wide_budget(
+                &self.profiler.baseline,
+                &self.entry,
+                exit,
+                self.requested,
+            ),
             seconds: self.start.elapsed().as_secs_f64(),
-            warnings,
-        };
-        result.log();
-        if !overridden && self.requested <= non_kv + margin {
-            return Err(ProfileError::NoRoomForKvCache(Box::new(result)));
+            warnings: outside.warnings,
         }
-        if self.options.contract {
-            // What lies outside the allocator now is the floor for when the driver cannot
-            // report it later (the device-wide figure cannot be re-read per process).
-            alloc.arm_cap(Some(self.requested), non_allocator);
-        }
-        Ok(result)
     }
 }

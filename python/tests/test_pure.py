@@ -501,3 +501,51 @@ def test_sleep_refuses_untracked_without_force_and_an_empty_wake_wakes_nothing()
     with pytest.raises(ValueError, match="force=True"):
         vl.sleep(offload=["weights", "untracked"])
     assert vl.wake(()) == {}
+
+
+def test_kv_cache_is_reserved_committed_and_resized_on_a_simulated_device():
+    r = run_on_sim(
+        """
+        seen = {}
+        lib.vram_ledger_configure(b"remap")
+        with vl.profile(0.25, device=0) as p:
+            pass
+        kv = vl.kv_reserve(3 << 20, initial_blocks=8, device=0)
+        seen["first"] = [kv.usable_blocks, kv.reserved_blocks, kv.base, kv.native]
+        c = kv.commit()
+        seen["committed"] = [kv.usable_blocks, c["blocks_before"], c["room"]["cap"], p.result["requested"]]
+        seen["stats"] = vl.stats(0)["kv_cache"]
+        kv.resize(kv.usable_blocks - 10)
+        seen["shrunk"] = kv.usable_blocks
+        try:
+            kv.resize(2, free_from=5)
+        except vl.VramLedgerError as e:
+            seen["in_use"] = str(e)
+        seen["again"] = vl.kv_cache(0).usable_blocks
+        try:
+            vl.kv_reserve(1 << 20, device=0)
+        except vl.VramLedgerError as e:
+            seen["twice"] = str(e)
+        kv.release()
+        seen["after"] = vl.kv_cache(0)
+        for bad in (0, -1, 2**64, 1.5):
+            try:
+                vl.kv_reserve(bad, device=0)
+            except (ValueError, TypeError, OverflowError) as e:
+                seen.setdefault("refused", []).append([c.__name__ for c in type(e).__mro__])
+        print(json.dumps(seen))
+        """
+    )
+    usable, reserved, base, native = r["first"]
+    assert usable == 8 and reserved > usable and base > 0 and not native
+    committed, before, cap, requested = r["committed"]
+    assert before == 8 and committed > 8 and cap == requested
+    assert r["stats"]["usable"] == committed * (3 << 20)
+    assert r["stats"]["mapped"]["current"] >= r["stats"]["usable"]
+    assert r["shrunk"] == committed - 10 == r["again"]
+    assert "blocks below 5 are in use" in r["in_use"]
+    assert "reserved already" in r["twice"]
+    assert r["after"] is None
+    zero, negative, huge, fraction = r["refused"]
+    assert "ValueError" in zero and "ValueError" in negative
+    assert "OverflowError" in huge and "TypeError" in fraction

@@ -29,6 +29,7 @@ from __future__ import annotations
 from . import _lib
 from ._lib import VramLedgerError, library_path
 from ._torch import TaggedPool, install, mempool
+from .kv import KvCache, kv_cache, kv_reserve
 from .metrics import dump_snapshot, empty_cache, memory_stats, metrics, record_history, report, reset_peak_memory_stats, stats
 from .profile import Profile, cap, profile, set_cap
 from .sleep import set_retain_host, sleep, wake
@@ -59,6 +60,9 @@ __all__ = [
     "sleep",
     "wake",
     "set_retain_host",
+    "kv_reserve",
+    "kv_cache",
+    "KvCache",
 ]
 
 

@@ -64,11 +64,25 @@ pub(crate) struct Core<D> {
     pub(crate) cap: AtomicU64,
     /// Memory outside the allocator assumed when the driver cannot report this process's usage.
     pub(crate) outside_floor: AtomicU64,
+    /// What profiling measured, for sizing the KV cache against the cap later
+    /// ([`super::Allocator::commit_kv`]).
+    pub(crate) measured: Measured,
     /// The allocation history, when recording (`history.rs`).
     pub(crate) history: History,
     /// [`Config::separate_tags`].
     pub(crate) separate_tags: bool,
     committed: AtomicU64,
+}
+
+/// What the last profiling measured, besides the cap: the peak of what eager work (not the KV
+/// cache, not graph pools) held, the graph memory its representative captures took (pools and
+/// memory outside the allocator, kept as reserve where the KV cache must be sized before the
+/// real captures), and the safety margin.
+#[derive(Debug, Default)]
+pub(crate) struct Measured {
+    pub(crate) eager_peak: AtomicU64,
+    pub(crate) graph_reserve: AtomicU64,
+    pub(crate) margin: AtomicU64,
 }
 
 /// "No limit" and "no cap".
@@ -88,6 +102,7 @@ impl<D: Driver> Core<D> {
             limit: AtomicU64::new(NONE),
             cap: AtomicU64::new(NONE),
             outside_floor: AtomicU64::new(0),
+            measured: Measured::default(),
             history: Default::default(),
             separate_tags: config.separate_tags,
             committed: AtomicU64::new(0),

@@ -26,6 +26,7 @@ use super::dump::{PoolStats, StateDump};
 use super::growth::{Growth, SyncFirst};
 use super::history::{Action, HistoryEntry};
 use super::host::SleepState;
+use super::kvregion::KvRegion;
 use super::owner::Owner;
 use super::routes::GraphRegistry;
 use super::rules;
@@ -51,6 +52,8 @@ pub struct Allocator<D: Driver> {
     pub(super) shards: Box<Shards>,
     pub(super) graphs: GraphRegistry,
     pub(super) sleep: parking_lot::Mutex<SleepState>,
+    /// The KV cache in reserved address space, once reserved (`kv.rs`).
+    pub(super) kv: parking_lot::Mutex<Option<KvRegion>>,
 }
 
 impl<D: Driver> Allocator<D> {
@@ -67,6 +70,7 @@ impl<D: Driver> Allocator<D> {
                 .collect(),
             graphs: GraphRegistry::default(),
             sleep: Default::default(),
+            kv: Default::default(),
         };
         a.set_limit(config.limit)?;
         Ok(a)
@@ -153,6 +157,15 @@ impl<D: Driver> Allocator<D> {
             ),
             None => tracing::info!("budget contract lifted"),
         }
+    }
+
+    /// Keep what profiling measured, for sizing the KV cache against the cap later: eager
+    /// work's peak, the graph memory its representative captures took, and the margin.
+    pub(crate) fn note_profile(&self, eager_peak: u64, graph_reserve: u64, margin: u64) {
+        let m = &self.core.measured;
+        m.eager_peak.store(eager_peak, Relaxed);
+        m.graph_reserve.store(graph_reserve, Relaxed);
+        m.margin.store(margin, Relaxed);
     }
 
     /// The budget contract in bytes, if one is set.
@@ -493,6 +506,9 @@ impl<D: Driver> Allocator<D> {
             sh.self_check(&mut dump.problems);
             sh.dump_into(&mut dump);
         }
+        if let Some(r) = self.kv.lock().as_ref() {
+            dump.segments.push(r.dump());
+        }
         dump.ledger = self.snapshot();
         dump.committed = self.core.committed();
         dump
@@ -527,6 +543,11 @@ impl<D: Driver> Allocator<D> {
         if let Err(e) = self.core.driver.sync_device() {
             tracing::error!(error = %e, "could not synchronise the device when the allocator was dropped; its device memory is kept");
             return;
+        }
+        if let Some(r) = self.kv.lock().as_mut() {
+            if let Err(e) = r.release(&self.core) {
+                tracing::error!(error = %e, "could not give the KV cache back when the allocator was dropped");
+            }
         }
         if let Err(e) = self.release_all(SyncFirst::Done) {
             tracing::error!(error = %e, "could not give the cache back when the allocator was dropped");

@@ -8,11 +8,12 @@
 //!   `segment.rs`,
 //!   `spin.rs`, `streams.rs`, `planted.rs`;
 //! - `core.rs`: what every shard shares (driver, ledger, limit, cap);
-//! - `routes.rs`: graph-pool routing; `host.rs`: sleep's host memory;
+//! - `routes.rs`: graph-pool routing; `host.rs`: sleep's host memory; `kvregion.rs`: the KV
+//!   cache's reserved range;
 //! - `shard/`: one shard's tables and the cached path;
 //! - `growth/`: how a shard obtains and gives back memory, one policy per file;
-//! - `front.rs`: the [`Allocator`] and its entry points; `graphs.rs` and `sleep.rs` add the
-//!   graph-pool and sleep entry points to it.
+//! - `front.rs`: the [`Allocator`] and its entry points; `graphs.rs`, `sleep.rs` and `kv.rs`
+//!   add the graph-pool, sleep and KV-cache entry points to it.
 
 pub(crate) mod block;
 mod config;
@@ -24,6 +25,8 @@ mod graphs;
 mod growth;
 pub mod history;
 mod host;
+mod kv;
+mod kvregion;
 mod live;
 mod owner;
 mod planted;
@@ -41,5 +44,6 @@ pub use self::dump::PoolStats;
 pub use self::front::Allocator;
 pub use self::graphs::GraphMemory;
 pub use self::history::{Action, HistoryEntry};
+pub use self::kv::{KvCache, KvCommit, KvRoom};
 pub use self::sleep::{SleepReport, WakeReport};
 pub use crate::driver::GraphPool;

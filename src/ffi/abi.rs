@@ -106,6 +106,19 @@ const SIGNATURES: &[Signature] = &[
     sig("vram_ledger_sleep", "char *", &["int", "int", "int"]),
     sig("vram_ledger_wake", "char *", &["int", "int"]),
     sig("vram_ledger_set_retain_host", "int", &["int", "int"]),
+    sig(
+        "vram_ledger_kv_reserve",
+        "char *",
+        &["int", "uint64_t", "int64_t", "uint64_t"],
+    ),
+    sig("vram_ledger_kv_commit", "char *", &["int"]),
+    sig(
+        "vram_ledger_kv_resize",
+        "char *",
+        &["int", "uint64_t", "uint64_t"],
+    ),
+    sig("vram_ledger_kv_info", "char *", &["int"]),
+    sig("vram_ledger_kv_release", "int", &["int"]),
 ];
 
 /// The library's description as JSON (free it with `vram_ledger_string_free`), NULL on error:

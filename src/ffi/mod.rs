@@ -42,6 +42,7 @@ macro_rules! on_device {
 mod abi;
 mod boundary;
 mod graphs;
+mod kv;
 mod ledger;
 mod profile;
 mod pytorch;
@@ -52,6 +53,7 @@ pub use self::boundary::{
     vram_ledger_device_count, vram_ledger_last_error, vram_ledger_string_free,
 };
 pub use self::graphs::*;
+pub use self::kv::*;
 pub use self::ledger::*;
 pub use self::profile::*;
 pub use self::pytorch::*;

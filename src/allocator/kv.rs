@@ -1,0 +1,313 @@
+//! The KV cache, sized last: the entry points that reserve it, commit it to what the budget
+//! contract leaves, resize it while serving and give it back (the region itself is in
+//! `kvregion.rs`).
+//!
+//! The order engines use is weights, profile, KV cache, CUDA graphs, serve: a captured
+//! attention kernel reads the KV cache at fixed addresses, so the cache exists before the
+//! graphs, and the graphs' memory is not known when it is sized. In the virtual-memory modes
+//! nothing is estimated: [`Allocator::reserve_kv`] reserves the whole range and maps a prefix
+//! for warm-up and capture; [`Allocator::commit_kv`], after the captures, maps the rest up to
+//! what the cap leaves once everything else is measured at that moment. In native mode the KV
+//! cache is one segment of its final size, sized at once with the graph memory that profiling's
+//! representative captures took kept as reserve.
+//!
+//! What the cap must leave room for besides the KV cache, when sizing it:
+//! - eager work (weights, activations, their cache slack): the larger of what profiling saw at
+//!   its peak and what is held now, after the cache is given back;
+//! - graph pools, as held now (and, in native mode, the reserve for captures still to come);
+//! - memory outside the allocator, as this process's usage shows it now (CUDA context,
+//!   libraries, graph instantiation), and the margin profiling chose.
+//!
+//! Invariants: one KV cache per allocator; its lock is taken before any shard lock, never
+//! while one is held; nothing here runs while a capture is routed to a graph pool (giving the
+//! cache back and synchronising would spoil it).
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::front::Allocator;
+use super::kvregion::KvRegion;
+use crate::driver::{DevicePtr, Driver, StreamId};
+use crate::error::{Error, OomCause, Result};
+
+/// The KV cache's shape and state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct KvCache {
+    /// Where the reserved range starts: the engine's KV tensor spans the whole range from here.
+    pub base: DevicePtr,
+    /// The engine's block size.
+    pub block_bytes: u64,
+    /// Blocks the reserved range holds: the KV tensor's final shape.
+    pub reserved_blocks: u64,
+    /// Blocks the engine may use now (mapped).
+    pub usable_blocks: u64,
+    /// Address space reserved, and physical memory mapped into it.
+    pub reserved_bytes: u64,
+    pub mapped_bytes: u64,
+    /// One segment of its final size (native mode), not a reservation.
+    pub native: bool,
+}
+
+/// What the budget contract leaves the KV cache, and why.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct KvRoom {
+    /// The memory this process requested (the cap).
+    pub cap: u64,
+    /// Eager work's peak as profiling measured it, and what it holds now.
+    pub eager_peak: u64,
+    pub eager_now: u64,
+    /// Bytes held for CUDA graph pools now.
+    pub graph_pools: u64,
+    /// This process's memory outside the allocator now.
+    pub outside: u64,
+    /// Graph memory kept for captures still to come (native mode).
+    pub graph_reserve: u64,
+    pub margin: u64,
+    /// What is left for the KV cache: cap − (the larger eager figure + graph pools + outside +
+    /// graph reserve + margin).
+    pub room: u64,
+}
+
+/// What [`Allocator::commit_kv`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct KvCommit {
+    pub kv: KvCache,
+    pub room: KvRoom,
+    /// Blocks usable before the commit.
+    pub blocks_before: u64,
+}
+
+fn info(r: &KvRegion) -> KvCache {
+    KvCache {
+        base: r.base,
+        block_bytes: r.unit,
+        reserved_blocks: r.reserved_blocks(),
+        usable_blocks: r.usable,
+        reserved_bytes: r.reserved,
+        mapped_bytes: r.mapped(),
+        native: r.is_plain(),
+    }
+}
+
+impl<D: Driver> Allocator<D> {
+    /// Reserve the KV cache: address space for `max_bytes` (default: the device's memory) in
+    /// blocks of `block_bytes`, with `initial_blocks` of them mapped for warm-up and capture.
+    /// In native mode, one segment of its final size instead: what the budget contract leaves
+    /// now, with the graph memory profiling's captures took kept as reserve, at most
+    /// `max_bytes` (`initial_blocks` is then ignored: every block is usable).
+    pub fn reserve_kv(
+        &self,
+        block_bytes: u64,
+        max_bytes: Option<u64>,
+        initial_blocks: u64,
+    ) -> Result<KvCache> {
+        let mut kv = self.kv.lock();
+        if kv.is_some() {
+            return Err(Error::InvalidArgument(
+                "a KV cache is reserved already on this device: release it first".into(),
+            ));
+        }
+        if block_bytes == 0 || block_bytes >= super::rules::ABSURD_SIZE {
+            return Err(Error::InvalidArgument(format!(
+                "the KV cache's block size must be between 1 byte and 1 EiB, not {block_bytes}"
+            )));
+        }
+        let g = self.core.granularity;
+        let region = if self.growth.is_virtual() {
+            let max = max_bytes.unwrap_or(self.core.device_total);
+            if max < block_bytes || max >= super::rules::ABSURD_SIZE {
+                return Err(Error::InvalidArgument(format!(
+                    "the KV cache's largest size ({max} bytes) must hold one block of {block_bytes} and be under 1 EiB"
+                )));
+            }
+            let mut region = KvRegion::reserve(&self.core, max.div_ceil(g) * g, block_bytes)?;
+            if initial_blocks > region.reserved_blocks() {
+                let _ = region.release(&self.core);
+                return Err(Error::InvalidArgument(format!(
+                    "{initial_blocks} initial blocks do not fit in the {} the KV cache may hold",
+                    region.reserved_blocks()
+                )));
+            }
+            if let Err(e) = region.set_blocks(&self.core, initial_blocks) {
+                if let Err(e2) = region.release(&self.core) {
+                    tracing::warn!(error = %e2, "could not give back the address space of a KV cache that failed to map");
+                }
+                return Err(e);
+            }
+            region
+        } else {
+            self.check_not_capturing("reserve the KV cache")?;
+            self.empty_cache()?;
+            let room = match self.cap() {
+                Some(_) => Some(self.kv_room(0, true)?.room),
+                None => None,
+            };
+            let bytes = match (room, max_bytes) {
+                (Some(r), Some(m)) => r.min(m),
+                (Some(r), None) => r,
+                (None, Some(m)) => m,
+                (None, None) => {
+                    return Err(Error::InvalidArgument(
+                        "a native-mode KV cache needs its size, or a budget contract to size it from (profile first)".into(),
+                    ))
+                }
+            };
+            let blocks = (bytes / g * g) / block_bytes;
+            if blocks == 0 {
+                return Err(Error::KvShort(Box::new(OomCause::Cap {
+                    wanted: block_bytes,
+                    held: self.core.ledger.reserved(),
+                    outside: self.core.outside_now(),
+                    cap: self.cap().unwrap_or(bytes),
+                })));
+            }
+            let seg = (blocks * block_bytes).div_ceil(g) * g;
+            KvRegion::allocate(&self.core, seg, block_bytes, StreamId::DEFAULT)?
+        };
+        let out = info(&region);
+        tracing::info!(
+            base = out.base,
+            reserved = out.reserved_bytes,
+            usable = out.usable_blocks,
+            "KV cache reserved: {} blocks of {} bytes, {} usable",
+            out.reserved_blocks,
+            block_bytes,
+            out.usable_blocks
+        );
+        *kv = Some(region);
+        Ok(out)
+    }
+
+    /// The KV cache, if one is reserved.
+    pub fn kv_cache(&self) -> Option<KvCache> {
+        self.kv.lock().as_ref().map(info)
+    }
+
+    /// Map the KV cache up to what the budget contract leaves now (call it after the CUDA
+    /// graphs are captured, instantiated and replayed once): the cache of eager work is given
+    /// back first, then everything else is measured (see the module's notes). It never maps past
+    /// the cap nor unmaps: when less is left than is mapped already, the KV cache stays as it is
+    /// (and the result says so). Addresses do not change. A native-mode KV cache is sized
+    /// already: the result reports what is left.
+    pub fn commit_kv(&self) -> Result<KvCommit> {
+        let mut kv = self.kv.lock();
+        let region = kv.as_mut().ok_or(Error::NoKvCache)?;
+        self.check_not_capturing("commit the KV cache")?;
+        self.empty_cache()?;
+        let before = region.usable;
+        let room = self.kv_room(region.mapped(), false)?;
+        let g = self.core.granularity;
+        let fits = ((room.room / g * g) / region.unit).min(region.reserved_blocks());
+        if !region.is_plain() && fits > before {
+            region.set_blocks(&self.core, fits)?;
+        } else if fits < before {
+            tracing::warn!(
+                usable = before,
+                fits,
+                "the budget contract leaves the KV cache less than it holds already; it stays as it is"
+            );
+        }
+        let out = KvCommit {
+            kv: info(region),
+            room,
+            blocks_before: before,
+        };
+        tracing::info!(
+            blocks = out.kv.usable_blocks,
+            bytes = out.kv.mapped_bytes,
+            "KV cache committed: {} blocks usable ({} mapped); graph pools {} bytes, outside the allocator {} bytes",
+            out.kv.usable_blocks,
+            out.kv.mapped_bytes,
+            room.graph_pools,
+            room.outside
+        );
+        Ok(out)
+    }
+
+    /// Make `blocks` of the KV cache usable while serving: shrinking gives back the tail (every
+    /// block from `free_from` on must be free, and `blocks` may not be below it); growing maps
+    /// more within the reservation and what the budget contract leaves (see
+    /// [`Allocator::commit_kv`]). On an error the KV cache is as it was.
+    pub fn resize_kv(&self, blocks: u64, free_from: u64) -> Result<KvCache> {
+        let mut kv = self.kv.lock();
+        let region = kv.as_mut().ok_or(Error::NoKvCache)?;
+        self.check_not_capturing("resize the KV cache")?;
+        if blocks > region.reserved_blocks() {
+            return Err(Error::InvalidArgument(format!(
+                "{blocks} blocks do not fit in the {} the KV cache's reservation holds",
+                region.reserved_blocks()
+            )));
+        }
+        if blocks < region.usable && blocks < free_from.min(region.usable) {
+            return Err(Error::InvalidArgument(format!(
+                "cannot shrink the KV cache to {blocks} blocks: blocks below {} are in use",
+                free_from.min(region.usable)
+            )));
+        }
+        if blocks > region.usable {
+            self.empty_cache()?;
+            let room = self.kv_room(region.mapped(), false)?;
+            let g = self.core.granularity;
+            let want = (blocks * region.unit).div_ceil(g) * g;
+            if want > room.room {
+                return Err(Error::KvShort(Box::new(OomCause::Cap {
+                    wanted: want - region.mapped(),
+                    held: self.core.ledger.reserved(),
+                    outside: room.outside,
+                    cap: room.cap,
+                })));
+            }
+        }
+        region.set_blocks(&self.core, blocks)?;
+        Ok(info(region))
+    }
+
+    /// Give the KV cache back (the device is synchronised first; the engine's tensors over it
+    /// must not be used again).
+    pub fn release_kv(&self) -> Result<()> {
+        let mut kv = self.kv.lock();
+        let region = kv.as_mut().ok_or(Error::NoKvCache)?;
+        region.release(&self.core)?;
+        *kv = None;
+        Ok(())
+    }
+
+    /// What the budget contract leaves the KV cache now (`kv_mapped` of it mapped), with the
+    /// graph reserve profiling measured when `graphs_to_come`.
+    fn kv_room(&self, kv_mapped: u64, graphs_to_come: bool) -> Result<KvRoom> {
+        let cap = self.cap().ok_or_else(|| {
+            Error::InvalidArgument(
+                "sizing the KV cache needs a budget contract: profile first, or set a cap".into(),
+            )
+        })?;
+        let m = &self.core.measured;
+        let outside = self.core.outside_now();
+        let reserved = self.core.ledger.reserved();
+        let graph_pools = self.core.ledger.graph_reserved.get();
+        let eager_now = reserved.saturating_sub(kv_mapped + graph_pools);
+        let eager_peak = m.eager_peak.load(Relaxed);
+        let graph_reserve = if graphs_to_come {
+            m.graph_reserve.load(Relaxed)
+        } else {
+            0
+        };
+        let margin = m.margin.load(Relaxed);
+        let non_kv = eager_peak.max(eager_now) + graph_pools + outside + graph_reserve + margin;
+        Ok(KvRoom {
+            cap,
+            eager_peak,
+            eager_now,
+            graph_pools,
+            outside,
+            graph_reserve,
+            margin,
+            room: cap.saturating_sub(non_kv),
+        })
+    }
+
+    fn check_not_capturing(&self, what: &'static str) -> Result<()> {
+        if self.lock(0)?.graphs.capturing() {
+            return Err(Error::Capturing(what));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,347 @@
+//! The KV cache as the allocator holds it: one range of address space reserved whole at its
+//! largest size, mapped from its base up to what the engine may use, in pieces of physical
+//! memory of their own (virtual-memory modes); or, in native mode, one plain segment of its
+//! final size. The engine builds its KV tensor over the whole range, so the tensor's shape and
+//! address never change, and CUDA graphs captured against it stay valid while the mapped part
+//! grows and shrinks.
+//!
+//! Invariants:
+//! - Pieces are mapped contiguously from `base`: piece `i` starts where piece `i - 1` ends, each
+//!   one whole handle of a multiple of the granularity; `mapped` is their sum, at most
+//!   `reserved`.
+//! - `usable * unit <= mapped`: every block the engine may use is mapped.
+//! - Mapped bytes are counted in the ledger's reserved bytes and committed against the limit and
+//!   the cap exactly while the driver holds them, and in its KV figures; the KV cache counts as
+//!   one allocation of the KV tag while anything is mapped.
+//! - A growth or shrink either completes or leaves the region as it was: a growth that fails
+//!   gives back what it mapped; a shrink gives its handles back first (a released handle stays
+//!   mapped, and valid, until unmapped) and, if an unmap fails, maps fresh memory where pieces
+//!   were already unmapped. Memory is unmapped only after the device is synchronised.
+
+use super::core::{Core, GrowError};
+use super::dump::{BlockDump, DumpState, SegmentDump};
+use super::growth::mapped::map_one;
+use super::rules::PoolKind;
+use crate::driver::{DevicePtr, Driver, PhysHandle, StreamId};
+use crate::error::{Error, Result};
+use crate::tag::Tag;
+use crate::units::MIB;
+
+/// The largest piece one map call covers: a commit of tens of GiB costs hundreds of map calls,
+/// not thousands, and a shrink gives memory back to within one piece.
+pub(crate) const KV_PIECE: u64 = 32 * MIB;
+
+/// One mapped piece.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    bytes: u64,
+    handle: PhysHandle,
+    /// Released to the driver but still mapped (a shrink whose unmap is yet to come).
+    released: bool,
+}
+
+#[derive(Debug)]
+pub(crate) struct KvRegion {
+    pub(crate) base: DevicePtr,
+    /// Address space reserved (virtual), or the segment's size (plain).
+    pub(crate) reserved: u64,
+    /// The engine's block size.
+    pub(crate) unit: u64,
+    /// Blocks the engine may use.
+    pub(crate) usable: u64,
+    mapped: u64,
+    pieces: Vec<Piece>,
+    /// One `cuMemAlloc` of its final size (native mode): nothing to grow or shrink.
+    plain: bool,
+}
+
+impl KvRegion {
+    /// A range of `reserved` bytes of address space (a multiple of the granularity) for blocks
+    /// of `unit` bytes, nothing mapped.
+    pub(crate) fn reserve<D: Driver>(core: &Core<D>, reserved: u64, unit: u64) -> Result<KvRegion> {
+        let base = core.driver.reserve_va(reserved)?;
+        core.ledger.kv_reserved(reserved);
+        Ok(KvRegion {
+            base,
+            reserved,
+            unit,
+            usable: 0,
+            mapped: 0,
+            pieces: Vec::new(),
+            plain: false,
+        })
+    }
+
+    /// A plain segment of `bytes` (a multiple of the granularity) for blocks of `unit` bytes,
+    /// all of them usable, committed against the limit and the cap first.
+    pub(crate) fn allocate<D: Driver>(
+        core: &Core<D>,
+        bytes: u64,
+        unit: u64,
+        stream: StreamId,
+    ) -> Result<KvRegion> {
+        commit(core, bytes)?;
+        let base = match core.driver.alloc_segment(bytes, stream) {
+            Ok(b) => b,
+            Err(e) => {
+                core.uncommit(bytes);
+                return Err(e.into());
+            }
+        };
+        core.ledger.on_reserve(bytes, true);
+        core.ledger.kv_reserved(bytes);
+        core.ledger.kv_mapped.add(bytes);
+        let usable = bytes / unit;
+        core.ledger.kv_usable(usable * unit);
+        Ok(KvRegion {
+            base,
+            reserved: bytes,
+            unit,
+            usable,
+            mapped: bytes,
+            pieces: Vec::new(),
+            plain: true,
+        })
+    }
+
+    pub(crate) fn mapped(&self) -> u64 {
+        self.mapped
+    }
+
+    pub(crate) fn is_plain(&self) -> bool {
+        self.plain
+    }
+
+    /// Blocks the reservation holds.
+    pub(crate) fn reserved_blocks(&self) -> u64 {
+        self.reserved / self.unit
+    }
+
+    /// Make `blocks` usable, mapping (or unmapping) to the granule that holds them. Growth is
+    /// committed against the limit and the cap; shrinking synchronises the device first. On an
+    /// error the region is as it was.
+    pub(crate) fn set_blocks<D: Driver>(&mut self, core: &Core<D>, blocks: u64) -> Result<()> {
+        let g = core.granularity;
+        let want = (blocks * self.unit).div_ceil(g) * g;
+        debug_assert!(
+            want <= self.reserved,
+            "callers bound the blocks by the reservation"
+        );
+        if self.plain {
+            return Err(Error::InvalidArgument(
+                "a native-mode KV cache is one segment of its final size: it cannot grow or shrink in place".into(),
+            ));
+        }
+        if want > self.mapped {
+            self.grow(core, want)?;
+        } else if want < self.mapped {
+            self.shrink(core, want)?;
+        }
+        self.usable = blocks;
+        core.ledger.kv_usable(blocks * self.unit);
+        Ok(())
+    }
+
+    /// Map from the current end up to `want` bytes, in pieces of at most [`KV_PIECE`].
+    fn grow<D: Driver>(&mut self, core: &Core<D>, want: u64) -> Result<()> {
+        let more = want - self.mapped;
+        commit(core, more)?;
+        let (before, start) = (self.pieces.len(), self.mapped);
+        let mut done = 0;
+        while done < more {
+            let bytes = (more - done).min(KV_PIECE);
+            match map_one(&core.driver, self.base + start + done, bytes) {
+                Ok(handle) => {
+                    self.pieces.push(Piece {
+                        bytes,
+                        handle,
+                        released: false,
+                    });
+                    done += bytes;
+                }
+                Err(e) => {
+                    // Give back what this growth mapped; what cannot be stays, counted.
+                    let kept = self.undo_growth(core, before, start);
+                    core.uncommit(more - kept);
+                    self.account_mapped(core, kept, true);
+                    return Err(e.into());
+                }
+            }
+        }
+        self.account_mapped(core, more, true);
+        Ok(())
+    }
+
+    /// Unmap the pieces from index `from` (mapped by a growth that failed, starting at offset
+    /// `start`); returns the bytes that could not be unmapped and stay mapped.
+    fn undo_growth<D: Driver>(&mut self, core: &Core<D>, from: usize, start: u64) -> u64 {
+        let mut off = start;
+        let mut kept = 0;
+        let made: Vec<Piece> = self.pieces.drain(from..).collect();
+        for p in made {
+            let va = self.base + off;
+            let undone = core
+                .driver
+                .release_physical(p.handle)
+                .and_then(|()| core.driver.unmap(va, p.bytes));
+            if let Err(e) = undone {
+                tracing::warn!(error = %e, va, "could not undo a KV cache mapping; it stays mapped and counted");
+                self.pieces.push(Piece {
+                    released: true,
+                    ..p
+                });
+                kept += p.bytes;
+            }
+            off += p.bytes;
+        }
+        kept
+    }
+
+    /// Give back the whole pieces above `want` bytes (the device synchronised first).
+    fn shrink<D: Driver>(&mut self, core: &Core<D>, want: u64) -> Result<()> {
+        // The pieces to go: those starting at or above `want`.
+        let mut keep = self.pieces.len();
+        let mut end = self.mapped;
+        while keep > 0 && end - self.pieces[keep - 1].bytes >= want {
+            keep -= 1;
+            end -= self.pieces[keep].bytes;
+        }
+        if keep == self.pieces.len() {
+            return Ok(());
+        }
+        core.driver.sync_device()?;
+        for p in &mut self.pieces[keep..] {
+            if !p.released {
+                core.driver.release_physical(p.handle)?;
+                p.released = true;
+            }
+        }
+        // Unmap from the top, so that what stays mapped is always a prefix.
+        let mut top = self.mapped;
+        let mut i = self.pieces.len();
+        while i > keep {
+            let p = self.pieces[i - 1];
+            let va = self.base + top - p.bytes;
+            if let Err(e) = core.driver.unmap(va, p.bytes) {
+                self.remap_above(core, i, top);
+                return Err(e.into());
+            }
+            top -= p.bytes;
+            i -= 1;
+        }
+        let gone: u64 = self.pieces.drain(keep..).map(|p| p.bytes).sum();
+        self.account_mapped(core, gone, false);
+        core.uncommit(gone);
+        Ok(())
+    }
+
+    /// After an unmap failed at piece `i - 1`: map fresh memory in place of pieces `i..`, which
+    /// were unmapped from `top` up, so that the region is whole again (their blocks were free;
+    /// what they held does not matter).
+    fn remap_above<D: Driver>(&mut self, core: &Core<D>, i: usize, top: u64) {
+        let mut off = top;
+        for k in i..self.pieces.len() {
+            let bytes = self.pieces[k].bytes;
+            match map_one(&core.driver, self.base + off, bytes) {
+                Ok(handle) => {
+                    self.pieces[k] = Piece {
+                        bytes,
+                        handle,
+                        released: false,
+                    }
+                }
+                Err(e) => {
+                    // Nothing is mapped from here up: the region ends at the last piece mapped.
+                    tracing::warn!(error = %e, "could not map the KV cache back after a failed shrink; it ends lower");
+                    let lost: u64 = self.pieces.drain(k..).map(|p| p.bytes).sum();
+                    self.account_mapped(core, lost, false);
+                    core.uncommit(lost);
+                    self.usable = self.usable.min(self.mapped / self.unit);
+                    core.ledger.kv_usable(self.usable * self.unit);
+                    return;
+                }
+            }
+            off += bytes;
+        }
+    }
+
+    fn account_mapped<D: Driver>(&mut self, core: &Core<D>, bytes: u64, up: bool) {
+        if bytes == 0 {
+            return;
+        }
+        if up {
+            self.mapped += bytes;
+            core.ledger.on_reserve(bytes, false);
+            core.ledger.kv_mapped.add(bytes);
+        } else {
+            self.mapped -= bytes;
+            core.ledger.on_unreserve(bytes, false);
+            core.ledger.kv_mapped.sub(bytes);
+        }
+    }
+
+    /// Give everything back: unmap and release every piece and the address space (or free the
+    /// plain segment), after the device is synchronised. On an error what is left stays, whole
+    /// and counted, and releasing can be tried again.
+    pub(crate) fn release<D: Driver>(&mut self, core: &Core<D>) -> Result<()> {
+        core.driver.sync_device()?;
+        if self.plain {
+            core.driver.free_segment(self.base, self.reserved)?;
+            core.ledger.on_unreserve(self.reserved, true);
+            core.ledger.kv_mapped.sub(self.reserved);
+            core.uncommit(self.reserved);
+            self.mapped = 0;
+        } else {
+            self.shrink(core, 0)?;
+            core.driver.release_va(self.base, self.reserved)?;
+        }
+        self.usable = 0;
+        core.ledger.kv_usable(0);
+        core.ledger.kv_reserved(0);
+        Ok(())
+    }
+
+    /// The region as a segment of the state dump: one block of the KV tag over what is mapped.
+    pub(crate) fn dump(&self) -> SegmentDump {
+        let mut blocks = Vec::new();
+        if self.mapped > 0 {
+            blocks.push(BlockDump {
+                addr: self.base,
+                size: self.mapped,
+                requested: self.mapped,
+                state: DumpState::Allocated,
+                tag: Tag::KvCache,
+            });
+        }
+        if self.mapped < self.reserved {
+            blocks.push(BlockDump {
+                addr: self.base + self.mapped,
+                size: self.reserved - self.mapped,
+                requested: 0,
+                state: DumpState::Unmapped,
+                tag: Tag::Untracked,
+            });
+        }
+        SegmentDump {
+            base: self.base,
+            pool: PoolKind::Large,
+            size: self.reserved,
+            expandable: !self.plain,
+            mapped: if self.mapped > 0 {
+                vec![(self.base, self.mapped)]
+            } else {
+                Vec::new()
+            },
+            asleep: Vec::new(),
+            blocks,
+        }
+    }
+}
+
+/// Commit `bytes` against the limit and the cap, as an error the caller can return.
+fn commit<D: Driver>(core: &Core<D>, bytes: u64) -> Result<()> {
+    core.commit(bytes).map_err(|e| match e {
+        GrowError::Memory(cause) => Error::KvShort(Box::new(cause)),
+        GrowError::Driver(d) => Error::Driver(d),
+    })
+}

@@ -1,0 +1,392 @@
+//! The KV cache sized last, on the simulated device, in the order engines work: weights,
+//! profile, reserve the KV cache (a prefix mapped), capture CUDA graphs (graph pools, and memory
+//! outside the allocator for their instantiation), commit the KV cache to what the budget
+//! contract leaves, serve.
+//!
+//! Every check of the contract reads this process's usage from the simulated device (what NVML
+//! would report), not from the allocator's own figures.
+
+use std::sync::Arc;
+
+use vram_ledger::driver::sim::{SimDevice, SimDriver};
+use vram_ledger::driver::DriverCall;
+use vram_ledger::profile::{ProfileOptions, Profiler};
+use vram_ledger::units::{GIB, MIB};
+use vram_ledger::{
+    invariants, Allocator, Config, Error, GraphPool, KvCache, SegmentMode, StreamId, Tag,
+};
+
+const MAIN: StreamId = StreamId(0x10);
+const CAPTURE: StreamId = StreamId(0x30);
+/// An engine's KV block: not a divisor of the granularity, so rounding shows.
+const BLOCK: u64 = 3 * MIB / 2;
+const VIRTUAL: [SegmentMode; 3] = [
+    SegmentMode::Expandable,
+    SegmentMode::Compact,
+    SegmentMode::Remap,
+];
+
+struct Engine {
+    dev: Arc<SimDevice>,
+    alloc: Allocator<SimDriver>,
+    requested: u64,
+    _weights: u64,
+}
+
+impl Engine {
+    fn usage(&self) -> u64 {
+        self.dev.used() - self.dev.other_usage()
+    }
+
+    /// One forward at the profiled shape (what serving needs besides the KV cache); returns
+    /// this process's usage at the forward's peak.
+    fn forward(&self) -> vram_ledger::Result<u64> {
+        let x = self.alloc.allocate_tagged(GIB, MAIN, Tag::Activation)?;
+        let y = self
+            .alloc
+            .allocate_tagged(300 * MIB, MAIN, Tag::Activation)?;
+        let peak = self.usage();
+        self.alloc.free(x.ptr)?;
+        self.alloc.free(y.ptr)?;
+        Ok(peak)
+    }
+
+    /// A CUDA graph captured into a pool of its own: 200 MiB in its pool, and `outside` bytes
+    /// that instantiating it takes outside the allocator.
+    fn capture(&self, pool: u64, outside: u64) -> u64 {
+        self.dev.begin_capture(CAPTURE);
+        let p = GraphPool(pool, 0);
+        self.alloc.begin_graph_pool(p, CAPTURE).unwrap();
+        let a = self
+            .alloc
+            .allocate_tagged(200 * MIB, CAPTURE, Tag::Activation)
+            .unwrap();
+        assert!(self.dev.end_capture(CAPTURE), "the capture stayed valid");
+        self.alloc.driver().alloc_external(outside).unwrap();
+        self.alloc.end_graph_pool(p, CAPTURE).unwrap();
+        a.ptr
+    }
+}
+
+/// Weights and a profiled pass (1.3 GiB of activations at its peak, 200 MiB behind the
+/// allocator's back), with the contract armed.
+fn engine(dev: &Arc<SimDevice>, mode: SegmentMode) -> Engine {
+    let alloc = Allocator::new(dev.spawn_process().unwrap(), Config::with_mode(mode)).unwrap();
+    let mut e = Engine {
+        dev: dev.clone(),
+        requested: 0,
+        _weights: 0,
+        alloc,
+    };
+    let r = {
+        let p = Profiler::new(&e.alloc).unwrap();
+        e._weights = e
+            .alloc
+            .allocate_tagged(3 * GIB, MAIN, Tag::Weights)
+            .unwrap()
+            .ptr;
+        p.profile(
+            ProfileOptions {
+                utilization: 0.2,
+                ..Default::default()
+            },
+            || {
+                e.forward().unwrap();
+                e.alloc.driver().alloc_external(200 * MIB).unwrap();
+            },
+        )
+        .unwrap()
+    };
+    e.requested = r.requested;
+    e
+}
+
+fn fresh(mode: SegmentMode) -> Engine {
+    engine(&SimDevice::new(Default::default()), mode)
+}
+
+/// The engine's flow up to the commit, in a virtual-memory mode.
+fn reserved_and_captured(e: &Engine) -> KvCache {
+    let kv = e.alloc.reserve_kv(BLOCK, None, 16).unwrap();
+    assert_eq!(kv.usable_blocks, 16);
+    e.capture(1, 150 * MIB);
+    e.capture(2, 60 * MIB);
+    kv
+}
+
+#[test]
+fn kv_commit_fills_what_the_contract_leaves_after_the_graphs_exactly() {
+    for mode in VIRTUAL {
+        let e = fresh(mode);
+        let kv = reserved_and_captured(&e);
+        let c = e.alloc.commit_kv().unwrap();
+        assert_eq!(c.kv.base, kv.base, "{mode}: the address does not move");
+        assert_eq!(c.kv.reserved_blocks, kv.reserved_blocks);
+        assert_eq!(c.blocks_before, 16);
+        assert!(c.kv.usable_blocks > 16);
+        // Serving reaches the profiled peak again: the process then uses what it requested,
+        // less the margin and less than one block and one granule of rounding.
+        let peak = e.forward().unwrap();
+        let below_margin = e.requested - c.room.margin;
+        assert!(
+            peak <= below_margin,
+            "{mode}: serving uses {peak} of {below_margin}"
+        );
+        assert!(
+            below_margin - peak < BLOCK + 2 * MIB,
+            "{mode}: {} bytes left unused below the margin",
+            below_margin - peak
+        );
+        // The ledger shows the KV cache; the invariants hold with it.
+        let s = e.alloc.snapshot();
+        assert_eq!(s.kv_cache.mapped.current, c.kv.mapped_bytes);
+        assert_eq!(s.kv_cache.usable, c.kv.usable_blocks * BLOCK);
+        assert_eq!(s.kv_cache.reserved, c.kv.reserved_bytes);
+        assert!(s.kv_cache.mapped.current >= s.kv_cache.usable);
+        assert_eq!(
+            s.per_tag[Tag::KvCache].allocated_bytes.current,
+            c.kv.mapped_bytes
+        );
+        invariants::check_sim(&e.alloc).unwrap();
+        // Committing again changes nothing.
+        let again = e.alloc.commit_kv().unwrap();
+        assert_eq!(again.kv, c.kv, "{mode}");
+        e.alloc.release_kv().unwrap();
+        assert_eq!(e.alloc.snapshot().kv_cache.mapped.current, 0);
+        invariants::check_sim(&e.alloc).unwrap();
+    }
+}
+
+#[test]
+fn kv_commit_never_passes_the_cap_whatever_appears_outside_the_allocator() {
+    for mode in VIRTUAL {
+        for extra in [0, 37 * MIB, 901 * MIB, 4 * GIB] {
+            let e = fresh(mode);
+            reserved_and_captured(&e);
+            e.alloc.driver().alloc_external(extra).unwrap();
+            let c = e.alloc.commit_kv().unwrap();
+            let peak = e.forward().unwrap();
+            assert!(
+                peak <= e.requested,
+                "{mode}, {extra} outside: {peak} past {}",
+                e.requested
+            );
+            assert_eq!(
+                c.room.outside,
+                e.usage() - e.alloc.snapshot().reserved_bytes.current
+            );
+        }
+    }
+}
+
+#[test]
+fn kv_commit_resizes_in_place_when_the_cap_moves() {
+    for mode in VIRTUAL {
+        let e = fresh(mode);
+        reserved_and_captured(&e);
+        let c = e.alloc.commit_kv().unwrap();
+        let n = c.kv.usable_blocks;
+        // A co-tenant left and the user grants 4 GiB more: the KV cache grows where it is.
+        e.alloc.set_cap(Some(e.requested + 4 * GIB));
+        let grown = e.alloc.commit_kv().unwrap();
+        assert_eq!(grown.kv.base, c.kv.base);
+        assert!(grown.kv.usable_blocks >= n + (4 * GIB - 2 * MIB) / BLOCK - 1);
+        assert!(e.forward().unwrap() <= e.requested + 4 * GIB);
+        // The cap comes back down: the engine frees its newest blocks and shrinks.
+        e.alloc.set_cap(Some(e.requested));
+        let shrunk = e.alloc.resize_kv(n, n).unwrap();
+        assert_eq!(shrunk.usable_blocks, n);
+        let peak = e.forward().unwrap();
+        assert!(
+            peak <= e.requested,
+            "{mode}: {peak} past {} after shrinking",
+            e.requested
+        );
+        // Growing past what the contract leaves is refused, and changes nothing.
+        let e2 = e.alloc.resize_kv(n + 4096, n).unwrap_err();
+        assert!(matches!(e2, Error::KvShort(_)), "{e2}");
+        assert_eq!(e.alloc.kv_cache().unwrap().usable_blocks, n);
+        invariants::check_sim(&e.alloc).unwrap();
+    }
+}
+
+#[test]
+fn kv_commit_shrink_refuses_blocks_in_use_and_bad_sizes() {
+    let e = fresh(SegmentMode::Remap);
+    reserved_and_captured(&e);
+    let c = e.alloc.commit_kv().unwrap();
+    let n = c.kv.usable_blocks;
+    let err = e.alloc.resize_kv(10, 20).unwrap_err();
+    assert!(
+        err.to_string().contains("blocks below 20 are in use"),
+        "{err}"
+    );
+    assert_eq!(e.alloc.kv_cache().unwrap().usable_blocks, n);
+    let err = e.alloc.resize_kv(c.kv.reserved_blocks + 1, 0).unwrap_err();
+    assert!(err.to_string().contains("do not fit"), "{err}");
+    assert!(e.alloc.resize_kv(20, 20).is_ok());
+    let err = e.alloc.reserve_kv(BLOCK, None, 1).unwrap_err();
+    assert!(err.to_string().contains("reserved already"), "{err}");
+    e.alloc.release_kv().unwrap();
+    assert!(matches!(e.alloc.commit_kv(), Err(Error::NoKvCache)));
+    for (block, max, initial) in [
+        (0, None, 1),
+        (BLOCK, Some(MIB), 1),
+        (BLOCK, Some(GIB), 10_000),
+    ] {
+        assert!(
+            matches!(
+                e.alloc.reserve_kv(block, max, initial),
+                Err(Error::InvalidArgument(_))
+            ),
+            "block {block}, max {max:?}, initial {initial}"
+        );
+    }
+    invariants::check_sim(&e.alloc).unwrap();
+}
+
+#[test]
+fn kv_commit_is_refused_while_a_capture_runs() {
+    let e = fresh(SegmentMode::Expandable);
+    e.alloc.reserve_kv(BLOCK, None, 4).unwrap();
+    e.dev.begin_capture(CAPTURE);
+    e.alloc.begin_graph_pool(GraphPool(9, 0), CAPTURE).unwrap();
+    assert!(matches!(e.alloc.commit_kv(), Err(Error::Capturing(_))));
+    assert!(matches!(e.alloc.resize_kv(8, 4), Err(Error::Capturing(_))));
+    assert!(e.dev.end_capture(CAPTURE));
+    e.alloc.end_graph_pool(GraphPool(9, 0), CAPTURE).unwrap();
+    assert!(e.alloc.commit_kv().is_ok());
+}
+
+/// Whether the KV cache is as it was (`before`) or as asked (`after`), in its own figures, in
+/// the ledger and on the device.
+fn whole(e: &Engine, before: u64, after: u64) -> u64 {
+    let kv = e.alloc.kv_cache().unwrap();
+    assert!(
+        kv.usable_blocks == before || kv.usable_blocks == after,
+        "the KV cache has {} blocks, neither {before} nor {after}",
+        kv.usable_blocks
+    );
+    assert!(kv.mapped_bytes >= kv.usable_blocks * BLOCK);
+    assert!(
+        e.alloc
+            .driver()
+            .is_accessible(kv.base, kv.usable_blocks * BLOCK),
+        "every usable block is mapped"
+    );
+    invariants::check_sim(&e.alloc).unwrap();
+    kv.usable_blocks
+}
+
+#[test]
+fn contract_kv_faults_in_every_driver_call_leave_it_wholly_old_or_new() {
+    for mode in VIRTUAL {
+        for call in DriverCall::ALL {
+            for n in 1..=3 {
+                let e = fresh(mode);
+                reserved_and_captured(&e);
+                // Commit (a growth of thousands of blocks).
+                e.alloc
+                    .driver()
+                    .fail_nth(call, e.alloc.driver().calls(call) + n);
+                let target = match e.alloc.commit_kv() {
+                    Ok(c) => c.kv.usable_blocks,
+                    Err(_) => u64::MAX,
+                };
+                e.alloc.driver().clear_faults();
+                let now = whole(&e, 16, target);
+                if now == 16 {
+                    let c = e.alloc.commit_kv().unwrap();
+                    assert!(c.kv.usable_blocks > 16, "{mode}, {call:?}: a retry commits");
+                }
+                let n_blocks = e.alloc.kv_cache().unwrap().usable_blocks;
+                // Shrink (the device synchronised, handles released, pieces unmapped).
+                let half = n_blocks / 2;
+                e.alloc
+                    .driver()
+                    .fail_nth(call, e.alloc.driver().calls(call) + n);
+                let _ = e.alloc.resize_kv(half, half);
+                e.alloc.driver().clear_faults();
+                let now = whole(&e, n_blocks, half);
+                // Grow back.
+                e.alloc
+                    .driver()
+                    .fail_nth(call, e.alloc.driver().calls(call) + n);
+                let _ = e.alloc.resize_kv(n_blocks, now);
+                e.alloc.driver().clear_faults();
+                whole(&e, now, n_blocks);
+                let peak = e.forward().unwrap();
+                assert!(
+                    peak <= e.requested,
+                    "{mode}, {call:?} #{n}: inside the request"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn contract_native_kv_cache_keeps_the_measured_graph_memory_for_the_real_captures() {
+    let dev = SimDevice::new(Default::default());
+    let alloc = Allocator::new(
+        dev.spawn_process().unwrap(),
+        Config::with_mode(SegmentMode::Native),
+    )
+    .unwrap();
+    let mut e = Engine {
+        dev: dev.clone(),
+        requested: 0,
+        _weights: 0,
+        alloc,
+    };
+    // Profiling in native mode captures representative graphs too, and measures them.
+    let mut trial = 0;
+    let r = {
+        let p = Profiler::new(&e.alloc).unwrap();
+        e._weights = e
+            .alloc
+            .allocate_tagged(3 * GIB, MAIN, Tag::Weights)
+            .unwrap()
+            .ptr;
+        p.profile(
+            ProfileOptions {
+                utilization: 0.2,
+                ..Default::default()
+            },
+            || {
+                e.forward().unwrap();
+                e.alloc.driver().alloc_external(200 * MIB).unwrap();
+                trial = e.capture(1, 150 * MIB);
+            },
+        )
+        .unwrap()
+    };
+    e.requested = r.requested;
+    assert_eq!(r.graph_outside, 150 * MIB);
+    assert_eq!(r.graph_pools, 200 * MIB);
+    // The trial graph goes, with its output and its instantiation memory.
+    e.alloc.free(trial).unwrap();
+    e.alloc.release_graph_pool(GraphPool(1, 0)).unwrap();
+    e.alloc.driver().free_external(150 * MIB);
+    let kv = e.alloc.reserve_kv(BLOCK, None, 0).unwrap();
+    assert!(kv.native && kv.usable_blocks > 0);
+    // The real capture takes what the trial one took; serving stays inside the request.
+    e.capture(2, 150 * MIB);
+    let peak = e.forward().unwrap();
+    assert!(peak <= e.requested, "{peak} past {}", e.requested);
+    assert!(
+        e.requested - peak < BLOCK + 2 * MIB,
+        "{} bytes of the request left unused",
+        e.requested - peak
+    );
+    assert!(
+        e.alloc.resize_kv(kv.usable_blocks - 1, 0).is_err(),
+        "native cannot resize"
+    );
+    assert_eq!(
+        e.alloc.commit_kv().unwrap().kv,
+        kv,
+        "commit leaves it as it is"
+    );
+    invariants::check_sim(&e.alloc).unwrap();
+}
