@@ -444,11 +444,19 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
             // report it later (the device-wide figure cannot be re-read per process).
             alloc.arm_cap(Some(self.requested), result.non_allocator);
         }
-        // Eager work's peak: the pools' allocations are in the tags' peaks and in the pools
-        // both (the part still allocated shows which; freed ones go uncounted, on the safe side).
+        // Eager work's transient memory: its peak above what it still holds at the end (the
+        // weights, mostly). The pools' allocations are in the tags' peaks and in the pools both
+        // (the part still allocated shows which; freed ones go uncounted, on the safe side).
         let in_pools = alloc.graph_memory().allocated;
+        let eager_peak = peak.total.saturating_sub(peak.graph_pools + in_pools);
+        let held = exit
+            .ledger
+            .all
+            .allocated_bytes
+            .current
+            .saturating_sub(peak.kv_allocated + in_pools);
         alloc.note_profile(
-            peak.total.saturating_sub(peak.graph_pools + in_pools),
+            eager_peak.saturating_sub(held),
             result.graph_pools + result.graph_outside,
             result.margin,
         );

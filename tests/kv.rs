@@ -105,12 +105,17 @@ fn fresh(mode: SegmentMode) -> Engine {
     engine(&SimDevice::new(Default::default()), mode)
 }
 
-/// The engine's flow up to the commit, in a virtual-memory mode.
+/// The engine's flow up to the commit, in a virtual-memory mode: the KV cache's prefix, two
+/// captures, and memory that stays allocated from then on without being part of any pass (a
+/// library's workspace for a stream the captures used, as cuBLAS keeps one per stream).
 fn reserved_and_captured(e: &Engine) -> KvCache {
     let kv = e.alloc.reserve_kv(BLOCK, None, 16).unwrap();
     assert_eq!(kv.usable_blocks, 16);
     e.capture(1, 150 * MIB);
     e.capture(2, 60 * MIB);
+    e.alloc
+        .allocate_tagged(96 * MIB, CAPTURE, Tag::Untracked)
+        .unwrap();
     kv
 }
 
@@ -124,8 +129,9 @@ fn kv_commit_fills_what_the_contract_leaves_after_the_graphs_exactly() {
         assert_eq!(c.kv.reserved_blocks, kv.reserved_blocks);
         assert_eq!(c.blocks_before, 16);
         assert!(c.kv.usable_blocks > 16);
-        // Serving reaches the profiled peak again: the process then uses what it requested,
-        // less the margin and less than one block and one granule of rounding.
+        // Serving reaches the profiled peak again, beside what stayed allocated since: the
+        // process then uses what it requested, less the margin and less than one block and one
+        // page of rounding (an expandable page is 20 MiB).
         let peak = e.forward().unwrap();
         let below_margin = e.requested - c.room.margin;
         assert!(
@@ -133,7 +139,7 @@ fn kv_commit_fills_what_the_contract_leaves_after_the_graphs_exactly() {
             "{mode}: serving uses {peak} of {below_margin}"
         );
         assert!(
-            below_margin - peak < BLOCK + 2 * MIB,
+            below_margin - peak < BLOCK + 20 * MIB,
             "{mode}: {} bytes left unused below the margin",
             below_margin - peak
         );

@@ -74,13 +74,14 @@ pub(crate) struct Core<D> {
     committed: AtomicU64,
 }
 
-/// What the last profiling measured, besides the cap: the peak of what eager work (not the KV
-/// cache, not graph pools) held, the graph memory its representative captures took (pools and
-/// memory outside the allocator, kept as reserve where the KV cache must be sized before the
+/// What the last profiling measured, besides the cap: how far eager work (not the KV cache,
+/// not graph pools) rose above what it still held at the end (the pass's transient memory:
+/// activations and their cache slack), the graph memory its representative captures took (pools
+/// and memory outside the allocator, kept as reserve where the KV cache must be sized before the
 /// real captures), and the safety margin.
 #[derive(Debug, Default)]
 pub(crate) struct Measured {
-    pub(crate) eager_peak: AtomicU64,
+    pub(crate) transient: AtomicU64,
     pub(crate) graph_reserve: AtomicU64,
     pub(crate) margin: AtomicU64,
 }

@@ -160,10 +160,11 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// Keep what profiling measured, for sizing the KV cache against the cap later: eager
-    /// work's peak, the graph memory its representative captures took, and the margin.
-    pub(crate) fn note_profile(&self, eager_peak: u64, graph_reserve: u64, margin: u64) {
+    /// work's transient memory, the graph memory its representative captures took, and the
+    /// margin.
+    pub(crate) fn note_profile(&self, transient: u64, graph_reserve: u64, margin: u64) {
         let m = &self.core.measured;
-        m.eager_peak.store(eager_peak, Relaxed);
+        m.transient.store(transient, Relaxed);
         m.graph_reserve.store(graph_reserve, Relaxed);
         m.margin.store(margin, Relaxed);
     }

@@ -12,8 +12,9 @@
 //! representative captures took kept as reserve.
 //!
 //! What the cap must leave room for besides the KV cache, when sizing it:
-//! - eager work (weights, activations, their cache slack): the larger of what profiling saw at
-//!   its peak and what is held now, after the cache is given back;
+//! - eager work: what it holds now, after the cache is given back (weights, workspaces, graphs'
+//!   static inputs), and on top of it the transient memory profiling's pass took (its peak
+//!   above what it still held at the end: activations and their cache slack);
 //! - graph pools, as held now (and, in native mode, the reserve for captures still to come);
 //! - memory outside the allocator, as this process's usage shows it now (CUDA context,
 //!   libraries, graph instantiation), and the margin profiling chose.
@@ -52,9 +53,10 @@ pub struct KvCache {
 pub struct KvRoom {
     /// The memory this process requested (the cap).
     pub cap: u64,
-    /// Eager work's peak as profiling measured it, and what it holds now.
-    pub eager_peak: u64,
+    /// What eager work holds now, and the transient memory profiling's pass took on top of
+    /// what it held.
     pub eager_now: u64,
+    pub transient: u64,
     /// Bytes held for CUDA graph pools now.
     pub graph_pools: u64,
     /// This process's memory outside the allocator now.
@@ -62,7 +64,7 @@ pub struct KvRoom {
     /// Graph memory kept for captures still to come (native mode).
     pub graph_reserve: u64,
     pub margin: u64,
-    /// What is left for the KV cache: cap − (the larger eager figure + graph pools + outside +
+    /// What is left for the KV cache: cap − (eager now + transient + graph pools + outside +
     /// graph reserve + margin).
     pub room: u64,
 }
@@ -284,18 +286,18 @@ impl<D: Driver> Allocator<D> {
         let reserved = self.core.ledger.reserved();
         let graph_pools = self.core.ledger.graph_reserved.get();
         let eager_now = reserved.saturating_sub(kv_mapped + graph_pools);
-        let eager_peak = m.eager_peak.load(Relaxed);
+        let transient = m.transient.load(Relaxed);
         let graph_reserve = if graphs_to_come {
             m.graph_reserve.load(Relaxed)
         } else {
             0
         };
         let margin = m.margin.load(Relaxed);
-        let non_kv = eager_peak.max(eager_now) + graph_pools + outside + graph_reserve + margin;
+        let non_kv = eager_now + transient + graph_pools + outside + graph_reserve + margin;
         Ok(KvRoom {
             cap,
-            eager_peak,
             eager_now,
+            transient,
             graph_pools,
             outside,
             graph_reserve,
