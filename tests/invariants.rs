@@ -2,20 +2,16 @@
 //! Each test breaks one thing in a copy of a real allocator's dump (which passes unbroken) and
 //! checks that the checker names what was broken.
 
-use vram_ledger::driver::sim::SimDriver;
+#[path = "common/sim.rs"]
+mod common;
+
+use common::sim;
 use vram_ledger::invariants::{check, sim_dump, DumpState, StateDump};
 use vram_ledger::units::MIB;
-use vram_ledger::{Allocator, Config, SegmentMode, StreamId, Tag};
+use vram_ledger::{SegmentMode, StreamId, Tag};
 
 fn real_state(mode: SegmentMode) -> StateDump {
-    let a = Allocator::new(
-        SimDriver::new(),
-        Config {
-            mode,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let a = sim(mode);
     let s = StreamId::DEFAULT;
     let x = a.allocate_tagged(4096, s, Tag::Weights).unwrap();
     a.allocate_tagged(8192, s, Tag::Activation).unwrap();
