@@ -8,7 +8,7 @@ use common::{check, free_all, sim, sim_on, sim_with};
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{Allocator, Config, Error, Limit, OomCause, SegmentMode, Tag};
+use vram_ledger::{Allocation, Allocator, Config, Error, Limit, OomCause, SegmentMode, Tag};
 
 const S0: StreamId = StreamId::DEFAULT;
 const S1: StreamId = StreamId(0x1000);
@@ -126,13 +126,18 @@ fn streams_do_not_share_cached_blocks() {
     check(&a);
 }
 
+/// A 4 KiB block of S0 that work queued on S1 reads (`record_stream`, then the work submitted).
+fn used_on_s1(a: &Allocator<SimDriver>) -> Allocation {
+    let x = a.allocate(4096, S0).unwrap();
+    a.record_stream(x.ptr, S1).unwrap();
+    a.driver().device().submit(S1);
+    x
+}
+
 #[test]
 fn record_stream_defers_reuse_until_the_other_stream_completes() {
     let a = sim(SegmentMode::Native);
-    let dev = a.driver().device().clone();
-    let x = a.allocate(4096, S0).unwrap();
-    a.record_stream(x.ptr, S1).unwrap();
-    dev.submit(S1); // work on S1 that reads x
+    let x = used_on_s1(&a);
     a.free_on(x.ptr, S0).unwrap();
     let s = a.snapshot();
     assert_eq!(s.all.allocated_bytes.current, 0);
@@ -144,7 +149,7 @@ fn record_stream_defers_reuse_until_the_other_stream_completes() {
     check(&a);
     let y = a.allocate(4096, S0).unwrap();
     assert_ne!(y.ptr, x.ptr, "not reused before S1's work completes");
-    dev.complete(S1);
+    a.driver().device().complete(S1);
     let z = a.allocate(4096, S0).unwrap();
     assert_eq!(z.ptr, x.ptr, "reused once the event completed");
     assert_eq!(a.snapshot().active_bytes.current, 2 * 4096);
@@ -154,10 +159,7 @@ fn record_stream_defers_reuse_until_the_other_stream_completes() {
 #[test]
 fn empty_cache_waits_for_pending_blocks() {
     let a = sim(SegmentMode::Native);
-    let dev = a.driver().device().clone();
-    let x = a.allocate(4096, S0).unwrap();
-    a.record_stream(x.ptr, S1).unwrap();
-    dev.submit(S1);
+    let x = used_on_s1(&a);
     a.free(x.ptr).unwrap();
     a.empty_cache().unwrap();
     assert_eq!(a.snapshot().reserved_bytes.current, 0);

@@ -9,13 +9,13 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::sim_on;
+use common::sim_moving;
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
 use vram_ledger::profile::{ProfileOptions, Profiler};
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{Allocation, Allocator, Config, SegmentMode, Tag};
+use vram_ledger::{Allocation, Allocator, SegmentMode, Tag};
 
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(0x1000);
@@ -164,13 +164,8 @@ fn fresh(mode: SegmentMode) -> Allocator<SimDriver> {
         context_overhead: 256 * MIB,
         ..Default::default()
     };
-    let config = Config {
-        mode,
-        // The moves between streams' shards make driver calls too (compact, remap).
-        move_across_streams: true,
-        ..Default::default()
-    };
-    sim_on(device, config)
+    // The moves between streams' shards make driver calls too (compact, remap).
+    sim_moving(mode, device)
 }
 
 /// A clean run of the scenario in `mode`, then one run per driver call it made, with that call

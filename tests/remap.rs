@@ -5,9 +5,9 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::{check, free_all, sim, sim_with};
+use common::{check, free_all, sim, sim_moving, sim_with};
 use vram_ledger::allocator::rules::PoolKind;
-use vram_ledger::driver::sim::SimDriver;
+use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::MIB;
 use vram_ledger::{Allocator, Config, SegmentMode};
@@ -17,10 +17,7 @@ const S1: StreamId = StreamId(0x1000);
 
 /// Remap with moves between streams' shards.
 fn remap_across_streams() -> Allocator<SimDriver> {
-    sim_with(Config {
-        move_across_streams: true,
-        ..Config::with_mode(SegmentMode::Remap)
-    })
+    sim_moving(SegmentMode::Remap, SimConfig::default())
 }
 
 #[test]

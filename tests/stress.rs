@@ -10,12 +10,12 @@ use std::sync::{Arc, Barrier, Mutex};
 #[path = "common/sim.rs"]
 mod common;
 
-use common::{sim_on, Rng};
+use common::{sim_moving, Rng};
 use vram_ledger::driver::sim::SimConfig;
 use vram_ledger::driver::StreamId;
 use vram_ledger::invariants;
 use vram_ledger::units::GIB;
-use vram_ledger::{Allocation, Config, SegmentMode, Tag};
+use vram_ledger::{Allocation, SegmentMode, Tag};
 
 /// Live intervals: start -> (end, owner thread).
 type Shadow = Mutex<BTreeMap<u64, (u64, usize)>>;
@@ -45,13 +45,8 @@ fn stress(mode: SegmentMode) {
         capacity: 64 * GIB,
         ..Default::default()
     };
-    let config = Config {
-        mode,
-        // Threads on other shards take each other's free memory (compact, remap).
-        move_across_streams: true,
-        ..Default::default()
-    };
-    let a = Arc::new(sim_on(device, config));
+    // Threads on other shards take each other's free memory (compact, remap).
+    let a = Arc::new(sim_moving(mode, device));
     let shadow: Arc<Shadow> = Arc::default();
     let threads = 8;
     let barrier = Arc::new(Barrier::new(threads));

@@ -56,6 +56,16 @@ pub fn sim_on(device: SimConfig, config: Config) -> Allocator<SimDriver> {
     Allocator::new(SimDriver::with_config(device), config).unwrap()
 }
 
+/// An allocator in `mode` that moves free memory between streams' shards before growing
+/// (compact, remap), on a fresh simulated device made as `device` says.
+pub fn sim_moving(mode: SegmentMode, device: SimConfig) -> Allocator<SimDriver> {
+    let config = Config {
+        move_across_streams: true,
+        ..Config::with_mode(mode)
+    };
+    sim_on(device, config)
+}
+
 /// An allocator in `mode` on the replay's device: an H200's memory, no context overhead.
 pub fn h200(mode: SegmentMode) -> Allocator<SimDriver> {
     let device = SimConfig {
