@@ -2,8 +2,13 @@
 //! pairs, mixed sizes, and multi-thread throughput on distinct streams.
 
 use std::hint::black_box;
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[path = "common/workload.rs"]
+mod workload;
+
+use workload::{mixed_sizes, pairs_on_threads};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use vram_ledger::driver::sim::SimDriver;
@@ -46,20 +51,6 @@ fn cached_pair(c: &mut Criterion) {
         }
     }
     g.finish();
-}
-
-/// 64 sizes from 512 B to 8 MiB, allocated together then freed in another order.
-fn mixed_sizes() -> Vec<u64> {
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    (0..64)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let exp = 9 + state % 15; // 2^9 .. 2^23
-            (1u64 << exp) + (state >> 40) % (1u64 << exp)
-        })
-        .collect()
 }
 
 fn mixed(c: &mut Criterion) {
@@ -107,35 +98,13 @@ fn threads(c: &mut Criterion) {
         let a = Arc::new(allocator(SegmentMode::Native));
         g.throughput(Throughput::Elements(PAIRS * n as u64));
         g.bench_function(BenchmarkId::from_parameter(n), |b| {
+            let streams: Vec<StreamId> = (0..n)
+                .map(|t| StreamId(0x7f00_0000 + 0x100 * t as u64))
+                .collect();
             b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let barrier = Arc::new(Barrier::new(n + 1));
-                    let hs: Vec<_> = (0..n)
-                        .map(|t| {
-                            let (a, barrier) = (a.clone(), barrier.clone());
-                            std::thread::spawn(move || {
-                                let s = StreamId(0x7f00_0000 + 0x100 * t as u64);
-                                let w = a.allocate(4096, s).unwrap();
-                                a.free_on(w.ptr, s).unwrap();
-                                barrier.wait();
-                                for _ in 0..PAIRS {
-                                    let x = a
-                                        .allocate_tagged(black_box(4096), s, Tag::Activation)
-                                        .unwrap();
-                                    a.free_on(x.ptr, s).unwrap();
-                                }
-                            })
-                        })
-                        .collect();
-                    barrier.wait();
-                    let start = Instant::now();
-                    for h in hs {
-                        h.join().unwrap();
-                    }
-                    total += start.elapsed();
-                }
-                total
+                (0..iters)
+                    .map(|_| pairs_on_threads(&a, &streams, PAIRS))
+                    .sum()
             })
         });
     }

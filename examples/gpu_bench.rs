@@ -3,8 +3,13 @@
 //! release threshold is raised (memory stays cached in the pool); plus vram-ledger's
 //! throughput with 1, 2, 4, 8 threads on distinct streams. Prints one JSON object per line.
 
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::Instant;
+
+#[path = "../benches/common/workload.rs"]
+mod workload;
+
+use workload::{mixed_sizes, pairs_on_threads};
 
 use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
@@ -20,19 +25,6 @@ fn ns_per(iters: u64, f: impl FnMut()) -> f64 {
         f();
     }
     t.elapsed().as_nanos() as f64 / iters as f64
-}
-
-fn mixed_sizes() -> Vec<u64> {
-    let mut state = 0x2545_F491_4F6C_DD1Du64;
-    (0..64)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let exp = 9 + state % 15;
-            (1u64 << exp) + (state >> 40) % (1u64 << exp)
-        })
-        .collect()
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -124,30 +116,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // every thread would land on the same stream.
         let live: Vec<_> = (0..threads).map(|_| ctx.new_stream().unwrap()).collect();
         let streams: Vec<StreamId> = live.iter().map(|s| stream_id(s)).collect();
-        let barrier = Arc::new(Barrier::new(threads + 1));
-        let hs: Vec<_> = streams
-            .into_iter()
-            .map(|st| {
-                let (a, barrier) = (a.clone(), barrier.clone());
-                std::thread::spawn(move || {
-                    let w = a.allocate(4096, st).unwrap();
-                    a.free_on(w.ptr, st).unwrap();
-                    barrier.wait();
-                    for _ in 0..PAIRS {
-                        let x = a
-                            .allocate_tagged(std::hint::black_box(4096), st, Tag::Activation)
-                            .unwrap();
-                        a.free_on(x.ptr, st).unwrap();
-                    }
-                })
-            })
-            .collect();
-        barrier.wait();
-        let t = Instant::now();
-        for h in hs {
-            h.join().unwrap();
-        }
-        let mpairs = (PAIRS * threads as u64) as f64 / t.elapsed().as_secs_f64() / 1e6;
+        let elapsed = pairs_on_threads(&a, &streams, PAIRS);
+        let mpairs = (PAIRS * threads as u64) as f64 / elapsed.as_secs_f64() / 1e6;
         if threads == 1 {
             base = mpairs;
         }

@@ -1,37 +1,21 @@
 //! Behaviour of the caching allocator on the simulated device: PyTorch's rules, errors,
 //! streams, limits, and the expandable mode.
 
+#[path = "common/sim.rs"]
+mod common;
+
+use common::{check, free_all, sim, sim_on, sim_with};
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
-use vram_ledger::invariants;
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{Allocator, Config, Error, Limit, OomCause, SegmentMode, Tag};
+use vram_ledger::{Allocation, Allocator, Config, Error, Limit, OomCause, SegmentMode, Tag};
 
 const S0: StreamId = StreamId::DEFAULT;
 const S1: StreamId = StreamId(0x1000);
 
-fn plain() -> Allocator<SimDriver> {
-    Allocator::new(SimDriver::new(), Config::default()).unwrap()
-}
-
-fn expandable() -> Allocator<SimDriver> {
-    Allocator::new(
-        SimDriver::new(),
-        Config {
-            mode: SegmentMode::Expandable,
-            ..Default::default()
-        },
-    )
-    .unwrap()
-}
-
-fn check(a: &Allocator<SimDriver>) {
-    invariants::check_sim(a).unwrap();
-}
-
 #[test]
 fn small_requests_share_a_2mib_segment() {
-    let a = plain();
+    let a = sim(SegmentMode::Native);
     let x = a.allocate(100, S0).unwrap();
     let y = a.allocate(700, S0).unwrap();
     assert_eq!((x.size, y.size), (512, 1024));
@@ -49,7 +33,7 @@ fn small_requests_share_a_2mib_segment() {
 
 #[test]
 fn large_requests_get_20mib_or_own_segments() {
-    let a = plain();
+    let a = sim(SegmentMode::Native);
     a.allocate(3 * MIB, S0).unwrap();
     assert_eq!(a.snapshot().reserved_bytes.current, 20 * MIB);
     a.allocate(11 * MIB, S0).unwrap();
@@ -75,7 +59,7 @@ fn large_requests_get_20mib_or_own_segments() {
 
 #[test]
 fn large_pool_keeps_tails_up_to_1mib_attached() {
-    let a = plain();
+    let a = sim(SegmentMode::Native);
     // 20 MiB segment; 19.5 MiB leaves a 0.5 MiB tail: not split.
     let x = a.allocate(19 * MIB + MIB / 2, S0).unwrap();
     assert_eq!(x.size, 20 * MIB);
@@ -89,7 +73,7 @@ fn large_pool_keeps_tails_up_to_1mib_attached() {
 
 #[test]
 fn best_fit_picks_the_smallest_block_that_fits() {
-    let a = plain();
+    let a = sim(SegmentMode::Native);
     // Requests of 10 MiB or more get segments of their own size.
     let segs: Vec<_> = [30u64, 40, 35]
         .iter()
@@ -110,7 +94,7 @@ fn best_fit_picks_the_smallest_block_that_fits() {
 
 #[test]
 fn free_merges_neighbours_and_empty_cache_returns_everything() {
-    let a = plain();
+    let a = sim(SegmentMode::Native);
     let xs: Vec<_> = (0..4)
         .map(|_| a.allocate(256 * 1024, S0).unwrap())
         .collect();
@@ -131,7 +115,7 @@ fn free_merges_neighbours_and_empty_cache_returns_everything() {
 
 #[test]
 fn streams_do_not_share_cached_blocks() {
-    let a = plain();
+    let a = sim(SegmentMode::Native);
     let x = a.allocate(4096, S0).unwrap();
     a.free(x.ptr).unwrap();
     let y = a.allocate(4096, S1).unwrap();
@@ -142,13 +126,18 @@ fn streams_do_not_share_cached_blocks() {
     check(&a);
 }
 
-#[test]
-fn record_stream_defers_reuse_until_the_other_stream_completes() {
-    let a = plain();
-    let dev = a.driver().device().clone();
+/// A 4 KiB block of S0 that work queued on S1 reads (`record_stream`, then the work submitted).
+fn used_on_s1(a: &Allocator<SimDriver>) -> Allocation {
     let x = a.allocate(4096, S0).unwrap();
     a.record_stream(x.ptr, S1).unwrap();
-    dev.submit(S1); // work on S1 that reads x
+    a.driver().device().submit(S1);
+    x
+}
+
+#[test]
+fn record_stream_defers_reuse_until_the_other_stream_completes() {
+    let a = sim(SegmentMode::Native);
+    let x = used_on_s1(&a);
     a.free_on(x.ptr, S0).unwrap();
     let s = a.snapshot();
     assert_eq!(s.all.allocated_bytes.current, 0);
@@ -160,7 +149,7 @@ fn record_stream_defers_reuse_until_the_other_stream_completes() {
     check(&a);
     let y = a.allocate(4096, S0).unwrap();
     assert_ne!(y.ptr, x.ptr, "not reused before S1's work completes");
-    dev.complete(S1);
+    a.driver().device().complete(S1);
     let z = a.allocate(4096, S0).unwrap();
     assert_eq!(z.ptr, x.ptr, "reused once the event completed");
     assert_eq!(a.snapshot().active_bytes.current, 2 * 4096);
@@ -169,11 +158,8 @@ fn record_stream_defers_reuse_until_the_other_stream_completes() {
 
 #[test]
 fn empty_cache_waits_for_pending_blocks() {
-    let a = plain();
-    let dev = a.driver().device().clone();
-    let x = a.allocate(4096, S0).unwrap();
-    a.record_stream(x.ptr, S1).unwrap();
-    dev.submit(S1);
+    let a = sim(SegmentMode::Native);
+    let x = used_on_s1(&a);
     a.free(x.ptr).unwrap();
     a.empty_cache().unwrap();
     assert_eq!(a.snapshot().reserved_bytes.current, 0);
@@ -183,7 +169,7 @@ fn empty_cache_waits_for_pending_blocks() {
 
 #[test]
 fn unknown_and_double_frees_are_errors_that_change_nothing() {
-    let a = plain();
+    let a = sim(SegmentMode::Native);
     let x = a.allocate(4096, S0).unwrap();
     let before = a.snapshot();
     assert!(matches!(a.free(x.ptr + 512), Err(Error::UnknownPointer(_))));
@@ -202,7 +188,7 @@ fn unknown_and_double_frees_are_errors_that_change_nothing() {
 
 #[test]
 fn free_on_with_an_unknown_pointer_or_the_wrong_stream() {
-    let a = plain();
+    let a = sim(SegmentMode::Native);
     // Unknown everywhere: an error (and no deadlock: the stream's shard is unlocked before
     // every shard is searched).
     assert!(matches!(
@@ -218,7 +204,7 @@ fn free_on_with_an_unknown_pointer_or_the_wrong_stream() {
 
 #[test]
 fn zero_and_absurd_sizes() {
-    let a = plain();
+    let a = sim(SegmentMode::Native);
     let z = a.allocate(0, S0).unwrap();
     assert_eq!((z.ptr, z.size), (0, 0));
     a.free(0).unwrap();
@@ -236,11 +222,11 @@ fn zero_and_absurd_sizes() {
 
 #[test]
 fn oom_releases_the_cache_retries_then_reports() {
-    let drv = SimDriver::with_config(SimConfig {
+    let device = SimConfig {
         capacity: 4 * GIB,
         ..Default::default()
-    });
-    let a = Allocator::new(drv, Config::default()).unwrap();
+    };
+    let a = sim_on(device, Config::default());
     // Cache 1 GiB on another stream, then ask for 3 GiB: only a release makes room.
     let c = a.allocate(GIB, S1).unwrap();
     a.free(c.ptr).unwrap();
@@ -273,14 +259,10 @@ fn oom_releases_the_cache_retries_then_reports() {
 
 #[test]
 fn limit_in_bytes_and_fraction() {
-    let a = Allocator::new(
-        SimDriver::new(),
-        Config {
-            limit: Some(Limit::Bytes(64 * MIB)),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let a = sim_with(Config {
+        limit: Some(Limit::Bytes(64 * MIB)),
+        ..Default::default()
+    });
     let x = a.allocate(40 * MIB, S0).unwrap();
     let err = a.allocate(40 * MIB, S0).unwrap_err();
     let Error::OutOfMemory(r) = &err else {
@@ -317,7 +299,7 @@ fn max_split_size_keeps_oversize_blocks_whole() {
         max_split_size: Some(64 * MIB),
         ..Default::default()
     };
-    let a = Allocator::new(SimDriver::new(), cfg).unwrap();
+    let a = sim_with(cfg);
     let big = a.allocate(100 * MIB, S0).unwrap();
     a.free(big.ptr).unwrap();
     // A small request does not take the oversize cached block.
@@ -332,7 +314,7 @@ fn max_split_size_keeps_oversize_blocks_whole() {
 
 #[test]
 fn expandable_maps_pages_on_demand_and_unmaps_on_empty_cache() {
-    let a = expandable();
+    let a = sim(SegmentMode::Expandable);
     let x = a.allocate(30 * MIB, S0).unwrap();
     let y = a.allocate(30 * MIB, S0).unwrap();
     assert_eq!(y.ptr, x.ptr + 30 * MIB, "one growing segment");
@@ -355,7 +337,7 @@ fn expandable_maps_pages_on_demand_and_unmaps_on_empty_cache() {
 
 #[test]
 fn expandable_refills_holes() {
-    let a = expandable();
+    let a = sim(SegmentMode::Expandable);
     let xs: Vec<_> = (0..4).map(|_| a.allocate(20 * MIB, S0).unwrap()).collect();
     a.free(xs[1].ptr).unwrap();
     a.empty_cache().unwrap();
@@ -367,7 +349,7 @@ fn expandable_refills_holes() {
 
 #[test]
 fn expandable_failed_map_leaves_nothing_half_mapped() {
-    let a = expandable();
+    let a = sim(SegmentMode::Expandable);
     // 60 MiB needs three pages; the second map fails.
     a.driver().fail_nth(DriverCall::Map, 2);
     let err = a.allocate(60 * MIB, S0).unwrap_err();
@@ -384,15 +366,13 @@ fn expandable_failed_map_leaves_nothing_half_mapped() {
     check(&a);
     // With faults gone, it works and all can be returned.
     let x = a.allocate(60 * MIB, S0).unwrap();
-    a.free(x.ptr).unwrap();
-    a.empty_cache().unwrap();
-    assert_eq!(a.driver().held_bytes(), 0);
+    free_all(&a, [x.ptr]);
     check(&a);
 }
 
 #[test]
 fn driver_faults_on_segment_alloc_and_free() {
-    let a = plain();
+    let a = sim(SegmentMode::Native);
     a.driver().fail_nth(DriverCall::AllocSegment, 1);
     assert!(matches!(a.allocate(4096, S0), Err(Error::Driver(_))));
     check(&a);
@@ -412,7 +392,7 @@ fn driver_faults_on_segment_alloc_and_free() {
 
 #[test]
 fn record_event_failure_leaves_the_allocation_live() {
-    let a = plain();
+    let a = sim(SegmentMode::Native);
     let x = a.allocate(4096, S0).unwrap();
     a.record_stream(x.ptr, S1).unwrap();
     a.driver().fail_nth(DriverCall::RecordEvent, 1);
@@ -425,7 +405,7 @@ fn record_event_failure_leaves_the_allocation_live() {
 
 #[test]
 fn many_threads_allocate_and_free_concurrently() {
-    let a = std::sync::Arc::new(plain());
+    let a = std::sync::Arc::new(sim(SegmentMode::Native));
     let handles: Vec<_> = (0..8u64)
         .map(|t| {
             let a = a.clone();
@@ -462,17 +442,13 @@ fn many_threads_allocate_and_free_concurrently() {
         );
     }
     check(&a);
-    for x in all {
-        a.free(x.ptr).unwrap();
-    }
-    a.empty_cache().unwrap();
-    assert_eq!(a.driver().held_bytes(), 0);
+    free_all(&a, all.iter().map(|x| x.ptr));
     check(&a);
 }
 
 #[test]
 fn a_panic_inside_a_shard_poisons_only_that_shard() {
-    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    let a = sim(SegmentMode::Native);
     let (s1, s2) = (StreamId(0x10), StreamId(0x20));
     assert_ne!(a.shard_of(s1), a.shard_of(s2));
     let kept = a.allocate(4096, s1).unwrap();
@@ -516,13 +492,8 @@ fn dropping_the_allocator_gives_its_cache_back_and_keeps_live_memory() {
         }
         keep
     };
-    for mode in [
-        SegmentMode::Native,
-        SegmentMode::Expandable,
-        SegmentMode::Compact,
-        SegmentMode::Remap,
-    ] {
-        let emptied = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+    for mode in SegmentMode::ALL {
+        let emptied = sim(mode);
         ops(&emptied);
         emptied.empty_cache().unwrap();
         let live_only = emptied.driver().held_bytes();
@@ -530,7 +501,7 @@ fn dropping_the_allocator_gives_its_cache_back_and_keeps_live_memory() {
 
         // Dropping the allocator drops its driver: the simulated process exits, and the device
         // counts what only the exit gave back.
-        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let a = sim(mode);
         let device = a.driver().device().clone();
         ops(&a);
         assert!(
@@ -545,7 +516,7 @@ fn dropping_the_allocator_gives_its_cache_back_and_keeps_live_memory() {
         );
 
         // With nothing live, nothing is left.
-        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let a = sim(mode);
         let device = a.driver().device().clone();
         let keep = ops(&a);
         a.free(keep.ptr).unwrap();
@@ -560,12 +531,8 @@ fn dropping_the_allocator_after_its_streams_are_gone_synchronises_only_the_devic
     // the drop must not name it to the driver (the simulated device panics on a destroyed
     // stream, as a real one may crash), and still gives everything back.
     use vram_ledger::Driver;
-    for mode in [
-        SegmentMode::Native,
-        SegmentMode::Expandable,
-        SegmentMode::Remap,
-    ] {
-        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+    for mode in SegmentMode::ALL {
+        let a = sim(mode);
         let device = a.driver().device().clone();
         let s = a.driver().create_stream().unwrap();
         for size in [4096, 30 * MIB] {

@@ -5,21 +5,21 @@
 //! spoils a capture the way CUDA does (a synchronise of the capturing stream, a query of an
 //! event recorded into the capture), so a slip would show.
 
+#[path = "common/sim.rs"]
+mod common;
+
+use common::{check, sim};
 use vram_ledger::driver::sim::SimDriver;
 use vram_ledger::units::MIB;
-use vram_ledger::{invariants, Allocator, Config, Error, Limit, SegmentMode, StreamId, Tag};
+use vram_ledger::{Error, Limit, SegmentMode, StreamId, Tag};
 
 const CAPTURE: StreamId = StreamId(0x100);
 const EAGER: StreamId = StreamId(0x200);
 
-fn check(a: &Allocator<SimDriver>) {
-    invariants::check_sim(a).unwrap();
-}
-
 #[test]
 fn capture_stays_valid_in_every_mode() {
     for mode in SegmentMode::ALL {
-        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let a = sim(mode);
         let dev = a.driver().device().clone();
         // Cached memory on both streams before the capture: free memory that compact and remap
         // would otherwise move, and segments that empty_cache would otherwise release.

@@ -6,6 +6,10 @@
 //! Every check reads this process's usage from the simulated device (what NVML would report),
 //! not from the allocator's own figures.
 
+#[path = "common/sim.rs"]
+mod common;
+
+use common::Rng;
 use vram_ledger::driver::sim::{SimConfig, SimDevice, SimDriver};
 use vram_ledger::driver::DriverCall;
 use vram_ledger::profile::{ProfileOptions, Profiler};
@@ -14,6 +18,15 @@ use vram_ledger::{invariants, Allocator, Config, Error, OomCause, SegmentMode, S
 
 const PROFILED: StreamId = StreamId(0x10);
 const SIDE: StreamId = StreamId(0x20);
+
+/// The stream of a serving step: every third on the side stream.
+fn stream_at(step: usize) -> StreamId {
+    if step.is_multiple_of(3) {
+        SIDE
+    } else {
+        PROFILED
+    }
+}
 /// A fifth of the default 80 GiB device.
 const UTILIZATION: f64 = 0.2;
 
@@ -82,13 +95,10 @@ fn engine(dev: &std::sync::Arc<SimDevice>, mode: SegmentMode, contract: bool) ->
 fn serve(e: &Engine, mut between: impl FnMut(usize)) -> (Vec<bool>, u64) {
     let mut outcomes = Vec::new();
     let mut peak = e.usage();
-    let mut state = 0x9E37_79B9u64;
+    let mut rng = Rng(0x9E37_79B9);
     for step in 0..40 {
         between(step);
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        let stream = if step % 3 == 0 { SIDE } else { PROFILED };
+        let (state, stream) = (rng.next(), stream_at(step));
         // Two live buffers of 150..400 MiB: at most 800 MiB live.
         let sizes = [
             150 * MIB + (state % 250) * MIB,
@@ -162,12 +172,9 @@ fn contract_opted_out_lets_serving_pass_the_request() {
     let e = engine(&dev, SegmentMode::Native, false);
     assert_eq!(e.alloc.cap(), None);
     let mut worst = 0;
-    let mut state = 0x9E37_79B9u64;
+    let mut rng = Rng(0x9E37_79B9);
     for step in 0..40 {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        let stream = if step % 3 == 0 { SIDE } else { PROFILED };
+        let (state, stream) = (rng.next(), stream_at(step));
         let x = e
             .alloc
             .allocate_tagged(150 * MIB + (state % 250) * MIB, stream, Tag::Activation)
@@ -262,12 +269,9 @@ fn contract_holds_under_injected_driver_faults() {
             let dev = SimDevice::new(SimConfig::default());
             let e = engine(&dev, mode, true);
             e.alloc.driver().fail_from(call, 3);
-            let mut state = 0x2545_F491u64;
+            let mut rng = Rng(0x2545_F491);
             for step in 0..30 {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                let stream = if step % 3 == 0 { SIDE } else { PROFILED };
+                let (state, stream) = (rng.next(), stream_at(step));
                 let size = 150 * MIB + (state % 250) * MIB;
                 // Any outcome but a panic; the process stays inside its request either way.
                 if let Ok(x) = e.alloc.allocate_tagged(size, stream, Tag::Activation) {

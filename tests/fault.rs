@@ -5,12 +5,17 @@
 //! design: a failed poll means "not yet"), every invariant holds after it, and once faults stop
 //! everything can be freed and every byte returned to the driver.
 
+#[macro_use]
+#[path = "common/sim.rs"]
+mod common;
+
+use common::sim_moving;
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
 use vram_ledger::profile::{ProfileOptions, Profiler};
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{Allocation, Allocator, Config, SegmentMode, Tag};
+use vram_ledger::{Allocation, Allocator, SegmentMode, Tag};
 
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(0x1000);
@@ -154,24 +159,18 @@ fn finish(a: &Allocator<SimDriver>, live: Vec<Allocation>, when: &str) {
 }
 
 fn fresh(mode: SegmentMode) -> Allocator<SimDriver> {
-    let drv = SimDriver::with_config(SimConfig {
+    let device = SimConfig {
         capacity: 4 * GIB,
         context_overhead: 256 * MIB,
         ..Default::default()
-    });
-    Allocator::new(
-        drv,
-        Config {
-            mode,
-            // The moves between streams' shards make driver calls too (compact, remap).
-            move_across_streams: true,
-            ..Default::default()
-        },
-    )
-    .unwrap()
+    };
+    // The moves between streams' shards make driver calls too (compact, remap).
+    sim_moving(mode, device)
 }
 
-fn exhaustive(mode: SegmentMode) {
+/// A clean run of the scenario in `mode`, then one run per driver call it made, with that call
+/// failing.
+fn fault_every_call(mode: SegmentMode) {
     // A clean run, counting calls from the scenario's start.
     let a = fresh(mode);
     let base: Vec<u64> = INJECTED.iter().map(|&c| a.driver().calls(c)).collect();
@@ -222,22 +221,4 @@ fn exhaustive(mode: SegmentMode) {
     assert!(runs > 50);
 }
 
-#[test]
-fn fault_every_call_plain() {
-    exhaustive(SegmentMode::Native);
-}
-
-#[test]
-fn fault_every_call_expandable() {
-    exhaustive(SegmentMode::Expandable);
-}
-
-#[test]
-fn fault_every_call_compact() {
-    exhaustive(SegmentMode::Compact);
-}
-
-#[test]
-fn fault_every_call_remap() {
-    exhaustive(SegmentMode::Remap);
-}
+per_mode!(fault_every_call);

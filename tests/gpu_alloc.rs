@@ -2,14 +2,18 @@
 //! filled by a kernel and all of them verified before each free (overlap or unmapped memory
 //! shows as mismatches or faults), and `record_stream` across streams.
 
+#[macro_use]
 mod common;
 
-use common::{allocator, gpu, Rng};
+use common::sim::Rng;
+use common::{allocator, gpu};
 use cudarc::driver::DevicePtr;
 use vram_ledger::devices::{stream_id, DeviceBuffer};
 use vram_ledger::{Allocation, SegmentMode, Tag};
 
-fn random_sequence(mode: SegmentMode) {
+/// Random allocation sequences in `mode`, every live buffer filled and verified before each
+/// free.
+fn gpu_random_sequences(mode: SegmentMode) {
     let Some(g) = gpu(&format!("gpu_random_sequences({mode:?})")) else {
         return;
     };
@@ -78,25 +82,7 @@ fn random_sequence(mode: SegmentMode) {
     );
 }
 
-#[test]
-fn gpu_random_sequences_plain() {
-    random_sequence(SegmentMode::Native);
-}
-
-#[test]
-fn gpu_random_sequences_expandable() {
-    random_sequence(SegmentMode::Expandable);
-}
-
-#[test]
-fn gpu_random_sequences_compact() {
-    random_sequence(SegmentMode::Compact);
-}
-
-#[test]
-fn gpu_random_sequences_remap() {
-    random_sequence(SegmentMode::Remap);
-}
+per_mode!(gpu_random_sequences);
 
 #[test]
 fn gpu_record_stream_defers_reuse_until_the_other_stream_is_done() {

@@ -6,12 +6,14 @@
 //! graph figure is checked against a walk of the blocks, and the memory that appeared outside
 //! the allocator during a capture against what the simulated process added there.
 
+#[path = "common/sim.rs"]
+mod common;
+
+use common::sim;
 use vram_ledger::driver::sim::SimDriver;
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::MIB;
-use vram_ledger::{
-    invariants, Allocation, Allocator, Config, Error, GraphPool, Limit, SegmentMode, Tag,
-};
+use vram_ledger::{Allocation, Allocator, Error, GraphPool, Limit, SegmentMode, Tag};
 
 const CAPTURE: StreamId = StreamId(0x100);
 const SIDE: StreamId = StreamId(0x180);
@@ -20,7 +22,7 @@ const P: GraphPool = GraphPool(1, 0);
 const Q: GraphPool = GraphPool(2, 0);
 
 fn check(a: &Allocator<SimDriver>) {
-    invariants::check_sim(a).unwrap();
+    common::check(a);
     // Two independent accounts of graph memory: the ledger's gauge, kept as memory is mapped
     // and unmapped, and a walk of the segments now.
     assert_eq!(
@@ -59,7 +61,7 @@ fn capture(a: &Allocator<SimDriver>, pool: GraphPool, n: u64) -> (Allocation, Al
 fn graph_pool_memory_freed_in_a_capture_is_not_handed_to_eager_code() {
     for mode in SegmentMode::ALL {
         for n in [700, 3 * MIB, 40 * MIB] {
-            let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+            let a = sim(mode);
             let (tmp, out) = capture(&a, P, n);
             // The same request again, eagerly, on the capture stream and on another one: a
             // cache that ignored the graph would hand back `tmp`'s block.
@@ -81,7 +83,7 @@ fn graph_pool_memory_freed_in_a_capture_is_not_handed_to_eager_code() {
 #[test]
 fn graph_pool_second_capture_into_another_pool_gets_other_memory() {
     for mode in SegmentMode::ALL {
-        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let a = sim(mode);
         let (tmp, out) = capture(&a, P, 10 * MIB);
         let (tmp2, out2) = capture(&a, Q, 10 * MIB);
         for x in [&tmp2, &out2] {
@@ -94,7 +96,7 @@ fn graph_pool_second_capture_into_another_pool_gets_other_memory() {
 #[test]
 fn graph_pool_shared_by_two_captures_reuses_its_memory() {
     for mode in SegmentMode::ALL {
-        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let a = sim(mode);
         let (tmp, _out) = capture(&a, P, 10 * MIB);
         let reserved = a.graph_memory().reserved;
         // Graphs that share a pool replay one at a time, in capture order: the second may use
@@ -112,7 +114,7 @@ fn graph_pool_shared_by_two_captures_reuses_its_memory() {
 #[test]
 fn graph_pool_side_stream_of_a_capture_is_routed_too() {
     for mode in SegmentMode::ALL {
-        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let a = sim(mode);
         let dev = a.driver().device().clone();
         dev.begin_capture(CAPTURE);
         a.begin_graph_pool(P, CAPTURE).unwrap();
@@ -133,7 +135,7 @@ fn graph_pool_side_stream_of_a_capture_is_routed_too() {
 #[test]
 fn graph_pool_memory_survives_empty_cache_retries_and_moves() {
     for mode in SegmentMode::ALL {
-        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let a = sim(mode);
         let (tmp, out) = capture(&a, P, 40 * MIB);
         let held = a.graph_memory().reserved;
         assert!(held >= tmp.size + out.size, "{mode}");
@@ -165,7 +167,7 @@ fn graph_pool_remap_small_capture_at_the_limit_trades_a_large_spare_piece() {
     // A released graph pool leaves its remap pieces spare. At the limit, a small allocation in
     // the next capture needs a page: the small pool may not map a large piece, and a capture
     // may not release the cache, so a spare piece is given back to make room for the page.
-    let a = Allocator::new(SimDriver::new(), Config::with_mode(SegmentMode::Remap)).unwrap();
+    let a = sim(SegmentMode::Remap);
     let (_, out) = capture(&a, P, 40 * MIB);
     a.free(out.ptr).unwrap();
     a.release_graph_pool(P).unwrap();
@@ -197,7 +199,7 @@ fn graph_pool_remap_small_capture_at_the_limit_trades_a_large_spare_piece() {
 #[test]
 fn graph_pool_release_gives_its_memory_back() {
     for mode in SegmentMode::ALL {
-        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let a = sim(mode);
         let (_tmp, out) = capture(&a, P, 40 * MIB);
         // A second graph shares the pool: one release is not the last.
         let (_, out2) = capture(&a, P, 8 * MIB);
@@ -237,7 +239,7 @@ fn graph_pool_release_fault_loses_nothing() {
             DriverCall::FreeSegment,
             DriverCall::ReleaseVa,
         ] {
-            let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+            let a = sim(mode);
             let (_tmp, out) = capture(&a, P, 40 * MIB);
             a.free(out.ptr).unwrap();
             a.driver().fail_nth(call, 1);
@@ -260,7 +262,7 @@ fn graph_pool_release_fault_loses_nothing() {
 
 #[test]
 fn graph_pool_outside_memory_of_a_capture_is_measured() {
-    let a = Allocator::new(SimDriver::new(), Config::with_mode(SegmentMode::Native)).unwrap();
+    let a = sim(SegmentMode::Native);
     let dev = a.driver().device().clone();
     a.driver().alloc_external(30 * MIB).unwrap(); // before: not the graph's
     dev.begin_capture(CAPTURE);
@@ -278,7 +280,7 @@ fn graph_pool_outside_memory_of_a_capture_is_measured() {
 
 #[test]
 fn graph_pool_calls_out_of_order_are_errors() {
-    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    let a = sim(SegmentMode::Native);
     assert!(matches!(
         a.begin_graph_pool(P, CAPTURE),
         Err(Error::NotCapturing(_))
@@ -300,7 +302,7 @@ fn graph_pool_calls_out_of_order_are_errors() {
 #[test]
 fn graph_pool_figures_in_the_profile_report() {
     use vram_ledger::profile::{ProfileOptions, Profiler};
-    let a = Allocator::new(SimDriver::new(), Config::with_mode(SegmentMode::Expandable)).unwrap();
+    let a = sim(SegmentMode::Expandable);
     let p = Profiler::new(&a).unwrap();
     let scope = p
         .begin(ProfileOptions {
@@ -334,7 +336,7 @@ fn graph_pool_figures_in_the_profile_report() {
 #[test]
 fn graph_pool_release_during_another_capture_waits_for_it() {
     for mode in SegmentMode::ALL {
-        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let a = sim(mode);
         let dev = a.driver().device().clone();
         let (tmp, out) = capture(&a, P, 40 * MIB);
         a.free(out.ptr).unwrap();
@@ -369,7 +371,7 @@ fn graph_pool_release_during_another_capture_waits_for_it() {
 
 #[test]
 fn graph_pool_captures_ending_out_of_order_keep_their_routes() {
-    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    let a = sim(SegmentMode::Native);
     let dev = a.driver().device().clone();
     dev.begin_capture(CAPTURE);
     a.begin_graph_pool(P, CAPTURE).unwrap();

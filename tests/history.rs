@@ -4,22 +4,18 @@
 //! segment events we recorded describe exactly what we reserved, and replaying our own
 //! allocations reproduces our peak.
 
-use std::path::Path;
+#[path = "common/sim.rs"]
+mod common;
 
-use vram_ledger::driver::sim::{SimConfig, SimDriver};
+use common::{h200, replay_in, sim, trace};
 use vram_ledger::replay::{self, engine, ReplayOptions};
-use vram_ledger::{Allocator, Config, SegmentMode, StreamId, Tag};
+use vram_ledger::{SegmentMode, StreamId, Tag};
 
 #[test]
 fn history_round_trip_reproduces_our_own_peak_in_every_mode() {
-    let trace = replay::read_file(Path::new("tests/data/gpt2-train.pickle.gz"), None).unwrap();
+    let trace = trace("gpt2-train");
     for mode in SegmentMode::ALL {
-        let drv = SimDriver::with_config(SimConfig {
-            capacity: engine::H200_CAPACITY,
-            context_overhead: 0,
-            ..Default::default()
-        });
-        let a = Allocator::new(drv, Config::with_mode(mode)).unwrap();
+        let a = h200(mode);
         a.record_history(true, 1 << 20).unwrap();
         let opts = ReplayOptions {
             mode,
@@ -35,15 +31,7 @@ fn history_round_trip_reproduces_our_own_peak_in_every_mode() {
             "{mode}: {:?}",
             ours.unknown_tags
         );
-        let again = replay::replay(
-            &ours,
-            &ReplayOptions {
-                mode,
-                ..Default::default()
-            },
-            |_| {},
-        )
-        .unwrap();
+        let again = replay_in(&ours, mode);
         // What our segment events add up to is what we reserved.
         assert_eq!(again.torch_peak_reserved, first.peak_reserved, "{mode}");
         // Our own allocations, replayed, reserve what they reserved the first time.
@@ -55,7 +43,7 @@ fn history_round_trip_reproduces_our_own_peak_in_every_mode() {
 
 #[test]
 fn history_is_bounded_and_off_by_default() {
-    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    let a = sim(SegmentMode::Native);
     let s = StreamId::DEFAULT;
     let x = a.allocate_tagged(4096, s, Tag::Weights).unwrap();
     a.free(x.ptr).unwrap();

@@ -2,20 +2,16 @@
 //! Each test breaks one thing in a copy of a real allocator's dump (which passes unbroken) and
 //! checks that the checker names what was broken.
 
-use vram_ledger::driver::sim::SimDriver;
-use vram_ledger::invariants::{check, sim_dump, DumpState, StateDump};
+#[path = "common/sim.rs"]
+mod common;
+
+use common::sim;
+use vram_ledger::invariants::{check, sim_dump, BlockDump, DumpState, StateDump};
 use vram_ledger::units::MIB;
-use vram_ledger::{Allocator, Config, SegmentMode, StreamId, Tag};
+use vram_ledger::{SegmentMode, StreamId, Tag};
 
 fn real_state(mode: SegmentMode) -> StateDump {
-    let a = Allocator::new(
-        SimDriver::new(),
-        Config {
-            mode,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let a = sim(mode);
     let s = StreamId::DEFAULT;
     let x = a.allocate_tagged(4096, s, Tag::Weights).unwrap();
     a.allocate_tagged(8192, s, Tag::Activation).unwrap();
@@ -44,6 +40,25 @@ fn rejected(d: &StateDump, what: &str) {
         Ok(()) => panic!("a broken state passed the checker (expected {what:?})"),
         Err(v) => assert!(v.0.contains(what), "expected {what:?}, got: {v}"),
     }
+}
+
+/// Every mode's state broken by `breaks`: the checker rejects each, saying `what`.
+#[track_caller]
+fn rejected_in_every_mode(what: &str, breaks: impl Fn(&mut StateDump)) {
+    for mut d in every_mode() {
+        breaks(&mut d);
+        rejected(&d, what);
+    }
+}
+
+/// In every mode's state, the allocated block of `tag` broken by `breaks`: the checker rejects
+/// it, saying `what`.
+#[track_caller]
+fn rejected_block(tag: Tag, what: &str, breaks: impl Fn(&mut BlockDump)) {
+    rejected_in_every_mode(what, |d| {
+        let (si, bi) = block_of(d, tag);
+        breaks(&mut d.segments[si].blocks[bi]);
+    });
 }
 
 /// The segment holding the allocated block of `tag`, and the block's index in it.
@@ -176,58 +191,47 @@ fn catches_free_memory_claimed_where_nothing_is_mapped() {
 #[test]
 fn catches_a_gap_between_blocks() {
     // The allocated block shrinks; the next one still starts where it used to end.
-    for mut d in every_mode() {
-        let (si, bi) = block_of(&d, Tag::Activation);
-        d.segments[si].blocks[bi].size -= 512;
-        rejected(&d, "(overlap or gap)");
-    }
+    rejected_block(Tag::Activation, "(overlap or gap)", |b| b.size -= 512);
 }
 
 #[test]
 fn catches_blocks_that_stop_short_of_the_segment_end() {
-    for mut d in every_mode() {
-        let last = d.segments[0].blocks.last_mut().unwrap();
-        last.size -= 512;
-        rejected(&d, "not at its end");
-    }
+    rejected_in_every_mode("not at its end", |d| {
+        d.segments[0].blocks.last_mut().unwrap().size -= 512;
+    });
 }
 
 #[test]
 fn catches_an_empty_block() {
-    for mut d in every_mode() {
-        let (si, bi) = block_of(&d, Tag::KvCache);
+    rejected_in_every_mode("empty block", |d| {
+        let (si, bi) = block_of(d, Tag::KvCache);
         let mut empty = d.segments[si].blocks[bi].clone();
         empty.size = 0;
         d.segments[si].blocks.insert(bi, empty);
-        rejected(&d, "empty block");
-    }
+    });
 }
 
 #[test]
 fn catches_a_block_whose_tag_the_ledger_does_not_count() {
     // The blocks say the activation is untracked; the ledger still counts it as an activation.
-    for mut d in every_mode() {
-        let (si, bi) = block_of(&d, Tag::Activation);
-        d.segments[si].blocks[bi].tag = Tag::Untracked;
-        rejected(&d, "activation: ledger says 8192 allocated, blocks say 0");
-    }
+    rejected_block(
+        Tag::Activation,
+        "activation: ledger says 8192 allocated, blocks say 0",
+        |b| b.tag = Tag::Untracked,
+    );
 }
 
 #[test]
 fn catches_requested_bytes_differing_from_the_blocks() {
-    for mut d in every_mode() {
-        let (si, bi) = block_of(&d, Tag::KvCache);
-        d.segments[si].blocks[bi].requested -= 1;
-        rejected(&d, "kv_cache: requested");
-    }
+    rejected_block(Tag::KvCache, "kv_cache: requested", |b| b.requested -= 1);
 }
 
 #[test]
 fn catches_an_allocation_count_differing_from_the_blocks() {
     // The KV block becomes two allocated blocks with the same bytes and requested bytes in
     // all: only the count is wrong.
-    for mut d in every_mode() {
-        let (si, bi) = block_of(&d, Tag::KvCache);
+    rejected_in_every_mode("kv_cache: 1 allocations vs 2 blocks", |d| {
+        let (si, bi) = block_of(d, Tag::KvCache);
         let blocks = &mut d.segments[si].blocks;
         let mut second = blocks[bi].clone();
         blocks[bi].size = 512;
@@ -236,31 +240,26 @@ fn catches_an_allocation_count_differing_from_the_blocks() {
         second.size -= 512;
         second.requested -= 512;
         blocks.insert(bi + 1, second);
-        rejected(&d, "kv_cache: 1 allocations vs 2 blocks");
-    }
+    });
 }
 
 #[test]
 fn catches_a_tag_peak_below_its_current() {
-    for mut d in every_mode() {
+    rejected_in_every_mode("kv_cache: peak", |d| {
         let c = &mut d.ledger.per_tag[Tag::KvCache].allocated_bytes;
         c.peak = c.current - 512;
-        rejected(&d, "kv_cache: peak");
-    }
+    });
 }
 
 #[test]
 fn catches_total_allocations_differing_from_the_tags() {
-    for mut d in every_mode() {
-        d.ledger.all.total_allocations += 1;
-        rejected(&d, "total allocations");
-    }
+    rejected_in_every_mode("total allocations", |d| d.ledger.all.total_allocations += 1);
 }
 
 #[test]
 fn catches_pending_bytes_missing_from_active() {
     // A free block claims to wait on a stream, but active bytes do not count it.
-    for mut d in every_mode() {
+    rejected_in_every_mode("+ pending", |d| {
         let b = d
             .segments
             .iter_mut()
@@ -268,17 +267,13 @@ fn catches_pending_bytes_missing_from_active() {
             .find(|b| b.state == DumpState::Free)
             .expect("the freed weights left a free block");
         b.state = DumpState::Pending;
-        rejected(&d, "+ pending");
-    }
+    });
 }
 
 #[test]
 fn catches_reserved_differing_from_mapped_plus_spare() {
     // Spare physical memory that the ledger's reserved bytes do not include.
-    for mut d in every_mode() {
-        d.spare += 2 * MIB;
-        rejected(&d, "≠ mapped");
-    }
+    rejected_in_every_mode("≠ mapped", |d| d.spare += 2 * MIB);
 }
 
 #[test]
@@ -301,10 +296,9 @@ fn catches_a_mapping_the_ledger_does_not_reserve() {
 
 #[test]
 fn catches_cached_differing_from_reserved_minus_allocated() {
-    for mut d in every_mode() {
-        d.ledger.cached_bytes += 512;
-        rejected(&d, "cached ≠ reserved + sleeping − allocated");
-    }
+    rejected_in_every_mode("cached ≠ reserved + sleeping − allocated", |d| {
+        d.ledger.cached_bytes += 512
+    });
 }
 
 #[test]
@@ -317,10 +311,7 @@ fn catches_a_wrong_segment_count() {
 
 #[test]
 fn catches_committed_differing_from_reserved() {
-    for mut d in every_mode() {
-        d.committed += 2 * MIB;
-        rejected(&d, "committed");
-    }
+    rejected_in_every_mode("committed", |d| d.committed += 2 * MIB);
 }
 
 #[test]

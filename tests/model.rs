@@ -1,10 +1,15 @@
 //! Property tests: random operation sequences against a shadow model, every invariant checked
-//! after every step, in both segment modes, with injected driver faults.
+//! after every step, in every segment mode, with injected driver faults.
 //!
 //! Cases per property: `VRAM_LEDGER_CASES` (default 1000).
 
 use std::collections::HashMap;
 
+#[macro_use]
+#[path = "common/sim.rs"]
+mod common;
+
+use common::{fresh_segment, sim, sim_on, sim_with};
 use proptest::prelude::*;
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
@@ -135,18 +140,6 @@ impl Rules {
         }
     }
 
-    /// A fresh plain segment for a rounded request: 2 MiB for the small pool, 20 MiB below
-    /// 10 MiB, otherwise the request rounded up to 2 MiB.
-    fn segment(rounded: u64) -> u64 {
-        if rounded <= MIB {
-            2 * MIB
-        } else if rounded < 10 * MIB {
-            20 * MIB
-        } else {
-            rounded.div_ceil(2 * MIB) * 2 * MIB
-        }
-    }
-
     /// The least and most bytes handed out for a request rounded to `rounded`; `fresh` when it
     /// is known to be served by a fresh plain segment (then the figure is exact).
     fn handed_out(&self, rounded: u64, fresh: bool) -> (u64, u64) {
@@ -167,7 +160,7 @@ impl Rules {
         }
         let oversize = rounded >= self.max_split;
         if fresh {
-            let seg = Self::segment(rounded);
+            let seg = fresh_segment(rounded);
             let split = !oversize && seg - rounded > MIB;
             let size = if split { rounded } else { seg };
             (size, size)
@@ -426,13 +419,13 @@ fn run_full(
     separate_tags: bool,
     ops: Vec<Op>,
 ) -> Result<(), TestCaseError> {
-    let drv = SimDriver::with_config(SimConfig {
+    let device = SimConfig {
         capacity: GIB,
         context_overhead: 64 * MIB,
         ..Default::default()
-    });
-    let a = Allocator::new(
-        drv,
+    };
+    let a = sim_on(
+        device,
         Config {
             mode,
             max_split_size: max_split,
@@ -440,8 +433,7 @@ fn run_full(
             separate_tags,
             ..Default::default()
         },
-    )
-    .unwrap();
+    );
     let sleepable = separate_tags && mode != SegmentMode::Native;
     let rules = Rules {
         virtual_memory: mode != SegmentMode::Native,
@@ -478,7 +470,7 @@ fn run_full(
                         if let Some(bytes) = fresh {
                             prop_assert_eq!(
                                 bytes,
-                                Rules::segment(rounded),
+                                fresh_segment(rounded),
                                 "segment for {} bytes",
                                 size
                             );
@@ -708,23 +700,32 @@ fn cases() -> u32 {
         .unwrap_or(1000)
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(), max_shrink_iters: 4096, ..ProptestConfig::default() })]
-
-    #[test]
-    fn model_plain_segments(ops in proptest::collection::vec(op_strategy(), 1..80)) {
-        run(SegmentMode::Native, ops)?;
-    }
-
-    #[test]
-    fn model_expandable_segments(ops in proptest::collection::vec(op_strategy(), 1..80)) {
-        run(SegmentMode::Expandable, ops)?;
+/// `test` on `cases()` random operation sequences, as `proptest!` runs a property: the seeds
+/// saved in `tests/model.proptest-regressions` first, then new ones, a failure shrunk.
+fn property(test: impl Fn(Vec<Op>) -> Result<(), TestCaseError>) {
+    let mut config = proptest::test_runner::contextualize_config(ProptestConfig {
+        cases: cases(),
+        max_shrink_iters: 4096,
+        ..ProptestConfig::default()
+    });
+    config.source_file = Some(file!());
+    let mut runner = proptest::test_runner::TestRunner::new(config);
+    let ops = proptest::collection::vec(op_strategy(), 1..80);
+    if let Err(e) = runner.run(&ops, test) {
+        panic!("{e}\n{runner}");
     }
 }
 
+/// The model in `mode`, with PyTorch's default settings.
+fn model_segments(mode: SegmentMode) {
+    property(|ops| run(mode, ops));
+}
+
+per_mode!(model_segments);
+
 #[test]
 fn model_streams_cover_shared_and_distinct_shards() {
-    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    let a = sim(SegmentMode::Native);
     place_streams(&a);
     let shard = |i| a.shard_of(stream(i));
     assert_eq!(shard(3), shard(0));
@@ -733,73 +734,44 @@ fn model_streams_cover_shared_and_distinct_shards() {
     assert_ne!(shard(1), shard(2));
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: cases(), max_shrink_iters: 4096, ..ProptestConfig::default() })]
-
-    #[test]
-    fn model_compact_segments(ops in proptest::collection::vec(op_strategy(), 1..80)) {
-        run(SegmentMode::Compact, ops)?;
-    }
-
-    #[test]
-    fn model_remap_segments(ops in proptest::collection::vec(op_strategy(), 1..80)) {
-        run(SegmentMode::Remap, ops)?;
-    }
-
-    // With max_split_size (32 MiB, inside the sizes drawn), oversize blocks are never split.
-    #[test]
-    fn model_plain_segments_max_split(ops in proptest::collection::vec(op_strategy(), 1..80)) {
-        run_with(SegmentMode::Native, Some(32 * MIB), ops)?;
-    }
-
-    // Growth next to a free block that max_split_size keeps from serving (see
-    // `expandable_growth_next_to_an_oversize_free_block`).
-    #[test]
-    fn model_expandable_segments_max_split(ops in proptest::collection::vec(op_strategy(), 1..80)) {
-        run_with(SegmentMode::Expandable, Some(32 * MIB), ops)?;
-    }
-
-    // Free memory of other streams' shards taken before growing (streams 1 and 2 have shards
-    // of their own).
-    #[test]
-    fn model_compact_and_remap_moving_across_streams(ops in proptest::collection::vec(op_strategy(), 1..80)) {
-        run_config(SegmentMode::Compact, None, true, ops.clone())?;
-        run_config(SegmentMode::Remap, None, true, ops)?;
-    }
-
-    #[test]
-    fn model_compact_and_remap_max_split(ops in proptest::collection::vec(op_strategy(), 1..80)) {
-        run_with(SegmentMode::Compact, Some(32 * MIB), ops.clone())?;
-        run_with(SegmentMode::Remap, Some(32 * MIB), ops)?;
-    }
-
-    /// Sleep and wake among every other operation, tags kept apart, in each virtual-memory
-    /// mode: asleep tags refuse allocations and defer frees, contents written at allocation
-    /// survive an offload, kept tags are untouched, and faults leave each tag asleep or awake.
-    #[test]
-    fn model_sleep_and_wake_with_tags_kept_apart(ops in proptest::collection::vec(op_strategy(), 1..80)) {
-        for mode in [SegmentMode::Expandable, SegmentMode::Compact, SegmentMode::Remap] {
-            run_full(mode, None, false, true, ops.clone())?;
-        }
-    }
+/// With max_split_size (32 MiB, inside the sizes drawn), oversize blocks are never split; in
+/// the virtual-memory modes, growth next to a free block that max_split_size keeps from serving
+/// (see `expandable_growth_next_to_an_oversize_free_block`).
+fn model_segments_max_split(mode: SegmentMode) {
+    property(|ops| run_with(mode, Some(32 * MIB), ops));
 }
 
-/// Found by `model_expandable_segments_max_split`: a freed 40 MiB block (at least
+per_mode!(model_segments_max_split);
+
+/// Free memory of other streams' shards taken before growing (streams 1 and 2 have shards of
+/// their own).
+fn model_moving_across_streams(mode: SegmentMode) {
+    property(|ops| run_config(mode, None, true, ops));
+}
+
+per_mode!(model_moving_across_streams: compact, remap);
+
+/// Sleep and wake among every other operation, tags kept apart, in each virtual-memory mode:
+/// asleep tags refuse allocations and defer frees, contents written at allocation survive an
+/// offload, kept tags are untouched, and faults leave each tag asleep or awake.
+fn model_sleep_and_wake_with_tags_kept_apart(mode: SegmentMode) {
+    property(|ops| run_full(mode, None, false, true, ops));
+}
+
+per_mode!(model_sleep_and_wake_with_tags_kept_apart: expandable, compact, remap);
+
+/// Found by `model_segments_max_split::expandable`: a freed 40 MiB block (at least
 /// max_split_size) may not serve a 1 MiB + 1 B request, so the allocator grows; the unmapped
 /// range after that free block already "holds" the request with it, so nothing is mapped, and
 /// the allocator panicked ("nothing mapped means an error"). Growth now serves from that free
 /// block, split as virtual segments always may be.
 #[test]
 fn expandable_growth_next_to_an_oversize_free_block() {
-    let a = Allocator::new(
-        SimDriver::new(),
-        Config {
-            mode: SegmentMode::Expandable,
-            max_split_size: Some(32 * MIB),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let a = sim_with(Config {
+        mode: SegmentMode::Expandable,
+        max_split_size: Some(32 * MIB),
+        ..Default::default()
+    });
     let s = StreamId::DEFAULT;
     let x = a.allocate_tagged(20 * MIB + 1, s, Tag::Activation).unwrap();
     a.free(x.ptr).unwrap();

@@ -3,13 +3,17 @@
 
 use std::sync::Arc;
 
+#[path = "common/sim.rs"]
+mod common;
+
+use common::{fresh_segment, sim};
 use vram_ledger::driver::sim::{SimConfig, SimDevice, SimDriver};
 use vram_ledger::driver::Driver;
 use vram_ledger::profile::{
     Margin, ProfileError, ProfileOptions, ProfileResult, Profiler, UsageSource,
 };
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{Allocator, Config, StreamId, Tag};
+use vram_ledger::{Allocator, Config, SegmentMode, StreamId, Tag};
 
 const S: StreamId = StreamId::DEFAULT;
 
@@ -22,7 +26,8 @@ fn opts(utilization: f64) -> ProfileOptions {
 
 // The expectations below are computed from each scenario's inputs (the bytes the test
 // allocates, the device's capacity and context overhead, other tenants' bytes, the utilization)
-// with PyTorch's sizing rules written out here, never from the figures being checked.
+// with PyTorch's sizing rules written out here (and in `tests/common/sim.rs`), never from the
+// figures being checked.
 
 /// The budget is aligned down to 2 MiB (a large segment's granule).
 const ALIGN: u64 = 2 * MIB;
@@ -32,17 +37,9 @@ fn block(bytes: u64) -> u64 {
     bytes.max(1).div_ceil(512) * 512
 }
 
-/// The segment a request gets when nothing is cached: 2 MiB for a small one (at most 1 MiB),
-/// 20 MiB for one under 10 MiB, otherwise its size rounded up to 2 MiB.
+/// The segment a request gets when nothing is cached.
 fn segment(bytes: u64) -> u64 {
-    let b = block(bytes);
-    if b <= MIB {
-        2 * MIB
-    } else if b < 10 * MIB {
-        20 * MIB
-    } else {
-        b.div_ceil(2 * MIB) * 2 * MIB
-    }
+    fresh_segment(block(bytes))
 }
 
 /// Bytes handed out (and counted as allocated) for a request served by a fresh segment: the
@@ -407,7 +404,7 @@ fn profile_fallback_warns_when_another_process_allocates() {
 
 #[test]
 fn profile_override_margin_and_token_figures() {
-    let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+    let a = sim(SegmentMode::Native);
     let p = Profiler::new(&a).unwrap();
     a.allocate_tagged(GIB, S, Tag::Weights).unwrap();
     let o = ProfileOptions {

@@ -2,33 +2,22 @@
 //! keeps in place, what the small pool takes, and how much it asks other streams for. Each case
 //! counts the driver calls or the reserved bytes that the policy is there to save.
 
+#[path = "common/sim.rs"]
+mod common;
+
+use common::{check, free_all, sim, sim_moving, sim_with};
 use vram_ledger::allocator::rules::PoolKind;
-use vram_ledger::driver::sim::SimDriver;
+use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
-use vram_ledger::invariants;
 use vram_ledger::units::MIB;
 use vram_ledger::{Allocator, Config, SegmentMode};
 
 const S0: StreamId = StreamId::DEFAULT;
 const S1: StreamId = StreamId(0x1000);
 
-fn remap() -> Allocator<SimDriver> {
-    Allocator::new(SimDriver::new(), Config::with_mode(SegmentMode::Remap)).unwrap()
-}
-
+/// Remap with moves between streams' shards.
 fn remap_across_streams() -> Allocator<SimDriver> {
-    Allocator::new(
-        SimDriver::new(),
-        Config {
-            move_across_streams: true,
-            ..Config::with_mode(SegmentMode::Remap)
-        },
-    )
-    .unwrap()
-}
-
-fn check(a: &Allocator<SimDriver>) {
-    invariants::check_sim(a).unwrap();
+    sim_moving(SegmentMode::Remap, SimConfig::default())
 }
 
 #[test]
@@ -66,11 +55,7 @@ fn remap_growth_maps_spare_pieces_where_they_fit_before_creating_memory() {
     );
     assert!(r.ptr >= q.ptr + q.size);
     check(&a);
-    for p in [x.ptr, w.ptr, q.ptr, r.ptr] {
-        a.free(p).unwrap();
-    }
-    a.empty_cache().unwrap();
-    assert_eq!(a.driver().held_bytes(), 0);
+    free_all(&a, [x.ptr, w.ptr, q.ptr, r.ptr]);
 }
 
 #[test]
@@ -78,7 +63,7 @@ fn remap_growth_keeps_the_free_block_it_extends() {
     // A free block at the end of the mapped memory, too small for the request: growth maps
     // only what the block lacks beside it. Moving memory first must not unmap the block itself
     // (and map its piece back a moment later).
-    let a = remap();
+    let a = sim(SegmentMode::Remap);
     let x = a.allocate(20 * MIB, S0).unwrap();
     let y = a.allocate(20 * MIB, S0).unwrap();
     assert_eq!(y.ptr, x.ptr + 20 * MIB);
@@ -94,11 +79,7 @@ fn remap_growth_keeps_the_free_block_it_extends() {
         calls.nonzero().collect::<Vec<_>>()
     );
     check(&a);
-    for p in [x.ptr, z.ptr] {
-        a.free(p).unwrap();
-    }
-    a.empty_cache().unwrap();
-    assert_eq!(a.driver().held_bytes(), 0);
+    free_all(&a, [x.ptr, z.ptr]);
 }
 
 #[test]
@@ -106,7 +87,7 @@ fn remap_small_pool_growth_moves_no_large_piece() {
     // A free 40 MiB piece of the large pool, and a small request that needs a page. Moving the
     // piece would map all 40 MiB under the small pool (CUDA maps whole handles), where small
     // blocks that live long pin it; the page is new memory instead.
-    let a = remap();
+    let a = sim(SegmentMode::Remap);
     let big = a.allocate(40 * MIB, S0).unwrap();
     a.free(big.ptr).unwrap();
     let before = a.driver_calls();
@@ -133,9 +114,7 @@ fn remap_small_pool_growth_moves_no_large_piece() {
         "the large piece stays where it is"
     );
     check(&a);
-    a.free(small.ptr).unwrap();
-    a.empty_cache().unwrap();
-    assert_eq!(a.driver().held_bytes(), 0);
+    free_all(&a, [small.ptr]);
 }
 
 #[test]
@@ -180,11 +159,7 @@ fn remap_growth_asks_other_streams_again_for_what_its_final_site_lacks() {
     // The second stream's 20 MiB piece fits the hole after all; the 24 MiB one stays spare.
     assert_eq!(r.ptr, y.ptr, "served at the hole");
     check(&a);
-    for p in [x.ptr, w.ptr, r.ptr, b_small.ptr, b_big.ptr] {
-        a.free(p).unwrap();
-    }
-    a.empty_cache().unwrap();
-    assert_eq!(a.driver().held_bytes(), 0);
+    free_all(&a, [x.ptr, w.ptr, r.ptr, b_small.ptr, b_big.ptr]);
 }
 
 #[test]
@@ -193,7 +168,7 @@ fn remap_rounds_large_blocks_to_granules_when_cheap_and_the_others_keep_pytorch_
     // on a granule; a 6.8 MiB block would grow by a sixth and keeps PyTorch's size. The other
     // virtual modes split a block where PyTorch's rounding ends.
     let (odd, small) = (154_361_856u64, 7_130_112u64);
-    let a = remap();
+    let a = sim(SegmentMode::Remap);
     let x = a.allocate(odd, S0).unwrap();
     let y = a.allocate(small, S0).unwrap();
     let z = a.allocate(32 * MIB, S0).unwrap();
@@ -208,7 +183,7 @@ fn remap_rounds_large_blocks_to_granules_when_cheap_and_the_others_keep_pytorch_
         a.free(p).unwrap();
     }
     for mode in [SegmentMode::Expandable, SegmentMode::Compact] {
-        let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
+        let a = sim(mode);
         assert_eq!(a.allocate(odd, S0).unwrap().size, odd, "{mode}");
     }
 }
@@ -217,19 +192,18 @@ fn remap_rounds_large_blocks_to_granules_when_cheap_and_the_others_keep_pytorch_
 fn remap_rounding_never_takes_a_request_to_max_split_size() {
     // Under `max_split_size` a request may split a cached block; at or over it, it may take a
     // larger block whole. A request 300 KiB under 32 MiB stays under a 32 MiB limit.
-    let a = Allocator::new(
-        SimDriver::new(),
-        Config {
-            max_split_size: Some(32 * MIB),
-            ..Config::with_mode(SegmentMode::Remap)
-        },
-    )
-    .unwrap();
+    let a = sim_with(Config {
+        max_split_size: Some(32 * MIB),
+        ..Config::with_mode(SegmentMode::Remap)
+    });
     let size = 32 * MIB - 300 * 1024;
     let x = a.allocate(size, S0).unwrap();
     assert_eq!(x.size, size);
     // With no limit in the way the same request is rounded to the granule.
-    assert_eq!(remap().allocate(size, S0).unwrap().size, 32 * MIB);
+    assert_eq!(
+        sim(SegmentMode::Remap).allocate(size, S0).unwrap().size,
+        32 * MIB
+    );
     a.free(x.ptr).unwrap();
     check(&a);
 }

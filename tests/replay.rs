@@ -5,6 +5,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
+#[path = "common/sim.rs"]
+mod common;
+
+use common::{replay_in, trace};
 use serde_pickle::{HashableValue, Value};
 use vram_ledger::allocator::DEFAULT_REMAP_PIECE;
 use vram_ledger::driver::DriverCall;
@@ -13,17 +17,8 @@ use vram_ledger::units::MIB;
 use vram_ledger::SegmentMode;
 use vram_ledger::Tag;
 
-fn run(trace: &str, mode: SegmentMode) -> ReplayResult {
-    let t = replay::read_file(Path::new(&format!("tests/data/{trace}.pickle.gz")), None).unwrap();
-    let r = replay::replay(
-        &t,
-        &ReplayOptions {
-            mode,
-            ..Default::default()
-        },
-        |_| {},
-    )
-    .unwrap();
+fn run(name: &str, mode: SegmentMode) -> ReplayResult {
+    let r = replay_in(&trace(name), mode);
     assert_eq!(r.ooms, 0);
     assert_eq!(r.held_after, 0, "everything is returned after the replay");
     r
@@ -43,31 +38,29 @@ fn replay_the_recorded_mode_reproduces_pytorch_from_the_traces_own_records() {
     // trace's own segment events say PyTorch reserved, and (native) as many segment
     // allocations and frees: the multi-stream trace frees 61 segments in its empty_cache
     // calls and holds blocks used on other streams until their free_completed.
-    for trace in TRACES {
-        let t =
-            replay::read_file(Path::new(&format!("tests/data/{trace}.pickle.gz")), None).unwrap();
-        let mode = match t.expandable {
+    for name in TRACES {
+        let mode = match trace(name).expandable {
             Some(true) => SegmentMode::Expandable,
             Some(false) => SegmentMode::Native,
-            None => panic!("{trace} records no allocator settings"),
+            None => panic!("{name} records no allocator settings"),
         };
-        let r = run(trace, mode);
-        assert!(r.torch_peak_reserved > 0, "{trace}");
-        assert_eq!(r.peak_reserved, r.torch_peak_reserved, "{trace} {mode}");
+        let r = run(name, mode);
+        assert!(r.torch_peak_reserved > 0, "{name}");
+        assert_eq!(r.peak_reserved, r.torch_peak_reserved, "{name} {mode}");
         if mode == SegmentMode::Native {
             for call in [DriverCall::AllocSegment, DriverCall::FreeSegment] {
                 assert_eq!(
                     r.driver_calls[call], r.torch_driver_calls[call],
-                    "{trace}: {call}"
+                    "{name}: {call}"
                 );
             }
         }
     }
 }
 
-/// Remap on `trace` with the largest piece `piece` bytes.
-fn run_remap(trace: &str, piece: u64) -> ReplayResult {
-    let t = replay::read_file(Path::new(&format!("tests/data/{trace}.pickle.gz")), None).unwrap();
+/// Remap on the trace `name` with the largest piece `piece` bytes.
+fn run_remap(name: &str, piece: u64) -> ReplayResult {
+    let t = trace(name);
     let opts = ReplayOptions {
         mode: SegmentMode::Remap,
         remap_piece: Some(piece),
@@ -75,7 +68,7 @@ fn run_remap(trace: &str, piece: u64) -> ReplayResult {
         ..Default::default()
     };
     let r = replay::replay(&t, &opts, |_| {}).unwrap();
-    assert_eq!((r.ooms, r.held_after), (0, 0), "{trace}");
+    assert_eq!((r.ooms, r.held_after), (0, 0), "{name}");
     r
 }
 
@@ -216,11 +209,7 @@ fn replay_a_block_waits_for_its_free_completed() {
     ]);
     let t = replay::trace::read_bytes(&bytes, None).unwrap();
     for mode in SegmentMode::ALL {
-        let opts = ReplayOptions {
-            mode,
-            ..Default::default()
-        };
-        let r = replay::replay(&t, &opts, |_| {}).unwrap();
+        let r = replay_in(&t, mode);
         assert_eq!(
             r.peak_live,
             (60 * MB) as u64,

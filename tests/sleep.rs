@@ -6,10 +6,14 @@
 //! Faults are injected into every driver call sleep and wake make; each tag ends wholly asleep
 //! or wholly awake, and nothing leaks (driver objects and page-locked host memory).
 
+#[path = "common/sim.rs"]
+mod common;
+
+use common::{check, sim, sim_on, sim_with};
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{invariants, Allocation, Allocator, Config, Error, SegmentMode, Tag};
+use vram_ledger::{Allocation, Allocator, Config, Error, SegmentMode, Tag};
 
 const VIRTUAL: [SegmentMode; 3] = [
     SegmentMode::Expandable,
@@ -19,20 +23,17 @@ const VIRTUAL: [SegmentMode; 3] = [
 const S: StreamId = StreamId(0x10);
 const OTHER: StreamId = StreamId(0x20);
 
+/// An allocator in `mode` with tags kept apart, on a device of `capacity` bytes.
 fn allocator(mode: SegmentMode, capacity: u64) -> Allocator<SimDriver> {
-    let d = SimDriver::with_config(SimConfig {
+    let device = SimConfig {
         capacity,
         ..SimConfig::default()
-    });
+    };
     let config = Config {
         separate_tags: true,
         ..Config::with_mode(mode)
     };
-    Allocator::new(d, config).unwrap()
-}
-
-fn check(a: &Allocator<SimDriver>) {
-    invariants::check_sim(a).unwrap();
+    sim_on(device, config)
 }
 
 /// Distinct words at the start and end of an allocation.
@@ -167,22 +168,17 @@ fn sleep_offloads_and_wake_restores_at_the_same_addresses() {
 
 #[test]
 fn sleep_in_native_mode_or_without_separate_tags_is_a_clear_error() {
-    let native = Allocator::new(
-        SimDriver::new(),
-        Config {
-            separate_tags: true,
-            ..Config::default()
-        },
-    )
-    .unwrap();
+    let native = sim_with(Config {
+        separate_tags: true,
+        ..Config::default()
+    });
     let e = native.sleep(&[Tag::Weights], &[]).unwrap_err();
     assert!(matches!(e, Error::SleepNeedsVirtualMemory("native")));
     assert!(
         e.to_string().contains("expandable, compact or remap"),
         "{e}"
     );
-    let mixed =
-        Allocator::new(SimDriver::new(), Config::with_mode(SegmentMode::Expandable)).unwrap();
+    let mixed = sim(SegmentMode::Expandable);
     let e = mixed.sleep(&[Tag::Weights], &[]).unwrap_err();
     assert!(matches!(e, Error::SleepNeedsSeparateTags), "{e}");
     let a = allocator(SegmentMode::Expandable, 80 * GIB);

@@ -4,14 +4,15 @@
 //! the simulated driver and device.
 
 use std::collections::HashMap;
-use std::path::Path;
 
-use vram_ledger::driver::sim::{SimConfig, SimDriver};
+#[path = "common/sim.rs"]
+mod common;
+
+use common::{check, h200, trace};
 use vram_ledger::driver::DriverCall;
-use vram_ledger::invariants;
 use vram_ledger::replay::trace::{Action, Trace};
-use vram_ledger::replay::{self, engine::H200_CAPACITY, ReplayOptions};
-use vram_ledger::{Allocator, Config, SegmentMode};
+use vram_ledger::replay::{self, ReplayOptions};
+use vram_ledger::SegmentMode;
 
 /// Passes per mode. Pass 1 warms the cache; the later ones are where a leak would show.
 const PASSES: usize = 10;
@@ -45,20 +46,12 @@ fn trace_peak_live(t: &Trace) -> u64 {
 fn soak_replay_back_to_back_with_a_warm_cache() {
     let traces: Vec<(&str, Trace)> = ["gpt2-train", "llama1b-serve"]
         .iter()
-        .map(|&t| {
-            let path = format!("tests/data/{t}.pickle.gz");
-            (t, replay::read_file(Path::new(&path), None).unwrap())
-        })
+        .map(|&t| (t, trace(t)))
         .collect();
     let peaks: Vec<u64> = traces.iter().map(|(_, t)| trace_peak_live(t)).collect();
     for mode in SegmentMode::ALL {
-        let drv = SimDriver::with_config(SimConfig {
-            capacity: H200_CAPACITY,
-            context_overhead: 0,
-            ..Default::default()
-        });
-        let dev = drv.device().clone();
-        let a = Allocator::new(drv, Config::with_mode(mode)).unwrap();
+        let a = h200(mode);
+        let dev = a.driver().device().clone();
         let opts = ReplayOptions {
             mode,
             timeline_points: 0,
@@ -126,7 +119,7 @@ fn soak_replay_back_to_back_with_a_warm_cache() {
                 "{mode} pass {pass}: memory obtained from the driver again ({again} calls; pass 1 made {calls})"
             );
         }
-        invariants::check_sim(&a).unwrap();
+        check(&a);
         a.empty_cache().unwrap();
         assert_eq!(
             a.driver().held_bytes(),

@@ -6,21 +6,16 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
 
-use vram_ledger::driver::sim::{SimConfig, SimDriver};
+#[macro_use]
+#[path = "common/sim.rs"]
+mod common;
+
+use common::{sim_moving, Rng};
+use vram_ledger::driver::sim::SimConfig;
 use vram_ledger::driver::StreamId;
 use vram_ledger::invariants;
 use vram_ledger::units::GIB;
-use vram_ledger::{Allocation, Allocator, Config, SegmentMode, Tag};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
+use vram_ledger::{Allocation, SegmentMode, Tag};
 
 /// Live intervals: start -> (end, owner thread).
 type Shadow = Mutex<BTreeMap<u64, (u64, usize)>>;
@@ -40,27 +35,18 @@ fn claim(shadow: &Shadow, a: &Allocation, who: usize) {
     m.insert(a.ptr, (a.ptr + a.size, who));
 }
 
+/// 8 threads, three rounds of random operations in `mode`, checked at the end of each round.
 fn stress(mode: SegmentMode) {
     let ops: u64 = std::env::var("VRAM_LEDGER_STRESS_OPS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3000);
-    let drv = SimDriver::with_config(SimConfig {
+    let device = SimConfig {
         capacity: 64 * GIB,
         ..Default::default()
-    });
-    let a = Arc::new(
-        Allocator::new(
-            drv,
-            Config {
-                mode,
-                // Threads on other shards take each other's free memory (compact, remap).
-                move_across_streams: true,
-                ..Default::default()
-            },
-        )
-        .unwrap(),
-    );
+    };
+    // Threads on other shards take each other's free memory (compact, remap).
+    let a = Arc::new(sim_moving(mode, device));
     let shadow: Arc<Shadow> = Arc::default();
     let threads = 8;
     let barrier = Arc::new(Barrier::new(threads));
@@ -138,17 +124,4 @@ fn stress(mode: SegmentMode) {
     assert_eq!(a.live_allocations(), 0);
 }
 
-#[test]
-fn stress_plain() {
-    stress(SegmentMode::Native);
-}
-
-#[test]
-fn stress_expandable() {
-    stress(SegmentMode::Expandable);
-}
-
-#[test]
-fn stress_remap() {
-    stress(SegmentMode::Remap);
-}
+per_mode!(stress);

@@ -19,11 +19,11 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::trace::{Action, Trace};
+use super::trace::{Action, Event, Trace};
 use crate::driver::counting::DriverCalls;
 use crate::driver::sim::{SimConfig, SimDriver};
 use crate::driver::{cost, DriverCall, StreamId};
-use crate::ledger::PerTag;
+use crate::ledger::{PerTag, Snapshot};
 use crate::tag::Tag;
 use crate::units::MIB;
 use crate::{Allocator, Config, Error, SegmentMode};
@@ -187,197 +187,327 @@ pub fn replay_on(
     mut progress: impl FnMut(usize),
 ) -> Result<ReplayResult, Error> {
     let start = Instant::now();
-    let dev = alloc.driver().device().clone();
     let host_before = alloc.driver().estimated_host_seconds();
-    let mut torch_seconds = 0.0;
-    // `calls` made, priced as `priced` calls on `bytes` each.
-    let mut torch_call =
-        |torch: &mut DriverCalls, call: DriverCall, calls: u64, priced: u64, bytes: u64| {
-            torch.add(call, calls);
-            torch_seconds += priced as f64 * cost::host_seconds(call, bytes);
-        };
-    let delayed = delayed_frees(trace);
-    // Trace address -> (our pointer, trace size, tag).
-    let mut live: HashMap<u64, (u64, u64, Tag)> = HashMap::with_capacity(4096);
-    // Frees requested and not yet completed: trace address -> (size, the stream of its own
-    // that holds the block back, if its completion comes later).
-    let mut completing: HashMap<u64, (u64, Option<StreamId>)> = HashMap::with_capacity(64);
-    let (mut floor_now, mut floor_peak, mut next_hold) = (0u64, 0u64, 0u64);
-    let mut cache_releases = 0u64;
-    let (mut live_now, mut live_peak) = (PerTag::<u64>::default(), 0u64);
-    let mut tag_peak = PerTag::<u64>::default();
-    let mut live_total = 0u64;
-    let (mut torch_reserved, mut torch_peak) = (0u64, 0u64);
-    let mut torch = DriverCalls::default();
-    let (mut allocations, mut frees, mut unmatched, mut ooms) = (0u64, 0u64, 0u64, 0u64);
-    let every = if opts.timeline_points == 0 {
-        usize::MAX
-    } else {
-        trace.events.len().div_ceil(opts.timeline_points).max(1)
-    };
-    let mut timeline = Vec::with_capacity(opts.timeline_points + 1);
-    let mut window = (0usize, 0u64, PerTag::<u64>::default());
+    let mut r = Replayer::new(alloc, trace, opts.timeline_points);
     for (i, e) in trace.events.iter().enumerate() {
         match e.action {
-            Action::Alloc => match alloc.allocate_tagged(e.size, StreamId(e.stream), e.tag) {
-                Ok(a) => {
-                    allocations += 1;
-                    if let Some((old, ..)) = live.insert(e.addr, (a.ptr, e.size, e.tag)) {
-                        // The trace reused an address we think is live: keep ours consistent.
-                        alloc.free(old)?;
-                    }
-                    live_now[e.tag] += e.size;
-                    live_total += e.size;
-                    live_peak = live_peak.max(live_total);
-                    floor_now += e.size;
-                    floor_peak = floor_peak.max(floor_now);
-                    tag_peak[e.tag] = tag_peak[e.tag].max(live_now[e.tag]);
-                }
-                Err(Error::OutOfMemory(_)) => ooms += 1,
-                Err(err) => return Err(err),
-            },
-            Action::FreeRequested => match live.remove(&e.addr) {
-                Some((ptr, size, tag)) => {
-                    let hold = delayed[i].then(|| {
-                        next_hold += 1;
-                        StreamId(HOLD_STREAMS + next_hold)
-                    });
-                    if let Some(h) = hold {
-                        // Work queued on a stream of its own, completed at free_completed.
-                        alloc.record_stream(ptr, h)?;
-                        dev.submit_external(h);
-                    }
-                    alloc.free_on(ptr, StreamId(e.stream))?;
-                    completing.insert(e.addr, (size, hold));
-                    frees += 1;
-                    live_now[tag] -= size;
-                    live_total -= size;
-                }
-                None => unmatched += 1,
-            },
-            Action::FreeCompleted => {
-                if let Some((size, hold)) = completing.remove(&e.addr) {
-                    if let Some(h) = hold {
-                        dev.complete(h);
-                    }
-                    floor_now -= size;
-                }
-            }
-            Action::SegmentAlloc | Action::SegmentMap => {
-                torch_reserved += e.size;
-                torch_peak = torch_peak.max(torch_reserved);
-                if e.action == Action::SegmentAlloc {
-                    torch_call(&mut torch, DriverCall::AllocSegment, 1, 1, e.size);
-                } else {
-                    // PyTorch's expandable segments: a handle and a map per page, then the
-                    // range made accessible in one call. One call over a range of pages costs
-                    // what one call per page costs (`scripts/vmm_range_bench.py` on the H200),
-                    // so it is priced per page and counted once.
-                    let (page, pages) = expandable_pages(e.size);
-                    torch_call(&mut torch, DriverCall::CreatePhysical, pages, pages, page);
-                    torch_call(&mut torch, DriverCall::Map, pages, pages, page);
-                    torch_call(&mut torch, DriverCall::SetAccess, 1, pages, page);
-                }
-            }
-            Action::SegmentFree | Action::SegmentUnmap => {
-                // The first of a run: PyTorch released its cache here. (In vram-ledger's own
-                // recordings, the compact and remap modes also unmap to move memory: there
-                // only segment frees mark a release.)
-                let run = i > 0
-                    && matches!(
-                        trace.events[i - 1].action,
-                        Action::SegmentFree | Action::SegmentUnmap
-                    );
-                let moved = e.action == Action::SegmentUnmap
-                    && trace
-                        .vram_ledger_mode
-                        .as_deref()
-                        .is_some_and(|m| m != "expandable");
-                if !run && !moved {
-                    alloc.empty_cache()?;
-                    cache_releases += 1;
-                }
-                torch_reserved = torch_reserved.saturating_sub(e.size);
-                if e.action == Action::SegmentFree {
-                    torch_call(&mut torch, DriverCall::FreeSegment, 1, 1, e.size);
-                } else {
-                    let (page, pages) = expandable_pages(e.size);
-                    torch_call(&mut torch, DriverCall::Unmap, pages, pages, page);
-                    torch_call(&mut torch, DriverCall::ReleasePhysical, pages, pages, page);
-                }
-            }
+            Action::Alloc => r.alloc(e)?,
+            Action::FreeRequested => r.free_requested(i, e)?,
+            Action::FreeCompleted => r.free_completed(e),
+            Action::SegmentAlloc | Action::SegmentMap => r.torch.segment_mapped(e),
+            Action::SegmentFree | Action::SegmentUnmap => r.segment_released(i, e)?,
             Action::Oom => {}
         }
-        // Each timeline point is the moment of most live memory in its window, so that
-        // short spikes (and the peak) show in the picture.
-        if live_total >= window.1 {
-            window = (i, live_total, live_now);
-        }
-        if (i + 1) % every == 0 {
-            let (event, _, live) = window;
-            timeline.push(Point {
-                event,
-                live,
-                reserved: alloc.ledger().reserved(),
-                torch_reserved,
-            });
-            window = (i + 1, 0, live_now);
-        }
+        r.sample(i);
         if i % 65536 == 0 {
             progress(i);
         }
     }
-    timeline.push(Point {
-        event: trace.events.len(),
-        live: live_now,
-        reserved: alloc.ledger().reserved(),
-        torch_reserved,
-    });
+    r.sample_end();
     let seconds = start.elapsed().as_secs_f64();
     let driver_seconds = alloc.driver().estimated_host_seconds() - host_before;
     let snap = alloc.snapshot();
-    let ratio = |r: u64| {
-        if floor_peak == 0 {
-            0.0
-        } else {
-            r as f64 / floor_peak as f64
-        }
-    };
-    // Leave nothing live: free what the trace left live, and give the cache back unless the
-    // caller keeps it warm for another replay.
-    for (ptr, ..) in live.into_values() {
-        alloc.free(ptr)?;
-    }
-    if opts.release_at_end {
-        alloc.empty_cache()?;
-    }
+    r.leave_nothing_live(opts.release_at_end)?;
     let held_after = alloc.driver().held_bytes();
-    Ok(ReplayResult {
-        mode: opts.mode,
-        events: trace.events.len(),
-        allocations,
-        frees,
-        unmatched_frees: unmatched,
-        peak_live: floor_peak,
-        peak_live_requested: live_peak,
-        cache_releases,
-        peak_reserved: snap.reserved_bytes.peak,
-        fragmentation_ratio: ratio(snap.reserved_bytes.peak),
-        torch_peak_reserved: torch_peak,
-        torch_fragmentation_ratio: ratio(torch_peak),
-        driver_calls: snap.driver_calls,
-        torch_driver_calls: torch,
-        driver_seconds,
-        torch_driver_seconds: torch_seconds,
-        ooms,
-        per_tag: PerTag(std::array::from_fn(|i| TagPeak {
-            peak_live: tag_peak.0[i],
-            peak_allocated: snap.per_tag.0[i].allocated_bytes.peak,
-        })),
-        unknown_tags: trace.unknown_tags.clone(),
-        seconds,
-        held_after,
-        events_per_second: trace.events.len() as f64 / seconds.max(1e-9),
-        timeline,
-    })
+    Ok(r.result(opts, snap, seconds, driver_seconds, held_after))
+}
+
+/// The trace's own live bytes, as PyTorch recorded them: until `free_requested` (per tag and in
+/// all) and until `free_completed` (the floor), with their peaks.
+#[derive(Default)]
+struct Live {
+    now: PerTag<u64>,
+    total: u64,
+    peak: u64,
+    tag_peak: PerTag<u64>,
+    floor: u64,
+    floor_peak: u64,
+}
+
+impl Live {
+    fn allocated(&mut self, tag: Tag, size: u64) {
+        self.now[tag] += size;
+        self.total += size;
+        self.peak = self.peak.max(self.total);
+        self.floor += size;
+        self.floor_peak = self.floor_peak.max(self.floor);
+        self.tag_peak[tag] = self.tag_peak[tag].max(self.now[tag]);
+    }
+
+    fn free_requested(&mut self, tag: Tag, size: u64) {
+        self.now[tag] -= size;
+        self.total -= size;
+    }
+
+    fn free_completed(&mut self, size: u64) {
+        self.floor -= size;
+    }
+}
+
+/// PyTorch's side of the replay, from the trace's segment events: the bytes it reserved and the
+/// driver calls they imply, with their estimated host time.
+#[derive(Default)]
+struct Torch {
+    reserved: u64,
+    peak: u64,
+    calls: DriverCalls,
+    seconds: f64,
+}
+
+impl Torch {
+    /// `calls` made, priced as `priced` calls on `bytes` each.
+    fn call(&mut self, call: DriverCall, calls: u64, priced: u64, bytes: u64) {
+        self.calls.add(call, calls);
+        self.seconds += priced as f64 * cost::host_seconds(call, bytes);
+    }
+
+    /// Each of `calls` once per page of an expandable range of `bytes`; returns the page size and
+    /// the page count.
+    fn per_page(&mut self, calls: [DriverCall; 2], bytes: u64) -> (u64, u64) {
+        let (page, pages) = expandable_pages(bytes);
+        for call in calls {
+            self.call(call, pages, pages, page);
+        }
+        (page, pages)
+    }
+
+    /// A `segment_alloc` or `segment_map` event.
+    fn segment_mapped(&mut self, e: &Event) {
+        self.reserved += e.size;
+        self.peak = self.peak.max(self.reserved);
+        if e.action == Action::SegmentAlloc {
+            self.call(DriverCall::AllocSegment, 1, 1, e.size);
+        } else {
+            // PyTorch's expandable segments: a handle and a map per page, then the range made
+            // accessible in one call. One call over a range of pages costs what one call per
+            // page costs (`scripts/vmm_range_bench.py` on the H200), so it is priced per page
+            // and counted once.
+            let (page, pages) =
+                self.per_page([DriverCall::CreatePhysical, DriverCall::Map], e.size);
+            self.call(DriverCall::SetAccess, 1, pages, page);
+        }
+    }
+
+    /// A `segment_free` or `segment_unmap` event.
+    fn segment_released(&mut self, e: &Event) {
+        self.reserved = self.reserved.saturating_sub(e.size);
+        if e.action == Action::SegmentFree {
+            self.call(DriverCall::FreeSegment, 1, 1, e.size);
+        } else {
+            self.per_page([DriverCall::Unmap, DriverCall::ReleasePhysical], e.size);
+        }
+    }
+}
+
+/// A replay under way: the trace's blocks as our allocator holds them, and what is measured.
+struct Replayer<'a> {
+    allocator: &'a Allocator<SimDriver>,
+    trace: &'a Trace,
+    delayed: Vec<bool>,
+    /// Trace address -> (our pointer, trace size, tag).
+    ours: HashMap<u64, (u64, u64, Tag)>,
+    /// Frees requested and not yet completed: trace address -> (size, the stream of its own
+    /// that holds the block back, if its completion comes later).
+    completing: HashMap<u64, (u64, Option<StreamId>)>,
+    next_hold: u64,
+    live: Live,
+    torch: Torch,
+    allocations: u64,
+    frees: u64,
+    unmatched: u64,
+    ooms: u64,
+    cache_releases: u64,
+    /// Events per timeline point.
+    every: usize,
+    timeline: Vec<Point>,
+    /// The moment of most live memory in the current point's window: (event, live bytes,
+    /// live bytes per tag).
+    window: (usize, u64, PerTag<u64>),
+}
+
+impl<'a> Replayer<'a> {
+    fn new(allocator: &'a Allocator<SimDriver>, trace: &'a Trace, timeline_points: usize) -> Self {
+        let every = if timeline_points == 0 {
+            usize::MAX
+        } else {
+            trace.events.len().div_ceil(timeline_points).max(1)
+        };
+        Replayer {
+            allocator,
+            trace,
+            delayed: delayed_frees(trace),
+            ours: HashMap::with_capacity(4096),
+            completing: HashMap::with_capacity(64),
+            next_hold: 0,
+            live: Live::default(),
+            torch: Torch::default(),
+            allocations: 0,
+            frees: 0,
+            unmatched: 0,
+            ooms: 0,
+            cache_releases: 0,
+            every,
+            timeline: Vec::with_capacity(timeline_points + 1),
+            window: (0, 0, PerTag::default()),
+        }
+    }
+
+    fn alloc(&mut self, e: &Event) -> Result<(), Error> {
+        let stream = StreamId(e.stream);
+        match self.allocator.allocate_tagged(e.size, stream, e.tag) {
+            Ok(a) => {
+                self.allocations += 1;
+                if let Some((old, ..)) = self.ours.insert(e.addr, (a.ptr, e.size, e.tag)) {
+                    // The trace reused an address we think is live: keep ours consistent.
+                    self.allocator.free(old)?;
+                }
+                self.live.allocated(e.tag, e.size);
+            }
+            Err(Error::OutOfMemory(_)) => self.ooms += 1,
+            Err(err) => return Err(err),
+        }
+        Ok(())
+    }
+
+    /// Event `i`, a `free_requested`.
+    fn free_requested(&mut self, i: usize, e: &Event) -> Result<(), Error> {
+        let Some((ptr, size, tag)) = self.ours.remove(&e.addr) else {
+            self.unmatched += 1;
+            return Ok(());
+        };
+        let hold = self.delayed[i].then(|| {
+            self.next_hold += 1;
+            StreamId(HOLD_STREAMS + self.next_hold)
+        });
+        if let Some(h) = hold {
+            // Work queued on a stream of its own, completed at free_completed.
+            self.allocator.record_stream(ptr, h)?;
+            self.allocator.driver().device().submit_external(h);
+        }
+        self.allocator.free_on(ptr, StreamId(e.stream))?;
+        self.completing.insert(e.addr, (size, hold));
+        self.frees += 1;
+        self.live.free_requested(tag, size);
+        Ok(())
+    }
+
+    fn free_completed(&mut self, e: &Event) {
+        if let Some((size, hold)) = self.completing.remove(&e.addr) {
+            if let Some(h) = hold {
+                self.allocator.driver().device().complete(h);
+            }
+            self.live.free_completed(size);
+        }
+    }
+
+    /// Event `i`, a `segment_free` or `segment_unmap`.
+    fn segment_released(&mut self, i: usize, e: &Event) -> Result<(), Error> {
+        // The first of a run: PyTorch released its cache here. (In vram-ledger's own
+        // recordings, the compact and remap modes also unmap to move memory: there only
+        // segment frees mark a release.)
+        let run = i > 0
+            && matches!(
+                self.trace.events[i - 1].action,
+                Action::SegmentFree | Action::SegmentUnmap
+            );
+        let moved = e.action == Action::SegmentUnmap
+            && self
+                .trace
+                .vram_ledger_mode
+                .as_deref()
+                .is_some_and(|m| m != "expandable");
+        if !run && !moved {
+            self.allocator.empty_cache()?;
+            self.cache_releases += 1;
+        }
+        self.torch.segment_released(e);
+        Ok(())
+    }
+
+    /// After event `i`. Each timeline point is the moment of most live memory in its window, so
+    /// that short spikes (and the peak) show in the picture.
+    fn sample(&mut self, i: usize) {
+        if self.live.total >= self.window.1 {
+            self.window = (i, self.live.total, self.live.now);
+        }
+        if (i + 1).is_multiple_of(self.every) {
+            let (event, _, live) = self.window;
+            self.timeline.push(Point {
+                event,
+                live,
+                reserved: self.allocator.ledger().reserved(),
+                torch_reserved: self.torch.reserved,
+            });
+            self.window = (i + 1, 0, self.live.now);
+        }
+    }
+
+    /// The timeline's last point, after the last event.
+    fn sample_end(&mut self) {
+        self.timeline.push(Point {
+            event: self.trace.events.len(),
+            live: self.live.now,
+            reserved: self.allocator.ledger().reserved(),
+            torch_reserved: self.torch.reserved,
+        });
+    }
+
+    /// Free what the trace left live, and give the cache back unless the caller keeps it warm
+    /// for another replay.
+    fn leave_nothing_live(&mut self, release: bool) -> Result<(), Error> {
+        for (ptr, ..) in std::mem::take(&mut self.ours).into_values() {
+            self.allocator.free(ptr)?;
+        }
+        if release {
+            self.allocator.empty_cache()?;
+        }
+        Ok(())
+    }
+
+    fn result(
+        self,
+        opts: &ReplayOptions,
+        snap: Snapshot,
+        seconds: f64,
+        driver_seconds: f64,
+        held_after: u64,
+    ) -> ReplayResult {
+        let floor_peak = self.live.floor_peak;
+        let ratio = |r: u64| {
+            if floor_peak == 0 {
+                0.0
+            } else {
+                r as f64 / floor_peak as f64
+            }
+        };
+        let events = self.trace.events.len();
+        ReplayResult {
+            mode: opts.mode,
+            events,
+            allocations: self.allocations,
+            frees: self.frees,
+            unmatched_frees: self.unmatched,
+            peak_live: floor_peak,
+            peak_live_requested: self.live.peak,
+            cache_releases: self.cache_releases,
+            peak_reserved: snap.reserved_bytes.peak,
+            fragmentation_ratio: ratio(snap.reserved_bytes.peak),
+            torch_peak_reserved: self.torch.peak,
+            torch_fragmentation_ratio: ratio(self.torch.peak),
+            driver_calls: snap.driver_calls,
+            torch_driver_calls: self.torch.calls,
+            driver_seconds,
+            torch_driver_seconds: self.torch.seconds,
+            ooms: self.ooms,
+            per_tag: PerTag(std::array::from_fn(|i| TagPeak {
+                peak_live: self.live.tag_peak.0[i],
+                peak_allocated: snap.per_tag.0[i].allocated_bytes.peak,
+            })),
+            unknown_tags: self.trace.unknown_tags.clone(),
+            seconds,
+            held_after,
+            events_per_second: events as f64 / seconds.max(1e-9),
+            timeline: self.timeline,
+        }
+    }
 }

@@ -4,6 +4,9 @@
 
 #![allow(dead_code)]
 
+#[macro_use]
+pub mod sim;
+
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
@@ -57,20 +60,5 @@ impl Gpu {
 
     pub fn read(&self, c: &CudaSlice<u64>) -> u64 {
         self.stream.clone_dtoh(c).unwrap()[0]
-    }
-}
-
-/// A small deterministic generator, so that a failing sequence can be replayed.
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
     }
 }
