@@ -23,7 +23,7 @@ use crossbeam::utils::CachePadded;
 use super::config::{Config, Limit, SegmentMode};
 use super::core::{Allocation, Core, GrowError, NONE};
 use super::dump::{PoolStats, StateDump};
-use super::growth::{Growth, SyncFirst};
+use super::growth::{At, Growth, Request, SyncFirst};
 use super::history::{Action, HistoryEntry};
 use super::host::SleepState;
 use super::kvregion::KvRegion;
@@ -274,10 +274,19 @@ impl<D: Driver> Allocator<D> {
         if sh.sleeps(owner) {
             return Err(Error::Asleep(tag));
         }
-        match self
-            .growth
-            .grow(&self.core, &self.shards, sh, owner, stream, rounded)
-        {
+        let at = At {
+            core: &self.core,
+            shards: &self.shards,
+        };
+        match self.growth.grow(
+            at,
+            sh,
+            Request {
+                owner,
+                stream,
+                rounded,
+            },
+        ) {
             Ok(id) => Ok(Ok(sh.take(&self.core, id, rounded, size, tag))),
             Err(GrowError::Memory(cause)) => Ok(Err(cause)),
             Err(GrowError::Driver(e)) => Err(e.into()),

@@ -4,13 +4,12 @@
 //! bytes follow live bytes, at the price of a synchronisation and an unmap per move.
 
 use super::mapped::{note_move_failure, SyncFirst};
-use super::{may_move, moves};
-use crate::allocator::block::{BlockId, NIL};
-use crate::allocator::core::{Core, GrowError};
-use crate::allocator::owner::Owner;
+use super::{may_move, moves, At, Grown, Request};
+use crate::allocator::block::NIL;
+use crate::allocator::core::GrowError;
 use crate::allocator::rules;
-use crate::allocator::shard::{Shard, Shards};
-use crate::driver::{Driver, StreamId};
+use crate::allocator::shard::Shard;
+use crate::driver::Driver;
 use crate::error::OomCause;
 
 #[derive(Debug)]
@@ -20,16 +19,9 @@ pub(crate) struct Compact {
 }
 
 impl Compact {
-    pub(super) fn grow<D: Driver>(
-        &self,
-        core: &Core<D>,
-        shards: &Shards,
-        sh: &mut Shard,
-        owner: Owner,
-        stream: StreamId,
-        rounded: u64,
-    ) -> Result<BlockId, GrowError> {
-        if may_move(core, owner, stream) {
+    pub(super) fn grow<D: Driver>(&self, at: At<'_, D>, sh: &mut Shard, r: Request) -> Grown {
+        let (core, rounded) = (at.core, r.rounded);
+        if may_move(core, r.owner, r.stream) {
             let left = match sh.release_for_growth(core, rounded, SyncFirst::Owner, [NIL; 2]) {
                 Ok(got) => rounded.saturating_sub(got),
                 Err(e) => {
@@ -38,11 +30,11 @@ impl Compact {
                 }
             };
             if left > 0 && self.across_streams && !sh.graphs.capturing() {
-                moves::from_other_shards(core, shards, sh, left, false);
+                moves::from_other_shards(core, at.shards, sh, left, false);
             }
         }
         let pool = rules::pool_for(rounded);
-        let seg = sh.reservation(core, owner, pool, core.granularity)?;
+        let seg = sh.reservation(core, r.owner, pool, core.granularity)?;
         let site = sh
             .lowest_site(seg, rounded, 0)
             .ok_or(GrowError::Memory(OomCause::AddressSpace))?;

@@ -91,26 +91,36 @@ impl Growth {
         }
     }
 
-    /// Get memory for `owner` for a request of `rounded` bytes, made on `stream`, that its
-    /// cache could not serve; returns a free block (listed) that holds the request and may
-    /// serve it. `shards` are every shard of the allocator (`sh` among them, held).
-    pub(crate) fn grow<D: Driver>(
-        &self,
-        core: &Core<D>,
-        shards: &Shards,
-        sh: &mut Shard,
-        owner: Owner,
-        stream: StreamId,
-        rounded: u64,
-    ) -> std::result::Result<BlockId, GrowError> {
+    /// Get memory for a request its owner's cache could not serve; returns a free block
+    /// (listed) that holds it and may serve it. `shards` are every shard of the allocator (`sh`
+    /// among them, held).
+    pub(crate) fn grow<D: Driver>(&self, at: At<'_, D>, sh: &mut Shard, r: Request) -> Grown {
         match self {
-            Growth::Plain => sh.grow_plain(core, owner, stream, rounded),
-            Growth::Expandable => expandable::grow(core, sh, owner, rounded),
-            Growth::Compact(c) => c.grow(core, shards, sh, owner, stream, rounded),
-            Growth::Remap(r) => r.grow(core, shards, sh, owner, stream, rounded),
+            Growth::Plain => sh.grow_plain(at.core, r.owner, r.stream, r.rounded),
+            Growth::Expandable => expandable::grow(at.core, sh, r.owner, r.rounded),
+            Growth::Compact(c) => c.grow(at, sh, r),
+            Growth::Remap(m) => m.grow(at, sh, r),
         }
     }
 }
+
+/// Where growth runs: what the shards share, and every shard.
+#[derive(Clone, Copy)]
+pub(crate) struct At<'a, D> {
+    pub(crate) core: &'a Core<D>,
+    pub(crate) shards: &'a Shards,
+}
+
+/// A request growth serves: `rounded` bytes for `owner`, made on `stream`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Request {
+    pub(crate) owner: Owner,
+    pub(crate) stream: StreamId,
+    pub(crate) rounded: u64,
+}
+
+/// What growth gives: a listed free block that holds the request, or why not.
+pub(crate) type Grown = std::result::Result<BlockId, GrowError>;
 
 /// Whether growth for `owner` on `stream` may move memory before it adds any: not for a graph
 /// pool (it grows only during a capture) nor while `stream` captures (a capture records the

@@ -15,14 +15,14 @@
 
 use super::mapped::{note_move_failure, Site, SyncFirst};
 use super::spare::new_bytes_for;
-use super::{may_move, moves};
+use super::{may_move, moves, At, Grown, Request};
 use crate::allocator::block::{BlockId, NIL};
 use crate::allocator::config::{Config, DEFAULT_REMAP_PIECE};
 use crate::allocator::core::{Core, GrowError};
 use crate::allocator::owner::Owner;
 use crate::allocator::rules::{self, PoolKind};
-use crate::allocator::shard::{Shard, Shards};
-use crate::driver::{Driver, StreamId};
+use crate::allocator::shard::Shard;
+use crate::driver::Driver;
 use crate::error::OomCause;
 
 /// Growth weighs at most this many unmapped ranges for where to map spare pieces.
@@ -72,20 +72,13 @@ impl Remap {
         }
     }
 
-    pub(super) fn grow<D: Driver>(
-        &self,
-        core: &Core<D>,
-        shards: &Shards,
-        sh: &mut Shard,
-        owner: Owner,
-        stream: StreamId,
-        rounded: u64,
-    ) -> Result<BlockId, GrowError> {
+    pub(super) fn grow<D: Driver>(&self, at: At<'_, D>, sh: &mut Shard, r: Request) -> Grown {
+        let (core, shards, owner, rounded) = (at.core, at.shards, r.owner, r.rounded);
         let pool = rules::pool_for(rounded);
         // A small-pool page is one granule: moving memory for it would map a whole free piece
         // of the large pool (CUDA maps whole handles), where small blocks that live long would
         // pin all of it. New pages cost a map each, as the small pool's always do.
-        if pool == PoolKind::Large && may_move(core, owner, stream) {
+        if pool == PoolKind::Large && may_move(core, owner, r.stream) {
             let left = self.make_room(core, sh, owner, rounded);
             if left > 0 && self.across_streams && !sh.graphs.capturing() {
                 // With the pieces moved in, growth chooses its site again and may need more
