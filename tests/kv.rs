@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use vram_ledger::driver::sim::{SimDevice, SimDriver};
 use vram_ledger::driver::DriverCall;
-use vram_ledger::profile::{ProfileOptions, Profiler};
+use vram_ledger::profile::{ProfileOptions, ProfileResult, Profiler};
 use vram_ledger::units::{GIB, MIB};
 use vram_ledger::{
     invariants, Allocator, Config, Error, GraphPool, KvCache, SegmentMode, StreamId, Tag,
@@ -69,8 +69,13 @@ impl Engine {
 }
 
 /// Weights and a profiled pass (1.3 GiB of activations at its peak, 200 MiB behind the
-/// allocator's back), with the contract armed.
-fn engine(dev: &Arc<SimDevice>, mode: SegmentMode) -> Engine {
+/// allocator's back, and whatever `also` does inside the profile block), with the contract
+/// armed; returns the engine and the profile.
+fn profiled(
+    dev: &Arc<SimDevice>,
+    mode: SegmentMode,
+    also: impl FnOnce(&Engine),
+) -> (Engine, ProfileResult) {
     let alloc = Allocator::new(dev.spawn_process().unwrap(), Config::with_mode(mode)).unwrap();
     let mut e = Engine {
         dev: dev.clone(),
@@ -93,12 +98,17 @@ fn engine(dev: &Arc<SimDevice>, mode: SegmentMode) -> Engine {
             || {
                 e.forward().unwrap();
                 e.alloc.driver().alloc_external(200 * MIB).unwrap();
+                also(&e);
             },
         )
         .unwrap()
     };
     e.requested = r.requested;
-    e
+    (e, r)
+}
+
+fn engine(dev: &Arc<SimDevice>, mode: SegmentMode) -> Engine {
+    profiled(dev, mode, |_| {}).0
 }
 
 fn fresh(mode: SegmentMode) -> Engine {
@@ -333,41 +343,14 @@ fn contract_kv_faults_in_every_driver_call_leave_it_wholly_old_or_new() {
 
 #[test]
 fn contract_native_kv_cache_keeps_the_measured_graph_memory_for_the_real_captures() {
-    let dev = SimDevice::new(Default::default());
-    let alloc = Allocator::new(
-        dev.spawn_process().unwrap(),
-        Config::with_mode(SegmentMode::Native),
-    )
-    .unwrap();
-    let mut e = Engine {
-        dev: dev.clone(),
-        requested: 0,
-        _weights: 0,
-        alloc,
-    };
     // Profiling in native mode captures representative graphs too, and measures them.
-    let mut trial = 0;
-    let r = {
-        let p = Profiler::new(&e.alloc).unwrap();
-        e._weights = e
-            .alloc
-            .allocate_tagged(3 * GIB, MAIN, Tag::Weights)
-            .unwrap()
-            .ptr;
-        p.profile(
-            ProfileOptions {
-                utilization: 0.2,
-                ..Default::default()
-            },
-            || {
-                e.forward().unwrap();
-                e.alloc.driver().alloc_external(200 * MIB).unwrap();
-                trial = e.capture(1, 150 * MIB);
-            },
-        )
-        .unwrap()
-    };
-    e.requested = r.requested;
+    let trial = std::cell::Cell::new(0);
+    let (e, r) = profiled(
+        &SimDevice::new(Default::default()),
+        SegmentMode::Native,
+        |e| trial.set(e.capture(1, 150 * MIB)),
+    );
+    let trial = trial.get();
     assert_eq!(r.graph_outside, 150 * MIB);
     assert_eq!(r.graph_pools, 200 * MIB);
     // The trial graph goes, with its output and its instantiation memory.

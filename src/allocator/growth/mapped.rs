@@ -143,7 +143,8 @@ impl Shard {
     }
 
     /// Map `bytes` of new memory from `start` in mappings of `chunk` bytes, committed against
-    /// the limit first; returns the bytes mapped (a prefix) and the error that stopped it.
+    /// the limit first; returns the bytes mapped (a prefix: a chunk is either fully mapped,
+    /// accessible and recorded, or not mapped at all) and the error that stopped it.
     pub(crate) fn map_new<D: Driver>(
         &mut self,
         core: &Core<D>,
@@ -155,12 +156,28 @@ impl Shard {
         if let Err(e) = core.commit(bytes) {
             return (0, Some(e));
         }
-        let (mapped, err) = self.map_chunks(core, seg, start, bytes, chunk);
-        core.uncommit(bytes - mapped);
-        if mapped > 0 {
-            core.ledger.on_reserve(mapped, false);
+        let mut done = 0;
+        let mut err = None;
+        while done < bytes {
+            let va = start + done;
+            match map_one(&core.driver, va, chunk) {
+                Ok(handle) => {
+                    let m = Mapping::new(chunk, handle, false);
+                    self.segments.get_mut(seg).virt_mut().mappings.insert(va, m);
+                    self.record_map(core, seg, Action::SegmentMap, va, chunk);
+                    done += chunk;
+                }
+                Err(e) => {
+                    err = Some(GrowError::from(e));
+                    break;
+                }
+            }
         }
-        (mapped, err.map(GrowError::from))
+        core.uncommit(bytes - done);
+        if done > 0 {
+            core.ledger.on_reserve(done, false);
+        }
+        (done, err)
     }
 
     /// Growth for a request of `rounded` bytes at unmapped block `u` of `seg`, mapping at
@@ -184,33 +201,6 @@ impl Shard {
         }
         let bytes = ((rounded - before).max(floor).div_ceil(v.unit) * v.unit).min(b.size);
         Some(Site::Map { range: u, bytes })
-    }
-
-    /// Map `bytes` from `start` in mappings of `chunk` bytes; returns the bytes mapped (a
-    /// prefix: a chunk is either fully mapped, accessible and recorded, or not mapped at all)
-    /// and the error that stopped it.
-    fn map_chunks<D: Driver>(
-        &mut self,
-        core: &Core<D>,
-        seg: u32,
-        start: DevicePtr,
-        bytes: u64,
-        chunk: u64,
-    ) -> (u64, Option<DriverError>) {
-        let mut done = 0;
-        while done < bytes {
-            let va = start + done;
-            match map_one(&core.driver, va, chunk) {
-                Ok(handle) => {
-                    let m = Mapping::new(chunk, handle, false);
-                    self.segments.get_mut(seg).virt_mut().mappings.insert(va, m);
-                    self.record_map(core, seg, Action::SegmentMap, va, chunk);
-                    done += chunk;
-                }
-                Err(e) => return (done, Some(e)),
-            }
-        }
-        (done, None)
     }
 
     /// Unmap about `want` bytes of free memory from this shard's virtual segments (not graph
@@ -454,11 +444,10 @@ impl Shard {
         sync: SyncFirst,
     ) -> Result<()> {
         self.release_free_mappings(core, seg, u64::MAX, sync, [NIL; 2])?;
-        let s = self.segments.get(seg);
-        let b = &self.blocks[s.first];
-        if b.state != BlockState::Unmapped || b.next != NIL {
+        if !self.wholly(seg, BlockState::Unmapped) {
             return Ok(());
         }
+        let s = self.segments.get(seg);
         let (base, size, owner, pool) = (s.base, s.size, s.owner, s.pool);
         core.driver.release_va(base, size)?;
         self.remove_segment(seg);

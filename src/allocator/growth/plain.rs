@@ -54,11 +54,10 @@ impl Shard {
 
     /// Free segment `seg` if its only block is free.
     pub(crate) fn free_plain<D: Driver>(&mut self, core: &Core<D>, seg: u32) -> Result<()> {
-        let s = self.segments.get(seg);
-        let b = &self.blocks[s.first];
-        if b.state != BlockState::Free || b.next != NIL {
+        if !self.wholly(seg, BlockState::Free) {
             return Ok(());
         }
+        let s = self.segments.get(seg);
         let (base, size, first, owner) = (s.base, s.size, s.first, s.owner);
         core.driver.free_segment(base, size)?;
         core.graph_bytes(owner, size, true);

@@ -386,6 +386,12 @@ impl Shard {
         (sid, first)
     }
 
+    /// Whether segment `sid` is one block, in `state`.
+    pub(crate) fn wholly(&self, sid: u32, state: BlockState) -> bool {
+        let b = &self.blocks[self.segments.get(sid).first];
+        b.state == state && b.next == NIL
+    }
+
     /// Forget segment `sid` and its only block (the caller gave its memory back).
     pub(crate) fn remove_segment(&mut self, sid: u32) {
         let first = self.segments.get(sid).first;
