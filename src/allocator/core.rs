@@ -136,6 +136,28 @@ impl<D: Driver> Core<D> {
         Err(GrowError::Memory(cause))
     }
 
+    /// Obtain `bytes` of device memory by `get` (one driver call that allocates them):
+    /// committed against the limit and the cap first, given back to the commitment if the call
+    /// fails, counted as reserved (a new segment when `segment`) if it succeeds.
+    pub(crate) fn obtain<T>(
+        &self,
+        bytes: u64,
+        segment: bool,
+        get: impl FnOnce() -> DriverResult<T>,
+    ) -> Result<T, GrowError> {
+        self.commit(bytes)?;
+        match get() {
+            Ok(got) => {
+                self.ledger.on_reserve(bytes, segment);
+                Ok(got)
+            }
+            Err(e) => {
+                self.uncommit(bytes);
+                Err(e.into())
+            }
+        }
+    }
+
     /// This process's memory outside the allocator, now: its usage as the driver reports it,
     /// less what the allocator holds. Reserved bytes are read before and after the usage and
     /// the smaller is subtracted, so that growth or release finishing in another shard between

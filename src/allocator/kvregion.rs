@@ -80,15 +80,9 @@ impl KvRegion {
         unit: u64,
         stream: StreamId,
     ) -> Result<KvRegion> {
-        commit(core, bytes)?;
-        let base = match core.driver.alloc_segment(bytes, stream) {
-            Ok(b) => b,
-            Err(e) => {
-                core.uncommit(bytes);
-                return Err(e.into());
-            }
-        };
-        core.ledger.on_reserve(bytes, true);
+        let base = core
+            .obtain(bytes, true, || core.driver.alloc_segment(bytes, stream))
+            .map_err(short)?;
         core.ledger.kv_reserved(bytes);
         core.ledger.kv_mapped.add(bytes);
         let usable = bytes / unit;
@@ -340,8 +334,13 @@ impl KvRegion {
 
 /// Commit `bytes` against the limit and the cap, as an error the caller can return.
 fn commit<D: Driver>(core: &Core<D>, bytes: u64) -> Result<()> {
-    core.commit(bytes).map_err(|e| match e {
+    core.commit(bytes).map_err(short)
+}
+
+/// A growth's failure as the KV cache reports it: memory it lacked, or a driver error.
+fn short(e: GrowError) -> Error {
+    match e {
         GrowError::Memory(cause) => Error::KvShort(Box::new(cause)),
         GrowError::Driver(d) => Error::Driver(d),
-    })
+    }
 }

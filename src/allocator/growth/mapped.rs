@@ -17,7 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::allocator::block::{BlockId, BlockState, Fresh, NIL};
+use crate::allocator::block::{BlockId, BlockState, NIL};
 use crate::allocator::core::{Core, GrowError};
 use crate::allocator::history::Action;
 use crate::allocator::owner::Owner;
@@ -399,11 +399,7 @@ impl Shard {
     /// Split `bytes` off the front of unmapped block `u` as a new free block (returned, not in
     /// the index); `bytes` may be all of `u`, in which case `u` itself is returned.
     fn split_front(&mut self, u: BlockId, bytes: u64, seg: u32) -> BlockId {
-        let (addr, size, prev) = (
-            self.blocks[u].addr,
-            self.blocks[u].size,
-            self.blocks[u].prev,
-        );
+        let (addr, size) = (self.blocks[u].addr, self.blocks[u].size);
         let unmapped = &mut self.segments.get_mut(seg).virt_mut().unmapped;
         unmapped.remove(&(addr, u));
         if bytes == size {
@@ -413,26 +409,8 @@ impl Shard {
         let b = &mut self.blocks[u];
         b.addr += bytes;
         b.size -= bytes;
-        let (list, pool) = (b.list, b.pool);
         // The new front takes `u`'s place in the list: `u` moves up by `bytes`.
-        let fid = if prev == NIL {
-            let fid = self.blocks.insert(Fresh {
-                addr,
-                size: bytes,
-                segment: seg,
-                list,
-                state: BlockState::Free,
-                pool,
-                prev: NIL,
-                next: u,
-            });
-            self.segments.get_mut(seg).first = fid;
-            fid
-        } else {
-            self.insert_after(prev, addr, bytes, BlockState::Free)
-        };
-        self.blocks[u].prev = fid;
-        fid
+        self.insert_before(u, addr, bytes, BlockState::Free)
     }
 
     /// Unmap every free mapping of `seg`, and give its reservation back once nothing in it is

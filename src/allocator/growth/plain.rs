@@ -28,15 +28,7 @@ impl Shard {
     ) -> std::result::Result<BlockId, GrowError> {
         let pool = rules::pool_for(rounded);
         let size = rules::segment_size(rounded);
-        core.commit(size)?;
-        let base = match core.driver.alloc_segment(size, stream) {
-            Ok(p) => p,
-            Err(e) => {
-                core.uncommit(size);
-                return Err(e.into());
-            }
-        };
-        core.ledger.on_reserve(size, true);
+        let base = core.obtain(size, true, || core.driver.alloc_segment(size, stream))?;
         core.graph_bytes(owner, size, false);
         core.record_segment(Action::SegmentAlloc, base, size, owner);
         let seg = Segment {

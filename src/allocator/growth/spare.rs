@@ -175,20 +175,11 @@ pub(crate) fn new_bytes_for(mut sizes: Vec<u64>, bytes: u64, room: u64, piece: u
 
 /// A new piece of `size` bytes, committed against the limit and reserved.
 fn create_piece<D: Driver>(core: &Core<D>, size: u64) -> std::result::Result<Spare, GrowError> {
-    core.commit(size)?;
-    match core.driver.create_physical(size) {
-        Ok(handle) => {
-            core.ledger.on_reserve(size, false);
-            Ok(Spare {
-                handle,
-                bytes: size,
-            })
-        }
-        Err(e) => {
-            core.uncommit(size);
-            Err(e.into())
-        }
-    }
+    let handle = core.obtain(size, false, || core.driver.create_physical(size))?;
+    Ok(Spare {
+        handle,
+        bytes: size,
+    })
 }
 
 /// Map an existing handle of `bytes` at `va` and enable it; on failure undo the mapping (the

@@ -318,36 +318,38 @@ impl Shard {
         size: u64,
         state: BlockState,
     ) -> BlockId {
-        let b = &self.blocks[id];
-        let nid = self.blocks.insert(Fresh {
-            addr,
-            size,
-            segment: b.segment,
-            list: b.list,
-            state,
-            pool: b.pool,
-            prev: id,
-            next: b.next,
-        });
-        let next = self.blocks[nid].next;
-        if next != NIL {
-            self.blocks[next].prev = nid;
-        }
-        self.blocks[id].next = nid;
-        nid
+        let next = self.blocks[id].next;
+        self.link_new(id, next, id, addr, size, state)
     }
 
-    /// A new block of `id`'s segment linked in right before `id`, with its owner and pool.
+    /// A new block of `id`'s segment linked in right before `id` (the segment's first block,
+    /// when `id` was), with its owner and pool.
     #[inline]
-    fn insert_before(
+    pub(crate) fn insert_before(
         &mut self,
         id: BlockId,
         addr: DevicePtr,
         size: u64,
         state: BlockState,
     ) -> BlockId {
-        let b = &self.blocks[id];
-        let (seg, prev) = (b.segment, b.prev);
+        let prev = self.blocks[id].prev;
+        self.link_new(prev, id, id, addr, size, state)
+    }
+
+    /// A new block between neighbours `prev` and `next` (either may be [`NIL`]), in the segment,
+    /// free lists and pool of block `like`.
+    #[inline(always)]
+    fn link_new(
+        &mut self,
+        prev: BlockId,
+        next: BlockId,
+        like: BlockId,
+        addr: DevicePtr,
+        size: u64,
+        state: BlockState,
+    ) -> BlockId {
+        let b = &self.blocks[like];
+        let seg = b.segment;
         let nid = self.blocks.insert(Fresh {
             addr,
             size,
@@ -356,14 +358,16 @@ impl Shard {
             state,
             pool: b.pool,
             prev,
-            next: id,
+            next,
         });
         if prev != NIL {
             self.blocks[prev].next = nid;
         } else {
             self.segments.get_mut(seg).first = nid;
         }
-        self.blocks[id].prev = nid;
+        if next != NIL {
+            self.blocks[next].prev = nid;
+        }
         nid
     }
 
