@@ -51,6 +51,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "{{\"what\":\"vram-ledger cached pair\",\"size\":\"{name}\",\"ns_per_pair\":{ns:.1}}}"
         );
     }
+    // `free` with no stream, on a stream of the last shard (streams take shards in turn as
+    // they are first seen): the address table names the shard, where a search in order would
+    // lock all sixteen.
+    let streams = (0..16)
+        .map(|_| ctx.new_stream())
+        .collect::<Result<Vec<_>, _>>()?;
+    let shards = streams
+        .iter()
+        .map(|st| (a.shard_of(stream_id(st)), stream_id(st)));
+    let (shard, far) = shards.max_by_key(|&(i, _)| i).expect("sixteen streams");
+    let w = a.allocate(1 << 20, far)?;
+    a.free(w.ptr)?;
+    let ns = ns_per(2_000_000, || {
+        let x = a
+            .allocate_tagged(std::hint::black_box(1 << 20), far, Tag::Activation)
+            .unwrap();
+        a.free(x.ptr).unwrap();
+    });
+    println!(
+        "{{\"what\":\"vram-ledger cached pair, free without a stream\",\"size\":\"1MiB\",\"shard\":{shard},\"ns_per_pair\":{ns:.1}}}"
+    );
     let sizes64 = mixed_sizes();
     let mut ptrs = Vec::with_capacity(64);
     let round = |ptrs: &mut Vec<u64>| {

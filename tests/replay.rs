@@ -141,6 +141,29 @@ fn on_stream(action: &str, addr: i64, size: i64, meta: &str, stream: i64) -> Val
     Value::Dict(d)
 }
 
+/// Events written as `action addr size [tag] [@stream]`, separated by `;`: the address in
+/// hex, the size in MiB. Several events share a line, so a trace reads as its steps.
+fn events(spec: &str) -> Vec<Value> {
+    let one = |e: &str| {
+        let f: Vec<&str> = e.split_whitespace().collect();
+        let addr = i64::from_str_radix(f[1].trim_start_matches("0x"), 16).unwrap();
+        let size = f[2].parse::<i64>().unwrap() * MIB as i64;
+        let (mut meta, mut stream) = ("", 0);
+        for extra in &f[3..] {
+            match extra.strip_prefix('@') {
+                Some(s) => stream = s.parse().unwrap(),
+                None => meta = extra,
+            }
+        }
+        on_stream(f[0], addr, size, meta, stream)
+    };
+    spec.split(';')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(one)
+        .collect()
+}
+
 fn snapshot(events: Vec<Value>) -> Vec<u8> {
     let mut top = BTreeMap::new();
     top.insert(
@@ -157,17 +180,11 @@ fn snapshot(events: Vec<Value>) -> Vec<u8> {
 #[test]
 fn replay_synthetic_snapshot_exactly() {
     const MB: i64 = 1 << 20;
-    let bytes = snapshot(vec![
-        event("segment_alloc", 0x1000_0000, 40 * MB, "weights"),
-        event("alloc", 0x1000_0000, 30 * MB, "weights"),
-        event("alloc", 0x2000_0000, 4 * MB, "kv"),
-        event("alloc", 0x3000_0000, 2 * MB, "optimizer"),
-        event("free_requested", 0x3000_0000, 2 * MB, "optimizer"),
-        event("free_completed", 0x3000_0000, 2 * MB, "optimizer"),
-        event("free_requested", 0x4000_0000, MB, ""),
-        event("segment_free", 0x1000_0000, 40 * MB, ""),
-        event("snapshot", 0, 0, ""),
-    ]);
+    let bytes = snapshot(events(
+        "segment_alloc 0x10000000 40 weights; alloc 0x10000000 30 weights; alloc 0x20000000 4 kv; \
+         alloc 0x30000000 2 optimizer; free_requested 0x30000000 2 optimizer; free_completed 0x30000000 2 optimizer; \
+         free_requested 0x40000000 1; segment_free 0x10000000 40; snapshot 0 0;",
+    ));
     let t = replay::trace::read_bytes(&bytes, None).unwrap();
     assert_eq!(t.events.len(), 8);
     assert_eq!(t.skipped.get("snapshot"), Some(&1));
@@ -198,15 +215,11 @@ fn replay_a_block_waits_for_its_free_completed() {
     const MB: i64 = 1 << 20;
     // A is freed, but its free completes (its other stream's work) only after B is allocated:
     // B may not reuse A's memory, and the floor counts A until then. C, after, may.
-    let bytes = snapshot(vec![
-        event("alloc", 0x1000, 30 * MB, ""),
-        event("free_requested", 0x1000, 30 * MB, ""),
-        event("alloc", 0x2000, 30 * MB, ""),
-        event("free_completed", 0x1000, 30 * MB, ""),
-        event("free_requested", 0x2000, 30 * MB, ""),
-        event("free_completed", 0x2000, 30 * MB, ""),
-        event("alloc", 0x3000, 30 * MB, ""),
-    ]);
+    let bytes = snapshot(events(
+        "alloc 0x1000 30; free_requested 0x1000 30; alloc 0x2000 30; \
+         free_completed 0x1000 30; free_requested 0x2000 30; free_completed 0x2000 30; \
+         alloc 0x3000 30;",
+    ));
     let t = replay::trace::read_bytes(&bytes, None).unwrap();
     for mode in SegmentMode::ALL {
         let r = replay_in(&t, mode);
@@ -229,23 +242,14 @@ fn replay_a_block_waits_for_its_free_completed() {
 
 #[test]
 fn replay_releases_the_cache_where_pytorch_did() {
-    const MB: i64 = 1 << 20;
     // Two segments freed in a row (one empty_cache), then a new one: a replay that kept its
     // cache would serve the last allocation from it and allocate no third segment.
-    let bytes = snapshot(vec![
-        event("segment_alloc", 0x1000_0000, 40 * MB, ""),
-        event("alloc", 0x1000_0000, 40 * MB, ""),
-        event("segment_alloc", 0x2000_0000, 40 * MB, ""),
-        event("alloc", 0x2000_0000, 40 * MB, ""),
-        event("free_requested", 0x1000_0000, 40 * MB, ""),
-        event("free_completed", 0x1000_0000, 40 * MB, ""),
-        event("free_requested", 0x2000_0000, 40 * MB, ""),
-        event("free_completed", 0x2000_0000, 40 * MB, ""),
-        event("segment_free", 0x1000_0000, 40 * MB, ""),
-        event("segment_free", 0x2000_0000, 40 * MB, ""),
-        event("segment_alloc", 0x3000_0000, 40 * MB, ""),
-        event("alloc", 0x3000_0000, 40 * MB, ""),
-    ]);
+    let bytes = snapshot(events(
+        "segment_alloc 0x10000000 40; alloc 0x10000000 40; segment_alloc 0x20000000 40; \
+         alloc 0x20000000 40; free_requested 0x10000000 40; free_completed 0x10000000 40; \
+         free_requested 0x20000000 40; free_completed 0x20000000 40; segment_free 0x10000000 40; \
+         segment_free 0x20000000 40; segment_alloc 0x30000000 40; alloc 0x30000000 40;",
+    ));
     let t = replay::trace::read_bytes(&bytes, None).unwrap();
     let r = replay::replay(&t, &ReplayOptions::default(), |_| {}).unwrap();
     assert_eq!(r.cache_releases, 1);
@@ -259,12 +263,10 @@ fn replay_moves_memory_between_streams() {
     const MB: i64 = 1 << 20;
     // 100 MiB used and freed on one stream, then on another: with moves, the second stream
     // takes the first one's memory instead of adding its own.
-    let bytes = snapshot(vec![
-        on_stream("alloc", 0x1000, 100 * MB, "", 7),
-        on_stream("free_requested", 0x1000, 100 * MB, "", 7),
-        on_stream("free_completed", 0x1000, 100 * MB, "", 7),
-        on_stream("alloc", 0x2000, 100 * MB, "", 9),
-    ]);
+    let bytes = snapshot(events(
+        "alloc 0x1000 100 @7; free_requested 0x1000 100 @7; free_completed 0x1000 100 @7; \
+         alloc 0x2000 100 @9;",
+    ));
     let t = replay::trace::read_bytes(&bytes, None).unwrap();
     for mode in [SegmentMode::Compact, SegmentMode::Remap] {
         let peak = |moves: bool| {

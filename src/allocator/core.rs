@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use super::config::Config;
 use super::history::History;
 use super::owner::Owner;
+use super::places::Places;
 use crate::driver::counting::Counting;
 use crate::driver::{DevicePtr, Driver, DriverError, DriverResult, StreamId};
 use crate::error::OomCause;
@@ -71,6 +72,8 @@ pub(crate) struct Core<D> {
     pub(crate) history: History,
     /// [`Config::separate_tags`].
     pub(crate) separate_tags: bool,
+    /// Which shard holds each segment's addresses.
+    pub(crate) places: Places,
     committed: AtomicU64,
 }
 
@@ -106,6 +109,7 @@ impl<D: Driver> Core<D> {
             measured: Measured::default(),
             history: Default::default(),
             separate_tags: config.separate_tags,
+            places: Places::default(),
             committed: AtomicU64::new(0),
         })
     }

@@ -28,6 +28,7 @@ use super::history::{Action, HistoryEntry};
 use super::host::SleepState;
 use super::kvregion::KvRegion;
 use super::owner::Owner;
+use super::places::Place;
 use super::routes::GraphRegistry;
 use super::rules;
 use super::shard::{Shard, Shards, Taken};
@@ -402,14 +403,20 @@ impl<D: Driver> Allocator<D> {
         self.in_owning_shard(ptr, |sh| sh.free(&self.core, ptr))
     }
 
-    /// Run `op` on each shard in turn until one knows `ptr`. `op` must change nothing and
-    /// return `UnknownPointer` when its shard does not hold the pointer. A poisoned shard is
-    /// passed over: if the pointer is nowhere else, the error says which shard was poisoned.
+    /// Run `op` on the shard that holds `ptr`: the one the address table names, or else each
+    /// in turn until one knows it. `op` must change nothing and return `UnknownPointer` when
+    /// its shard does not hold the pointer. A poisoned shard is passed over in the search: if
+    /// the pointer is nowhere else, the error says which shard was poisoned.
     fn in_owning_shard(
         &self,
         ptr: DevicePtr,
         mut op: impl FnMut(&mut Shard) -> Result<()>,
     ) -> Result<()> {
+        match self.core.places.find(ptr) {
+            Place::Shard(i) => return op(&mut *self.lock(i)?),
+            Place::Nowhere => return Err(Error::UnknownPointer(ptr)),
+            Place::Search => {}
+        }
         let mut poisoned = None;
         for i in 0..self.shards.len() {
             let r = match self.lock(i) {
@@ -427,7 +434,6 @@ impl<D: Driver> Allocator<D> {
         Err(poisoned.unwrap_or(Error::UnknownPointer(ptr)))
     }
 
-    /// Free an allocation made on `stream`: one lock. Falls back to a search of every shard when
     /// the pointer is not in `stream`'s shard.
     #[inline]
     pub fn free_on(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {

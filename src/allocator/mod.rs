@@ -6,7 +6,7 @@
 //!   `rules.rs` (PyTorch's sizing rules), `history.rs` (the trace vocabulary and the ring),
 //!   `dump.rs` (copies of the state for readers), `block.rs`, `free_index.rs`, `live.rs`,
 //!   `segment.rs`,
-//!   `spin.rs`, `streams.rs`, `planted.rs`;
+//!   `places.rs` (which shard holds an address), `spin.rs`, `streams.rs`, `planted.rs`;
 //! - `core.rs`: what every shard shares (driver, ledger, limit, cap);
 //! - `routes.rs`: graph-pool routing; `host.rs`: sleep's host memory; `kvregion.rs`: the KV
 //!   cache's reserved range;
@@ -29,6 +29,7 @@ mod kv;
 mod kvregion;
 mod live;
 mod owner;
+mod places;
 mod planted;
 mod routes;
 pub mod rules;

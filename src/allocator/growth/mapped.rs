@@ -79,7 +79,7 @@ impl Shard {
                 unmapped: BTreeSet::new(),
             }),
         };
-        let (seg, first) = self.add_segment(seg, BlockState::Unmapped);
+        let (seg, first) = self.add_segment(core, seg, BlockState::Unmapped);
         self.segments
             .get_mut(seg)
             .virt_mut()
@@ -428,7 +428,7 @@ impl Shard {
         let s = self.segments.get(seg);
         let (base, size, owner, pool) = (s.base, s.size, s.owner, s.pool);
         core.driver.release_va(base, size)?;
-        self.remove_segment(seg);
+        self.remove_segment(core, seg);
         self.reservations
             .retain(|&(o, p, _)| !(o == owner && p == pool));
         Ok(())

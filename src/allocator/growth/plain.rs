@@ -39,7 +39,7 @@ impl Shard {
             first: NIL,
             kind: SegmentKind::Plain,
         };
-        let (_, first) = self.add_segment(seg, BlockState::Free);
+        let (_, first) = self.add_segment(core, seg, BlockState::Free);
         self.index_insert(first);
         Ok(first)
     }
@@ -55,7 +55,7 @@ impl Shard {
         core.graph_bytes(owner, size, true);
         core.record_segment(Action::SegmentFree, base, size, owner);
         self.index_remove(first);
-        self.remove_segment(seg);
+        self.remove_segment(core, seg);
         core.ledger
             .on_unreserve(size, !planted::active(Bug::SegmentCount));
         core.uncommit(size);

@@ -372,8 +372,14 @@ impl Shard {
     }
 
     /// A segment's first block, spanning all of it.
-    pub(crate) fn add_segment(&mut self, seg: Segment, state: BlockState) -> (u32, BlockId) {
+    pub(crate) fn add_segment<D: Driver>(
+        &mut self,
+        core: &Core<D>,
+        seg: Segment,
+        state: BlockState,
+    ) -> (u32, BlockId) {
         let (base, size, owner, pool) = (seg.base, seg.size, seg.owner, seg.pool);
+        core.places.add(base, size, self.id);
         let list = self.list_for(owner);
         let sid = self.segments.insert(seg);
         let first = self.blocks.insert(Fresh {
@@ -397,8 +403,10 @@ impl Shard {
     }
 
     /// Forget segment `sid` and its only block (the caller gave its memory back).
-    pub(crate) fn remove_segment(&mut self, sid: u32) {
-        let first = self.segments.get(sid).first;
+    pub(crate) fn remove_segment<D: Driver>(&mut self, core: &Core<D>, sid: u32) {
+        let s = self.segments.get(sid);
+        let first = s.first;
+        core.places.remove(s.base, s.size);
         self.blocks.remove(first);
         self.segments.remove(sid);
     }
