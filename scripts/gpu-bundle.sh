@@ -102,11 +102,22 @@ fi
 gpu_bench() { bin/gpu_bench >"$logs/gpu-bench.jsonl"; }
 torch_bench() { python3 scripts/torch_alloc_bench.py >>"$logs/gpu-bench.jsonl"; }
 profile() { scripts/h200_profile.sh "$logs/profile" >"$logs/profile.txt"; }
-torch_tests() { python3 tests/python/h200_torch.py >"$logs/torch.jsonl"; }
+# Each GPU script exits 1 when any of its marks is missed (tests/python/marks.py).
+script() { python3 "tests/python/$1.py" "${@:2}" >"$logs/$1.jsonl"; }
 step gpu-bench gpu_bench
 step torch-bench torch_bench
 step profile profile
-step torch torch_tests
+step kv-engine bin/kv_engine
+for s in h200_torch h200_contract h200_graphs h200_package h200_sleep; do
+    step "$s" script "$s"
+done
+step h200_engine script h200_engine torch alone hold churn together resize
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+    step two_gpus python3 tests/python/two_gpus.py
+    step h200_sleep-devices script h200_sleep devices
+else
+    echo "two_gpus, h200_sleep devices: not run: one GPU"
+fi
 step cpu-bench bin/alloc-bench --bench --warm-up-time 1 --measurement-time 3
 
 echo

@@ -9,6 +9,10 @@
 //! | `vram_ledger_reserved_peak_bytes` | gauge | device | their peak |
 //! | `vram_ledger_cached_bytes` | gauge | device | reserved but not handed out |
 //! | `vram_ledger_graph_pool_bytes` | gauge | device | held for CUDA graph pools |
+//! | `vram_ledger_graph_outside_bytes` | gauge | device | memory outside the allocator that graph capture and instantiation added |
+//! | `vram_ledger_kv_reserved_bytes` | gauge | device | address space reserved for the KV cache |
+//! | `vram_ledger_kv_mapped_bytes` | gauge | device | physical memory mapped into it |
+//! | `vram_ledger_kv_usable_bytes` | gauge | device | the bytes of the KV blocks the engine may use |
 //! | `vram_ledger_cap_bytes` | gauge | device | the budget contract (only when set) |
 //! | `vram_ledger_alloc_retries_total` | counter | device | allocations retried after a release |
 //! | `vram_ledger_ooms_total` | counter | device | allocations refused |
@@ -71,7 +75,7 @@ pub fn prometheus(devices: &[DeviceMetrics]) -> String {
         "Peak bytes handed out since the last reset, by tag.",
         &mut |o| per_tag(o, name, &|s, t| s.per_tag[t].allocated_bytes.peak),
     );
-    let gauges: [PerDevice; 5] = [
+    let gauges: [PerDevice; 9] = [
         (
             "vram_ledger_reserved_bytes",
             "Bytes held from the driver now.",
@@ -91,6 +95,26 @@ pub fn prometheus(devices: &[DeviceMetrics]) -> String {
             "vram_ledger_graph_pool_bytes",
             "Bytes held for CUDA graph pools.",
             &|d| Some(d.snapshot.graph_reserved_bytes.current),
+        ),
+        (
+            "vram_ledger_graph_outside_bytes",
+            "Memory outside the allocator that graph capture and instantiation added.",
+            &|d| Some(d.snapshot.graph_outside_bytes),
+        ),
+        (
+            "vram_ledger_kv_reserved_bytes",
+            "Address space reserved for the KV cache.",
+            &|d| Some(d.snapshot.kv_cache.reserved),
+        ),
+        (
+            "vram_ledger_kv_mapped_bytes",
+            "Physical memory mapped into the KV cache's range.",
+            &|d| Some(d.snapshot.kv_cache.mapped.current),
+        ),
+        (
+            "vram_ledger_kv_usable_bytes",
+            "The bytes of the KV cache blocks the engine may use.",
+            &|d| Some(d.snapshot.kv_cache.usable),
         ),
         (
             "vram_ledger_cap_bytes",
@@ -149,6 +173,7 @@ mod tests {
             .unwrap();
         a.free(x.ptr).unwrap();
         a.set_cap(Some(7 << 30));
+        let kv = a.reserve_kv(3 << 20, Some(1 << 30), 5).unwrap();
         let text = prometheus(&[DeviceMetrics {
             device: 3,
             snapshot: a.snapshot(),
@@ -170,6 +195,19 @@ mod tests {
             "vram_ledger_cap_bytes{{device=\"3\"}} {}",
             7u64 << 30
         )));
+        // The KV cache as the allocator reported it when reserving it.
+        for (name, v) in [
+            ("reserved", kv.reserved_bytes),
+            ("mapped", kv.mapped_bytes),
+            ("usable", kv.usable_blocks * kv.block_bytes),
+        ] {
+            let line = format!("vram_ledger_kv_{name}_bytes{{device=\"3\"}} {v}");
+            assert!(sample(&line), "{line}");
+        }
+        assert!(
+            kv.usable_blocks >= 5 && kv.mapped_bytes >= 15 << 20,
+            "{kv:?}"
+        );
         // The simulated driver's own count of the segments it handed out.
         let segments = a.driver().calls(crate::driver::DriverCall::AllocSegment);
         assert!(sample(&format!(

@@ -11,6 +11,12 @@
   graph captured inside the profile block, allocate the KV budget, then serve other shapes
   (never more tokens) and replay the graph, while a thread polls this process's NVML usage
   every 2 ms; peak usage against the requested memory.
+
+Every case checks its marks (`marks.py`; a missing reading misses) and the script exits 1 when
+any case misses one: capture, replays equal to eager (as with PyTorch's allocator, whose case
+sets the reference) and eager tensors intact; oom, an exception starting with "CUDA out of
+memory." that names the tags, and a kernel running after it; serve, NVML read, peak usage
+within the request, and no forward refused.
 """
 
 import ctypes
@@ -21,10 +27,14 @@ import sys
 import threading
 import time
 
+from marks import Marks
+
 MODES = ["native", "expandable", "compact", "remap"]
 
 
-def emit(**kv):
+def emit(marks=None, **kv):
+    if marks is not None:
+        kv.update(ok=marks.ok, marks=marks.met, missed=marks.missed())
     print("RESULT " + json.dumps(kv), flush=True)
 
 
@@ -128,8 +138,14 @@ def case_capture(mode):
             ref = m(new).logits
             torch.cuda.synchronize()
             diffs.append(float((out.float() - ref.float()).abs().max()))
-        emit(case="capture", mode=mode, max_abs_diff=max(diffs), equal=max(diffs) == 0.0,
-             eager_alive=bool(torch.isfinite(eager_keep).all()))
+        m = Marks()
+        # The reference: PyTorch's own allocator gives the same difference (bf16 logits of a
+        # captured forward against an eager one), set by the "torch" case before the others.
+        reference = float(os.environ.get("CAPTURE_REFERENCE", "inf"))
+        m.at_most("replay_as_with_torch", max(diffs), reference, -1.0)
+        m.true("eager_alive", bool(torch.isfinite(eager_keep).all()))
+        emit(m, case="capture", mode=mode, max_abs_diff=max(diffs), equal=max(diffs) == 0.0,
+             eager_alive=bool(torch.isfinite(eager_keep).all()), reference=reference)
 
 
 def case_oom():
@@ -140,13 +156,20 @@ def case_oom():
 
     try:
         torch.empty(1 << 40, dtype=torch.uint8, device="cuda")
-        emit(case="oom", raised=False)
+        m = Marks()
+        m.true("raised", False)
+        emit(m, case="oom", raised=False)
         return
     except Exception as e:  # noqa: BLE001 - the type is part of what is measured
         kind, msg = type(e).__name__, str(e)
     x = torch.ones(1 << 20, device="cuda")
     after = float(x.sum().item())
-    emit(case="oom", raised=True, type=kind, starts_with_cuda_oom=msg.startswith("CUDA out of memory."),
+    m = Marks()
+    m.true("raised", True)
+    m.true("starts_with_cuda_oom", msg.startswith("CUDA out of memory."))
+    m.true("names_the_tags", "Allocated by tag" in msg)
+    m.true("kernel_after", after == float(1 << 20))
+    emit(m, case="oom", raised=True, type=kind, starts_with_cuda_oom=msg.startswith("CUDA out of memory."),
          has_breakdown="Allocated by tag" in msg, message=msg[:300], kernel_after=after == float(1 << 20))
 
 
@@ -205,7 +228,12 @@ def case_serve(mode, utilization="0.2", name="llama"):
         time.sleep(0.05)
         poll.stop = True
         poll.join()
-        emit(case="serve", model=name, mode=mode, utilization=utilization, requested=requested,
+        m = Marks()
+        peak = poll.peak if poll.samples else None
+        m.at_least("peak_read", poll.samples, 1, 1 << 60)
+        m.at_most("within", peak, requested, requested // 2)
+        m.at_most("no_forward_refused", failures, 0, -1)
+        emit(m, case="serve", model=name, mode=mode, utilization=utilization, requested=requested,
              outside_at_profile=outside_at_profile, outside_max_serving=outside_max, refused=refused,
              graph_pools=p.result.get("graph_pools"), graph_outside=p.result.get("graph_outside"), kv_budget=p.kv_budget, peak_usage=poll.peak,
              peak_over_requested=poll.peak / requested, within=poll.peak <= requested, samples=poll.samples,
@@ -234,6 +262,10 @@ def tenant(kind):
             time.sleep(0.03)
 
 
+# The last result `run` printed (the capture case's reference comes from it).
+last_result = {}
+
+
 def run(name, args, together=1, each=None):
     """One process per case; `together` copies, or one per argument list of `each`, started at
     the same instant."""
@@ -252,6 +284,9 @@ def run(name, args, together=1, each=None):
         for l in lines:
             r = json.loads(l)
             r["together"] = together
+            failed += not r.get("ok")
+            last_result.clear()
+            last_result.update(r)
             print(json.dumps(r), flush=True)
     return failed
 
@@ -267,7 +302,9 @@ def main():
     failed = 0
     for c in cases:
         if c == "capture":
-            for m in ["torch"] + MODES:
+            failed += run(c, ["torch"])
+            os.environ["CAPTURE_REFERENCE"] = str(last_result.get("max_abs_diff", "nan"))
+            for m in MODES:
                 failed += run(c, [m])
         elif c == "oom":
             failed += run(c, [])

@@ -14,6 +14,12 @@ per case and exits 1 if any case failed.
 - two: the model's process sleeps; a second process allocates most of the memory it gave
   back, fills and checks it, and exits; the first wakes and its outputs are bit-identical.
 - devices (two GPUs): 4 GiB of weights on each; sleep() and wake() act on both devices.
+
+Marks (a missing NVML reading misses its mark): contents and addresses intact after every
+wake; asleep, usage within 1% of what was held above the process's start; with host memory
+retained, sleep and wake each ≤ 0.5 s; host memory back to its start after a wake that does not
+retain it; the second process's data checked. Goals not reached yet are printed under
+`open_goals` and do not fail the case: the first round's sleep and wake ≤ 0.5 s.
 """
 
 import ctypes
@@ -24,13 +30,15 @@ import time
 
 import cases
 from cases import emit
+from marks import Marks
 
 MODES = ["expandable", "compact", "remap"]
 G = 1 << 30
 
 
 def nvml_usage():
-    """This process's used GPU memory from NVML, read through ctypes (not through the library)."""
+    """This process's used GPU memory from NVML, read through ctypes (not through the library);
+    None when NVML does not list this process."""
 
     class Proc(ctypes.Structure):
         _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
@@ -46,7 +54,7 @@ def nvml_usage():
     for i in range(n.value):
         if procs[i].pid == os.getpid():
             return int(procs[i].usedGpuMemory)
-    return 0
+    return None
 
 
 def rss():
@@ -118,9 +126,24 @@ def case_bench(mode):
             vl.set_retain_host(False)
     # Asleep, the process keeps what it held at its start, plus at most 1% of what it held
     # before sleeping (the kept tags, the graph pools, kernels loaded since its start).
-    ok = all(r["intact"] for r in rounds) and all(
-        r["usage_asleep"] - r["usage_start"] <= 0.01 * r["usage_full"] for r in rounds if "usage_asleep" in r)
-    emit(case="bench", mode=mode, ok=ok, rounds=rounds)
+    m = Marks()
+    m.true("intact", all(r["intact"] for r in rounds))
+    for i, r in enumerate(rounds):
+        if "usage_asleep" not in r:
+            continue
+        readings = [r["usage_start"], r["usage_full"], r["usage_asleep"]]
+        excess = None if None in readings else r["usage_asleep"] - r["usage_start"]
+        limit = None if r["usage_full"] is None else 0.01 * r["usage_full"]
+        m.at_most(f"round{i}_asleep_within_1pct", excess, limit if limit is not None else -1, 0)
+        if not r["retained"]:
+            m.at_most(f"round{i}_host_back", r["host_after"], 0, -1)
+    fast = [r for r in rounds if r.get("retained") or r.get("retained_reuse")]
+    m.at_most("retained_sleep_0_5s", max(r["sleep_s"] for r in fast), 0.5, 0.001)
+    m.at_most("retained_wake_0_5s", max(r["wake_s"] for r in fast), 0.5, 0.001)
+    first = rounds[0]
+    open_goals = {"first_round_sleep_0_5s": first["sleep_s"] <= 0.5, "first_round_wake_0_5s": first["wake_s"] <= 0.5}
+    ok = m.ok
+    emit(case="bench", mode=mode, ok=ok, marks=m.met, missed=m.missed(), open_goals=open_goals, rounds=rounds)
 
 
 def llama():
@@ -173,7 +196,7 @@ def case_model(mode, second_process=False):
     tenant = None
     if second_process:
         # Most of what this process gave back, taken, used and given back by another process.
-        want = int((usage_full - usage_asleep) * 0.9)
+        want = int((usage_full - usage_asleep) * 0.9) if None not in (usage_full, usage_asleep) else 1 << 30
         code = (
             "import torch, sys\n"
             f"x = torch.empty({want}, dtype=torch.uint8, device='cuda')\n"
@@ -190,8 +213,16 @@ def case_model(mode, second_process=False):
     torch.cuda.synchronize()
     eager_same = torch.equal(again, eager)
     graph_same = torch.equal(out, graph_before)
-    ok = eager_same and graph_same and (tenant is None or (tenant["rc"] == 0 and tenant["out"].endswith("True")))
-    emit(case="two" if second_process else "model", mode=mode, ok=ok, eager_bit_identical=eager_same,
+    m = Marks()
+    m.true("eager_bit_identical", eager_same)
+    m.true("graph_bit_identical", graph_same)
+    # What sleeping gave back shows in NVML's reading of this process.
+    given_back = None if None in (usage_full, usage_asleep) else usage_full - usage_asleep
+    m.at_least("usage_fell_asleep", given_back, report["given_back_bytes"] // 2, usage_full or 0)
+    if tenant is not None:
+        m.true("tenant_checked", tenant["rc"] == 0 and tenant["out"].endswith("True"))
+    ok = m.ok
+    emit(case="two" if second_process else "model", mode=mode, ok=ok, marks=m.met, missed=m.missed(), eager_bit_identical=eager_same,
          graph_bit_identical=graph_same, usage_full=usage_full, usage_asleep=usage_asleep, sleep=report, wake=woke,
          tenant=tenant)
     del kv

@@ -2,6 +2,13 @@
 allocator is permanent for a process); the parent prints one JSON object per part.
 
     python3 tests/python/h200_torch.py [part ...]
+
+Every part checks its marks (`marks.py`; a missing reading misses) and the script exits 1 when
+any part misses one, prints nothing or fails: the tags hold exactly the model's weight and KV
+tensors; a captured graph replays equal to eager; beside a 70% tenant, the profiled engine's
+NVML usage with its KV budget allocated stays within its request; `torch.empty(1 MiB)` + `del`
+is no slower installed than with PyTorch's allocator; a MemPool routes the KV tensors to the
+library and torch's statistics work; out of memory raises and the process goes on.
 """
 
 import json
@@ -10,11 +17,15 @@ import subprocess
 import sys
 import time
 
+from marks import Marks
+
 PARTS = ["llama", "graphs", "seed", "latency_ours", "latency_mempool", "latency_native", "mempool", "oom"]
 G = 1 << 30
 
 
-def emit(**kv):
+def emit(marks=None, **kv):
+    if marks is not None:
+        kv.update(ok=marks.ok, marks=marks.met, missed=marks.missed())
     print("RESULT " + json.dumps(kv), flush=True)
 
 
@@ -82,7 +93,12 @@ def part_llama():
             tok = out.logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
     s = vl.stats()
+    m = Marks()
+    m.true("weights_match", weights == expected_weights)
+    m.true("kv_match", kv == nbytes(kv_tensors) and kv > 0)
+    m.at_least("activation_peak_read", s["per_tag"]["activation"]["allocated_bytes"]["peak"], 1, 1 << 50)
     emit(
+        m,
         part="llama",
         weights_tagged=weights,
         weights_tensors=expected_weights,
@@ -120,7 +136,10 @@ def part_graphs():
     g.replay()
     torch.cuda.synchronize()
     eager = torch.relu(lin(x)) * 2
-    emit(part="graphs", replay_matches_eager=bool(torch.allclose(y, eager)), max_abs_diff=float((y - eager).abs().max()))
+    diff = float((y - eager).abs().max())
+    m = Marks()
+    m.at_most("replay_matches_eager", diff, 0.0, -1.0)
+    emit(m, part="graphs", replay_matches_eager=bool(torch.allclose(y, eager)), max_abs_diff=diff)
 
 
 def part_seed_holder():
@@ -163,7 +182,10 @@ def part_seed():
         h = pynvml.nvmlDeviceGetHandleByIndex(0)
         mine = [pr.usedGpuMemory for pr in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if pr.pid == os.getpid()]
         usage = mine[0] if mine else None
-        emit(part="seed", requested=p.result["requested"], kv_budget=kv_bytes, usage_with_kv=usage,
+        m = Marks()
+        m.at_most("within_request", usage, p.result["requested"], p.result["requested"] // 2)
+        m.at_least("kv_budget_positive", kv_bytes, 1, 1 << 50)
+        emit(m, part="seed", requested=p.result["requested"], kv_budget=kv_bytes, usage_with_kv=usage,
              within_request=usage is not None and usage <= p.result["requested"], report=p.report,
              other_processes=p.result["other_processes"], device_wide_kv_budget=p.result["device_wide_kv_budget"])
         del kv
@@ -196,7 +218,10 @@ def timed_empty(torch, how):
     for _ in range(iters):
         x = torch.empty(n, dtype=torch.uint8, device="cuda")
         del x
-    emit(part="latency_" + how, ns_per_pair=round((time.perf_counter() - t) / iters * 1e9, 1))
+    ns = round((time.perf_counter() - t) / iters * 1e9, 1)
+    m = Marks()
+    m.at_least("timed", ns, 0.0, 1e18)
+    emit(m, part="latency_" + how, ns_per_pair=ns)
 
 
 def part_mempool():
@@ -213,7 +238,10 @@ def part_mempool():
     torch_stats = torch.cuda.memory_stats()
     ours = vl.stats()
     kv_bytes = sum(t.numel() * t.element_size() for t in kv)
-    emit(part="mempool", kv_tensors=kv_bytes, torch_stats_work="allocated_bytes.all.current" in torch_stats,
+    m = Marks()
+    m.true("torch_stats_work", "allocated_bytes.all.current" in torch_stats)
+    m.at_least("kv_from_us", ours["per_tag"]["kv_cache"]["allocated_bytes"]["current"], kv_bytes, 1 << 50)
+    emit(m, part="mempool", kv_tensors=kv_bytes, torch_stats_work="allocated_bytes.all.current" in torch_stats,
          torch_allocated=torch_stats["allocated_bytes.all.current"], ours_kv_tagged=ours["per_tag"]["kv_cache"]["allocated_bytes"]["current"],
          ours_reserved=ours["reserved_bytes"]["current"], kv_from_us=ours["per_tag"]["kv_cache"]["allocated_bytes"]["current"] >= kv_bytes)
     del kv, pool
@@ -228,7 +256,10 @@ def part_oom():
         "    print('EXCEPTION', type(e).__name__, str(e)[:200])\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    emit(part="oom", returncode=r.returncode, stdout=r.stdout[-400:], stderr_has_breakdown="Tried to allocate" in r.stderr,
+    m = Marks()
+    m.true("raised", r.returncode == 0 and r.stdout.startswith("EXCEPTION"))
+    m.true("message_is_cuda_oom", "CUDA out of memory." in r.stdout)
+    emit(m, part="oom", returncode=r.returncode, stdout=r.stdout[-400:], stderr_has_breakdown="Tried to allocate" in r.stderr,
          stderr=r.stderr[-600:])
 
 
@@ -241,6 +272,7 @@ def main():
                 "latency_mempool": lambda: latency("mempool"), "latency_native": lambda: latency("native"), "mempool": part_mempool, "oom": part_oom}[name]()
     parts = sys.argv[1:] or PARTS
     failed = 0
+    results = {}
     for name in parts:
         r = subprocess.run([sys.executable, __file__, "_part", name], capture_output=True, text=True, timeout=600)
         lines = [l[7:] for l in r.stdout.splitlines() if l.startswith("RESULT ")]
@@ -248,8 +280,19 @@ def main():
             failed += 1
             print(json.dumps({"part": name, "failed": True, "returncode": r.returncode, "stderr": r.stderr[-1500:]}))
         for l in lines:
+            res = json.loads(l)
+            results[res["part"]] = res
+            failed += not res.get("ok")
             print(l)
         sys.stdout.flush()
+    if "latency_ours" in parts and "latency_native" in parts:
+        # Installed, a cached pair through PyTorch's pluggable interface is no slower than
+        # PyTorch's own caching allocator in the same session.
+        ours, native = (results.get(p, {}).get("ns_per_pair") for p in ("latency_ours", "latency_native"))
+        m = Marks()
+        m.at_most("installed_not_slower", ours, native if native is not None else -1, (native or 0) / 100)
+        failed += not m.ok
+        emit(m, part="latency_compared", ours_ns=ours, native_ns=native)
     sys.exit(1 if failed else 0)
 
 
