@@ -11,6 +11,8 @@ mod common;
 
 use common::{fresh_segment, sim, sim_on, sim_with};
 use proptest::prelude::*;
+use vram_ledger::allocator::dump::{DumpState, SegmentDump, StateDump};
+use vram_ledger::driver::sim::SimDevice;
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
@@ -395,6 +397,78 @@ impl SegmentCalls {
     }
 }
 
+/// A request served from the cache takes the best fit among the blocks free before it in its
+/// stream's list and pool: PyTorch's rule, the smallest block that fits, within the 1/32 the
+/// free index may loosen it by in a crowded bin; with `max_split_size`, a block of that size
+/// or more serves only requests of that size or more, and only those less than 20 MiB
+/// smaller than it. `least` is the size the request needs (rounded as the rules say).
+fn check_best_fit(
+    before: &StateDump,
+    ptr: u64,
+    least: u64,
+    rules: &Rules,
+) -> Result<(), TestCaseError> {
+    let all = || {
+        before.segments.iter().flat_map(|s| {
+            let blocks = s.blocks.iter().filter(|b| b.state == DumpState::Free);
+            blocks.map(move |b| (s, b))
+        })
+    };
+    let Some((seg, chosen)) = all().find(|(_, b)| b.addr == ptr) else {
+        // Not free before: a block whose free completed during the call.
+        return Ok(());
+    };
+    let may_serve = |size: u64| {
+        size >= least
+            && if least < rules.max_split {
+                size < rules.max_split
+            } else {
+                size < least + 20 * MIB
+            }
+    };
+    let same_list =
+        |s: &SegmentDump| (s.stream, s.region, s.pool) == (seg.stream, seg.region, seg.pool);
+    let best = all()
+        .filter(|(s, b)| same_list(s) && may_serve(b.size))
+        .map(|(_, b)| b.size)
+        .min();
+    if let Some(best) = best {
+        prop_assert!(
+            chosen.size <= best + best / 32,
+            "a request of {} bytes took a free block of {} where one of {} fitted",
+            least,
+            chosen.size,
+            best
+        );
+    }
+    Ok(())
+}
+
+/// Whether an out-of-memory answer to a request of `rounded` bytes is owed to the device or
+/// the limit: after the failure (the cache was given back before the retry), what the
+/// allocator still holds plus the most a growth for the request maps does not fit under the
+/// limit or in what the device has free.
+fn out_of_memory_is_owed(
+    a: &Allocator<SimDriver>,
+    dev: &SimDevice,
+    capacity: u64,
+    rounded: u64,
+    virtual_memory: bool,
+) -> bool {
+    let growth = if virtual_memory {
+        // An expandable page is 20 MiB; remap maps whole pieces of up to 68 MiB.
+        rounded + 70 * MIB
+    } else {
+        fresh_segment(rounded)
+    };
+    let held = a.snapshot().reserved_bytes.current;
+    let over_limit = a.limit().is_some_and(|l| held + growth > l);
+    over_limit || dev.used() + growth > capacity
+}
+
+/// The simulated device of every sequence: small, so that sequences run out of memory.
+const CAPACITY: u64 = GIB;
+
 fn run(mode: SegmentMode, ops: Vec<Op>) -> Result<(), TestCaseError> {
     run_with(mode, None, ops)
 }
@@ -420,7 +494,7 @@ fn run_full(
     ops: Vec<Op>,
 ) -> Result<(), TestCaseError> {
     let device = SimConfig {
-        capacity: GIB,
+        capacity: CAPACITY,
         context_overhead: 64 * MIB,
         ..Default::default()
     };
@@ -457,6 +531,9 @@ fn run_full(
                 let (st, tag) = (stream(s), Tag::ALL[tag as usize]);
                 let rounded = Rules::round(size);
                 let calls_before = SegmentCalls::now(&a);
+                let struck = a.driver().faults_struck();
+                let before = a.dump();
+                let driver_before = a.driver_calls().total();
                 match a.allocate_tagged(size, st, tag) {
                     Ok(x) => {
                         prop_assert!(x.size >= x.requested && x.requested == size);
@@ -476,6 +553,11 @@ fn run_full(
                             );
                         }
                         let (least, most) = rules.handed_out(rounded, fresh.is_some());
+                        // Served from the cache: no driver call at all (growth maps, allocates
+                        // or queries events).
+                        if a.driver_calls().total() == driver_before && x.ptr != 0 {
+                            check_best_fit(&before, x.ptr, least, &rules)?;
+                        }
                         prop_assert!(
                             least <= x.size && x.size <= most,
                             "{} bytes (rounded {}, fresh segment {:?}) handed out as {}, \
@@ -508,8 +590,27 @@ fn run_full(
                         });
                     }
                     Err(Error::Asleep(t)) => prop_assert!(t == tag && shadow.asleep[t.index()]),
-                    Err(Error::OutOfMemory(r)) => prop_assert_eq!(r.requested, size),
-                    Err(Error::Driver(_)) => {}
+                    Err(Error::OutOfMemory(r)) => {
+                        prop_assert_eq!(r.requested, size);
+                        prop_assert!(
+                            a.driver().faults_struck() > struck
+                                || out_of_memory_is_owed(
+                                    &a,
+                                    &dev,
+                                    CAPACITY,
+                                    rounded,
+                                    rules.virtual_memory
+                                ),
+                            "{} bytes refused with room for them and no fault: {}",
+                            size,
+                            r
+                        );
+                    }
+                    Err(Error::Driver(e)) => prop_assert!(
+                        a.driver().faults_struck() > struck,
+                        "driver error with no fault injected: {}",
+                        e
+                    ),
                     Err(e) => return Err(TestCaseError::fail(format!("unexpected error {e}"))),
                 }
                 let reserved = a.snapshot().reserved_bytes.current;
@@ -525,6 +626,7 @@ fn run_full(
             Op::Free { pick, hint } if !shadow.live.is_empty() => {
                 let i = pick % shadow.live.len();
                 let x = shadow.live[i];
+                let struck = a.driver().faults_struck();
                 let r = if hint {
                     a.free_on(x.ptr, x.stream)
                 } else {
@@ -547,7 +649,10 @@ fn run_full(
                             prop_assert_eq!(a.snapshot(), before);
                         }
                     }
-                    Err(Error::Driver(e)) => prop_assert_eq!(e.call, DriverCall::RecordEvent),
+                    Err(Error::Driver(e)) => {
+                        prop_assert_eq!(e.call, DriverCall::RecordEvent);
+                        prop_assert!(a.driver().faults_struck() > struck, "{}", e);
+                    }
                     Err(e) => return Err(TestCaseError::fail(format!("free failed: {e}"))),
                 }
             }

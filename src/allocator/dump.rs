@@ -31,6 +31,10 @@ pub struct BlockDump {
 pub struct SegmentDump {
     pub base: u64,
     pub pool: PoolKind,
+    /// The stream whose free lists hold its free blocks (none for a graph pool's segment), and
+    /// the tag whose region of that stream it is, when tags are kept apart.
+    pub stream: Option<u64>,
+    pub region: Option<Tag>,
     pub size: u64,
     pub expandable: bool,
     /// Mapped ranges, `(addr, len)`; the whole segment for a plain one.

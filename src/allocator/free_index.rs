@@ -19,6 +19,7 @@
 //! near-equal blocks costs a bounded time at the price of a fit up to 1/32 looser.
 
 use super::block::{Arena, BlockId, NIL};
+use super::planted::{self, Bug};
 
 const EXACT: usize = 64;
 const SUB: u32 = 5;
@@ -161,12 +162,25 @@ impl FreeIndex {
     /// The best cached block for `size` bytes.
     #[inline]
     pub(crate) fn best_fit(&self, arena: &Arena, size: u64) -> Option<BlockId> {
+        if planted::active(Bug::FirstFit) {
+            return self.first_fit(arena, size);
+        }
         let b = bin_of(size) as usize;
         if let Some(id) = self.best_in(arena, b, size) {
             return Some(id);
         }
         let next = self.next_bin(b + 1)?;
         self.best_in(arena, next, 0)
+    }
+
+    /// The planted policy error: the listed block at the lowest address that fits.
+    #[cold]
+    fn first_fit(&self, arena: &Arena, size: u64) -> Option<BlockId> {
+        let fits = self
+            .listed(arena)
+            .into_iter()
+            .filter(|&id| arena[id].size >= size);
+        fits.min_by_key(|&id| arena[id].addr)
     }
 
     /// Every listed block, for consistency checks.

@@ -319,6 +319,9 @@ impl KvRegion {
         SegmentDump {
             base: self.base,
             pool: PoolKind::Large,
+            // No stream's free lists: the engine hands out its blocks.
+            stream: None,
+            region: None,
             size: self.reserved,
             expandable: !self.plain,
             mapped: if self.mapped > 0 {

@@ -2,11 +2,11 @@
 //! policies for plain and virtual memory, and an exact tagged ledger.
 //!
 //! Where things live, from the bottom up (each file imports only files listed before it):
-//! - vocabulary: `owner.rs` (who owns a block), `config.rs` (settings, the segment mode),
-//!   `rules.rs` (PyTorch's sizing rules), `history.rs` (the trace vocabulary and the ring),
-//!   `dump.rs` (copies of the state for readers), `block.rs`, `free_index.rs`, `live.rs`,
-//!   `segment.rs`,
-//!   `places.rs` (which shard holds an address), `spin.rs`, `streams.rs`, `planted.rs`;
+//! - vocabulary: `planted.rs` (bugs planted for the property tests), `owner.rs` (who owns a
+//!   block), `config.rs` (settings, the segment mode), `rules.rs` (PyTorch's sizing rules),
+//!   `history.rs` (the trace vocabulary and the ring), `dump.rs` (copies of the state for
+//!   readers), `block.rs`, `free_index.rs`, `live.rs`, `segment.rs`, `places.rs` (which shard
+//!   holds an address), `spin.rs`, `streams.rs`;
 //! - `core.rs`: what every shard shares (driver, ledger, limit, cap);
 //! - `routes.rs`: graph-pool routing; `host.rs`: sleep's host memory; `kvregion.rs`: the KV
 //!   cache's reserved range;

@@ -2,7 +2,9 @@
 //!
 //! Built only with the `planted-bugs` feature, and then active only when the environment
 //! variable `VRAM_LEDGER_PLANT` names one of them (`split_off_by_512`, `missed_merge`,
-//! `segment_count`, `remap_spare`). Without the feature, [`active`] is the constant `false` and
+//! `segment_count`, `remap_spare`, `first_fit`, `limit_ignored`). The first four break the
+//! allocator's structures; the last two are policy errors that leave every structure sound: a
+//! block that fits but is not the best, and growth past the limit. Without the feature, [`active`] is the constant `false` and
 //! every planted branch compiles away, so the cached path costs what it did.
 
 /// A planted bug.
@@ -16,15 +18,21 @@ pub enum Bug {
     SegmentCount,
     /// Remap mode: giving spare pieces back to the driver forgets the last one (a leak).
     RemapSpare,
+    /// A request takes the cached block at the lowest address that fits, not the smallest.
+    FirstFit,
+    /// Growth does not check the limit.
+    LimitIgnored,
 }
 
 #[cfg_attr(not(feature = "planted-bugs"), allow(dead_code))]
 impl Bug {
-    pub const ALL: [Bug; 4] = [
+    pub const ALL: [Bug; 6] = [
         Bug::SplitOffBy512,
         Bug::MissedMerge,
         Bug::SegmentCount,
         Bug::RemapSpare,
+        Bug::FirstFit,
+        Bug::LimitIgnored,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -33,6 +41,8 @@ impl Bug {
             Bug::MissedMerge => "missed_merge",
             Bug::SegmentCount => "segment_count",
             Bug::RemapSpare => "remap_spare",
+            Bug::FirstFit => "first_fit",
+            Bug::LimitIgnored => "limit_ignored",
         }
     }
 }

@@ -78,6 +78,8 @@ impl Shard {
             out.segments.push(SegmentDump {
                 base: s.base,
                 pool: s.pool,
+                stream: s.owner.stream().map(|st| st.0),
+                region: s.owner.region(),
                 size: s.size,
                 expandable: s.is_virtual(),
                 mapped,

@@ -25,6 +25,8 @@ pub(super) struct Faults {
     counts: CallCounters,
     /// (call, the absolute call number it strikes at, what it does).
     planted: Mutex<Vec<(DriverCall, u64, Fault)>>,
+    /// Calls a planted fault made fail, ever.
+    struck: std::sync::atomic::AtomicU64,
 }
 
 impl Faults {
@@ -37,6 +39,10 @@ impl Faults {
         assert!(n >= 1, "calls are counted from 1");
         let at = self.calls(call) + n;
         self.planted.lock().push((call, at, fault));
+    }
+
+    pub(super) fn struck(&self) -> u64 {
+        self.struck.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub(super) fn clear(&self) {
@@ -53,11 +59,15 @@ impl Faults {
         match hit {
             None => Ok(()),
             Some(Fault::Panic) => panic!("injected panic in {call} call #{n}"),
-            Some(_) => Err(DriverError::new(
-                call,
-                DriverErrorKind::Injected,
-                format!("injected fault on call #{n}"),
-            )),
+            Some(_) => {
+                self.struck
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Err(DriverError::new(
+                    call,
+                    DriverErrorKind::Injected,
+                    format!("injected fault on call #{n}"),
+                ))
+            }
         }
     }
 }

@@ -276,6 +276,12 @@ impl SimDriver {
         self.faults.clear();
     }
 
+    /// How many calls planted faults have made fail, over this driver's life: an error the
+    /// allocator returns while this does not move had another cause.
+    pub fn faults_struck(&self) -> u64 {
+        self.faults.struck()
+    }
+
     /// The size of a physical handle of this process (0 if unknown).
     fn handle_bytes(&self, handle: PhysHandle) -> u64 {
         let st = self.device.state.lock();
