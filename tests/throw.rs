@@ -98,4 +98,10 @@ fn abi_throwing_hook_raises_out_of_memory_as_a_cpp_exception() {
     assert!(other.contains("no device with ordinal 7"), "{other}");
     assert_eq!(line("AFTER|"), "ok");
     assert_eq!(line("ZERO|"), "null");
+    // One message per failure: the exception carries it, and nothing repeats it on stderr.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("out of memory") && !stderr.contains("ordinal 7"),
+        "the failures were also printed: {stderr}"
+    );
 }

@@ -327,8 +327,9 @@ impl<D: Driver> Allocator<D> {
         };
         drop(sh);
         self.core.ledger.ooms.fetch_add(1, Relaxed);
+        // Returned, not logged: the caller has the report (the C boundary logs what it does not
+        // hand over itself).
         let report = self.oom_report(size, rounded, cause);
-        tracing::warn!("{report}");
         Err(Error::OutOfMemory(Box::new(report)))
     }
 

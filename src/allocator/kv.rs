@@ -123,7 +123,9 @@ impl<D: Driver> Allocator<D> {
             }
             let mut region = KvRegion::reserve(&self.core, max.div_ceil(g) * g, block_bytes)?;
             if initial_blocks > region.reserved_blocks() {
-                let _ = region.release(&self.core);
+                if let Err(e) = region.release(&self.core) {
+                    tracing::warn!(error = %e, "could not give back the address space of a refused KV cache");
+                }
                 return Err(Error::InvalidArgument(format!(
                     "{initial_blocks} initial blocks do not fit in the {} the KV cache may hold",
                     region.reserved_blocks()

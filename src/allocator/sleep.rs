@@ -350,7 +350,10 @@ impl<D: Driver> Allocator<D> {
             for (va, bytes, off) in sh.offloaded(tag) {
                 if let Err(e) = queue_copies(d, arena, off, va, bytes, stream, Direction::ToDevice)
                 {
-                    let _ = d.sync_stream(stream);
+                    // Copies already queued read host memory: they finish before it can go.
+                    if let Err(e2) = d.sync_stream(stream) {
+                        tracing::warn!(error = %e2, "could not wait for the copies of a failed wake; the host copy is kept");
+                    }
                     return Err(e.into());
                 }
                 restored += bytes;

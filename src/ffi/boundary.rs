@@ -93,6 +93,16 @@ const WARNING: c_int = 30;
 /// allocation failure, say) leaves the static [`UNRECORDED`] message instead, and never
 /// unwinds into C.
 pub(crate) fn guard<T>(on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
+    guard_with(true, on_err, f)
+}
+
+/// [`guard`] for an entry point whose caller receives the failure's message itself (a C++
+/// exception): it is recorded as the last error but not logged.
+pub(crate) fn guard_unlogged<T>(on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
+    guard_with(false, on_err, f)
+}
+
+fn guard_with<T>(log: bool, on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
     let run = || {
         let msg = match catch_unwind(AssertUnwindSafe(f)) {
             Ok(Ok(v)) => return Some(v),
@@ -102,7 +112,9 @@ pub(crate) fn guard<T>(on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
                 panic_message(&*panic)
             ),
         };
-        report_failure(&msg);
+        if log {
+            report_failure(&msg);
+        }
         let c = CString::new(msg.replace('\0', " ")).unwrap_or_else(|_| UNRECORDED.into());
         set_error(Cow::Owned(c));
         None

@@ -21,21 +21,13 @@ pub unsafe extern "C" fn vram_ledger_malloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    guard(std::ptr::null_mut(), || {
-        let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
-        let r =
-            on_device!(state(device)?, d => d.allocator().allocate(size, StreamId(stream as u64)));
-        match r {
-            Ok(x) => Ok(x.ptr as *mut c_void),
-            Err(e) => {
-                if matches!(e, crate::Error::OutOfMemory(_)) {
-                    eprintln!("vram-ledger: {e}");
-                }
-                tracing::error!(device, "allocation failed: {e}");
-                Err(e.to_string())
-            }
-        }
-    })
+    guard(std::ptr::null_mut(), || malloc(size, device, stream))
+}
+
+fn malloc(size: isize, device: c_int, stream: *mut c_void) -> Result<*mut c_void, String> {
+    let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
+    let r = on_device!(state(device)?, d => d.allocator().allocate(size, StreamId(stream as u64)));
+    r.map(|x| x.ptr as *mut c_void).map_err(|e| e.to_string())
 }
 
 extern "C-unwind" {
@@ -56,8 +48,9 @@ pub unsafe extern "C-unwind" fn vram_ledger_malloc_or_throw(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    // SAFETY: this function's contract is vram_ledger_malloc's.
-    let p = unsafe { vram_ledger_malloc(size, device, stream) };
+    // The exception carries the message to the caller: one message per failure, not also a
+    // log line.
+    let p = guard_unlogged(std::ptr::null_mut(), || malloc(size, device, stream));
     if p.is_null() && size != 0 {
         let why = vram_ledger_last_error();
         // SAFETY: the last error is NUL-terminated and lives until this thread's next failure.

@@ -525,8 +525,12 @@ impl Shard {
                 core.driver.wait_event(event)?;
                 true
             } else {
-                // A failed query is treated as "not yet": the next poll or a wait settles it.
-                core.driver.query_event(event).unwrap_or(false)
+                // A failed query keeps the block pending, which is safe: the next poll or a wait
+                // settles it.
+                core.driver.query_event(event).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "could not query an event; its block stays pending");
+                    false
+                })
             };
             if !done {
                 i += 1;
