@@ -3,11 +3,13 @@
 //! cdylib cargo built with these tests, and run on simulated devices; and a C++ program linked
 //! the same way, which finds the functions only if the header declares them `extern "C"`.
 //! Skipped, saying so, on a machine without the compiler.
+//!
+//! Paths are relative to the working folder, the package's root under cargo and the bundle's
+//! under scripts/gpu-bundle.sh's run-all.sh (which carries include/ and tests/c/), as the
+//! tests reading tests/data do.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
 /// The folder holding the libvram_ledger.so built with this test: cargo builds the library's
 /// crate types together, into deps/ beside this executable, and copies it one folder up.
@@ -20,6 +22,15 @@ fn library_dir() -> PathBuf {
     found
         .unwrap_or_else(|| panic!("no libvram_ledger.so in {} or its parent", deps.display()))
         .to_owned()
+}
+
+/// A new, empty folder for one test's build, under the system's temporary folder (the bundle
+/// has no cargo target folder).
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vram-ledger-c-abi-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
 /// The compiler named by `var` (else `default`), if it runs.
@@ -37,7 +48,7 @@ fn build(cc: &str, flags: &[&str], sources: &[&Path], out: &Path) {
     let lib = library_dir();
     let status = Command::new(cc)
         .args(flags)
-        .arg(format!("-I{ROOT}/include"))
+        .arg("-Iinclude")
         .args(sources)
         .arg("-o")
         .arg(out)
@@ -72,8 +83,9 @@ fn a_c_program_uses_the_library_through_the_header() {
         println!("skipped: no C compiler (set CC, or install cc) to build tests/c/abi_smoke.c");
         return;
     };
-    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("abi_smoke");
-    let source = Path::new(ROOT).join("tests/c/abi_smoke.c");
+    let dir = scratch("c");
+    let exe = dir.join("abi_smoke");
+    let source = Path::new("tests/c/abi_smoke.c");
     let flags = [
         "-std=c11",
         "-Wall",
@@ -82,7 +94,7 @@ fn a_c_program_uses_the_library_through_the_header() {
         "-Wstrict-prototypes",
         "-Werror",
     ];
-    build(&cc, &flags, &[&source], &exe);
+    build(&cc, &flags, &[source], &exe);
     let out = run(&exe);
     print!("{out}");
     let passed = out
@@ -99,6 +111,8 @@ fn a_c_program_uses_the_library_through_the_header() {
         panic!("abi_smoke printed no summary: {out}");
     };
     assert!(passed == total && total > 0, "{out}");
+    // Kept after a failure, to look into.
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -109,7 +123,7 @@ fn a_cpp_program_links_to_the_headers_declarations() {
         );
         return;
     };
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let dir = scratch("cpp");
     let source = dir.join("header_in_cpp.cpp");
     // Without extern "C" these names would be mangled, and the link would fail.
     std::fs::write(
@@ -132,4 +146,5 @@ fn a_cpp_program_links_to_the_headers_declarations() {
         &exe,
     );
     assert_eq!(run(&exe), "1\n");
+    let _ = std::fs::remove_dir_all(&dir);
 }
