@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Build everything a GPU machine without Rust needs into one folder, with a script that runs it
 # all: the GPU test binaries, the CPU test and benchmark binaries, the CLI, the examples, the
-# cdylib and the Python package.
+# cdylib, the Python package, and its wheel (scripts/build-wheel.sh) in OUT/wheel/.
 #
 #   scripts/gpu-bundle.sh [OUT]        (default: gpu-bundle/)
-#   OUT/run-all.sh LOGDIR              (on the GPU machine; needs bash and python3, not Rust)
+#   OUT/run-all.sh LOGDIR              (on the GPU machine; needs bash and python3, and
+#                                      python3.12 with torch for the wheel; not Rust)
 #
 # run-all.sh runs every step even after a failure, memchecks every GPU test binary, prints
 # which steps failed and exits 1 if any did.
@@ -40,10 +41,15 @@ for src in examples/*.rs; do
 done
 cp target/release/libvram_ledger.so "$out/"
 cp -r scripts kernels "$out/"
-mkdir -p "$out/tests/python" && cp tests/python/*.py "$out/tests/python/"
+mkdir -p "$out/tests/python" && cp tests/python/*.py tests/python/*.sh "$out/tests/python/"
 mkdir -p "$out/tests/data" && cp tests/data/* "$out/tests/data/"
+# The C test (tests/c_abi.rs) builds tests/c against include/ from the bundle's root.
+mkdir -p "$out/tests/c" && cp tests/c/* "$out/tests/c/" && cp -r include "$out/"
 [ -d python ] && cp -r python "$out/"
 strip "$out"/bin/* "$out"/tests/* "$out"/libvram_ledger.so 2>/dev/null || true
+# The wheel as users get it, for tests/python/h200_wheel.sh: installed with pip, no Rust.
+wheel=$(bash scripts/build-wheel.sh "$out/wheel")
+echo "wheel: $wheel"
 
 cat > "$out/run-all.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -118,6 +124,9 @@ if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
 else
     echo "two_gpus, h200_sleep devices: not run: one GPU"
 fi
+# The bundle's wheel installed with pip into a fresh virtual environment (python3.12 with torch).
+step wheel bash tests/python/h200_wheel.sh
+grep -E "^(wheel:|vram_ledger imported from|h200_wheel:)" "$logs/wheel.log"
 step cpu-bench bin/alloc-bench --bench --warm-up-time 1 --measurement-time 3
 
 echo

@@ -5,7 +5,7 @@
 //! - allocated ≤ active ≤ reserved; cached = reserved − allocated;
 //! - every peak ≥ its current value.
 //!
-//! Layout, and why: the per-allocation counters live in one [`ShardCells`] per allocator
+//! Layout, and why: the per-allocation counters live in one `ShardCells` per allocator
 //! shard, written only by the thread holding that shard's lock. A single writer needs no
 //! atomic read-modify-write (a lock-prefixed add costs about as much as the rest of a cached
 //! allocation), and shards never share a cache line, so streams on different threads scale.

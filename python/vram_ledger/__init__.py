@@ -16,8 +16,8 @@ Tags are per thread. Autograd runs the backward pass on its own threads, which c
 their allocations are counted as "untracked" (set a tag inside a hook to change that).
 
 The shared library is found from, in order: the VRAM_LEDGER_LIB environment variable, this
-package's folder (where `pip install ./python` puts it), and the repository's target/release
-folder. Failures inside the library (a failed free or record_stream, which return nothing, too)
+package's folder (where the wheel and `pip install ./python` put it), and the repository's
+target/release folder. Failures inside the library (a failed free or record_stream, which return nothing, too)
 are logged through `logging` (logger "vram_ledger", level WARNING). With VRAM_LEDGER_LOG set
 (`debug`, `off`, any tracing filter) the library logs to stderr itself, at that level.
 

@@ -14,10 +14,10 @@ use crate::{SegmentMode, Tag};
 
 /// One entry point, in C: `returns name(args...)`.
 #[derive(Serialize)]
-struct Signature {
-    name: &'static str,
-    returns: &'static str,
-    args: &'static [&'static str],
+pub(super) struct Signature {
+    pub(super) name: &'static str,
+    pub(super) returns: &'static str,
+    pub(super) args: &'static [&'static str],
 }
 
 const fn sig(
@@ -33,12 +33,12 @@ const fn sig(
 }
 
 /// What the log callback's parameter is in C (`LogCallback`, or NULL).
-const LOG_CALLBACK: &str = "void (*)(int, const char *)";
+pub(super) const LOG_CALLBACK: &str = "void (*)(int, const char *)";
 
 /// Every `vram_ledger_*` function the library exports. A `char *` result is the caller's, to
 /// free with `vram_ledger_string_free`; a `const char *` one stays the library's. The test
 /// below holds this table to the declarations in src/ffi.
-const SIGNATURES: &[Signature] = &[
+pub(super) const SIGNATURES: &[Signature] = &[
     sig("vram_ledger_abi_json", "char *", &[]),
     sig("vram_ledger_set_log_callback", "void", &[LOG_CALLBACK]),
     sig("vram_ledger_last_error", "const char *", &[]),
@@ -148,109 +148,24 @@ mod tests {
     use std::ffi::CStr;
 
     use super::*;
+    use crate::ffi::declarations::{c_type, exported, no_mangle_count, sources};
     use crate::ffi::sleep::tags as tags_of;
-
-    /// The C spelling of a parameter or return type as src/ffi writes it in Rust.
-    fn c_type(rust: &str) -> Option<&'static str> {
-        Some(match rust {
-            "" => "void",
-            "c_int" => "int",
-            "i64" => "int64_t",
-            "u64" => "uint64_t",
-            "c_double" => "double",
-            "isize" => "ssize_t",
-            "*mut c_void" => "void *",
-            "*const c_char" => "const char *",
-            "*mut c_char" => "char *",
-            "Option<LogCallback>" => LOG_CALLBACK,
-            _ => return None,
-        })
-    }
-
-    /// Split `s` at the commas outside brackets.
-    fn top_level(s: &str) -> Vec<&str> {
-        let (mut out, mut depth, mut from) = (Vec::new(), 0i32, 0);
-        for (i, c) in s.char_indices() {
-            match c {
-                '(' | '<' | '[' => depth += 1,
-                ')' | '>' | ']' => depth -= 1,
-                ',' if depth == 0 => {
-                    out.push(&s[from..i]);
-                    from = i + 1;
-                }
-                _ => {}
-            }
-        }
-        out.push(&s[from..]);
-        out.into_iter().filter(|p| !p.trim().is_empty()).collect()
-    }
-
-    fn squeeze(s: &str) -> String {
-        s.split_whitespace().collect::<Vec<_>>().join(" ")
-    }
-
-    /// The `vram_ledger_*` functions that `source` exports, with their Rust parameter types and
-    /// return type ("" for none). Imports (an `extern` block's `fn`, not `pub`) are skipped.
-    fn exported(source: &str) -> Vec<(String, Vec<String>, String)> {
-        let mut out = Vec::new();
-        for (at, _) in source.match_indices("fn vram_ledger_") {
-            let line = source[..at].rfind('\n').map_or(0, |i| i + 1);
-            let head = source[line..at].trim();
-            if !(head.starts_with("pub ") && head.contains("extern \"C")) {
-                continue;
-            }
-            let rest = &source[at + "fn ".len()..];
-            let open = rest.find('(').expect("a parameter list");
-            let mut depth = 0;
-            let close = open
-                + rest[open..]
-                    .char_indices()
-                    .find(|&(_, c)| {
-                        depth += match c {
-                            '(' => 1,
-                            ')' => -1,
-                            _ => 0,
-                        };
-                        depth == 0
-                    })
-                    .expect("a closed parameter list")
-                    .0;
-            let params = top_level(&rest[open + 1..close])
-                .into_iter()
-                .map(|p| squeeze(p.split_once(':').expect("`name: type`").1))
-                .collect();
-            let after = rest[close + 1..].trim_start();
-            let returns = after.strip_prefix("->").map_or(String::new(), |r| {
-                squeeze(&r[..r.find('{').expect("a body")])
-            });
-            out.push((rest[..open].trim().to_owned(), params, returns));
-        }
-        out
-    }
 
     #[test]
     fn the_signature_table_matches_every_exported_function_in_src_ffi() {
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/ffi");
         let (mut declared, mut no_mangle) = (BTreeMap::new(), 0);
-        for entry in std::fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.extension().is_some_and(|e| e == "rs") {
-                let source = std::fs::read_to_string(&path).unwrap();
-                no_mangle += source
-                    .lines()
-                    .filter(|l| l.trim() == "#[no_mangle]")
-                    .count();
-                for (name, params, returns) in exported(&source) {
-                    let c = |t: &String| {
-                        c_type(t).unwrap_or_else(|| {
-                            panic!("{name}: no C spelling for the Rust type `{t}`; add one")
-                        })
-                    };
-                    let params: Vec<&str> = params.iter().map(c).collect();
-                    let returns = c(&returns);
-                    let old = declared.insert(name.clone(), (params, returns));
-                    assert!(old.is_none(), "{name} is declared twice");
-                }
+        for source in sources().values() {
+            no_mangle += no_mangle_count(source);
+            for f in exported(source) {
+                let c = |t: &String| {
+                    c_type(t).unwrap_or_else(|| {
+                        panic!("{}: no C spelling for the Rust type `{t}`; add one", f.name)
+                    })
+                };
+                let params: Vec<&str> = f.params.iter().map(|(_, t)| c(t)).collect();
+                let returns = c(&f.returns);
+                let old = declared.insert(f.name.clone(), (params, returns));
+                assert!(old.is_none(), "{} is declared twice", f.name);
             }
         }
         assert_eq!(
@@ -283,26 +198,6 @@ mod tests {
                 "{name} is in the table but src/ffi exports no such function"
             );
         }
-    }
-
-    #[test]
-    fn the_reader_sees_unsafe_unwinding_and_multi_line_declarations() {
-        let source = "extern \"C-unwind\" {\n    fn vram_ledger_import(a: c_int) -> !;\n}\n\
-            #[no_mangle]\npub unsafe extern \"C-unwind\" fn vram_ledger_a(\n    size: isize,\n    \
-            f: Option<LogCallback>,\n) -> *mut c_void {\n}\n\
-            #[no_mangle]\npub extern \"C\" fn vram_ledger_b() {}\n";
-        let found = exported(source);
-        assert_eq!(
-            found,
-            vec![
-                (
-                    "vram_ledger_a".to_owned(),
-                    vec!["isize".to_owned(), "Option<LogCallback>".to_owned()],
-                    "*mut c_void".to_owned()
-                ),
-                ("vram_ledger_b".to_owned(), vec![], String::new()),
-            ]
-        );
     }
 
     fn abi() -> serde_json::Value {

@@ -66,6 +66,8 @@ pub unsafe extern "C" fn vram_ledger_push_tag(name: *const c_char) -> c_int {
     })
 }
 
+/// Give this thread back the tag it had before the matching `vram_ledger_push_tag`; -1 when
+/// there is none.
 #[no_mangle]
 pub extern "C" fn vram_ledger_pop_tag() -> c_int {
     guard(-1, || {
@@ -133,6 +135,7 @@ pub extern "C" fn vram_ledger_cap(device: c_int) -> i64 {
     })
 }
 
+/// Start every peak figure of `device` over from its current value.
 #[no_mangle]
 pub extern "C" fn vram_ledger_reset_peaks(device: c_int) -> c_int {
     guard(-1, || {
@@ -141,6 +144,7 @@ pub extern "C" fn vram_ledger_reset_peaks(device: c_int) -> c_int {
     })
 }
 
+/// Give `device`'s cached, unused memory back to the driver.
 #[no_mangle]
 pub extern "C" fn vram_ledger_empty_cache(device: c_int) -> c_int {
     guard(-1, || {

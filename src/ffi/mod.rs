@@ -41,7 +41,11 @@ macro_rules! on_device {
 
 mod abi;
 mod boundary;
+#[cfg(test)]
+mod declarations;
 mod graphs;
+#[cfg(test)]
+mod header;
 mod kv;
 mod ledger;
 mod profile;

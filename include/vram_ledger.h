@@ -1,0 +1,308 @@
+/* vram_ledger.h: the C interface of libvram_ledger.so.
+ *
+ * Generated from the declarations in src/ffi by a test of the crate, which fails when this file
+ * differs from them; regenerate it with
+ *     VRAM_LEDGER_WRITE_HEADER=1 cargo test --lib ffi::header
+ * rather than editing it.
+ *
+ * An int result is 0 on success and -1 on error, a pointer result NULL on error, unless a
+ * function says otherwise; the error's message is then vram_ledger_last_error() on the failing
+ * thread. A `char *` result (JSON, Prometheus text) is the caller's, to free with
+ * vram_ledger_string_free; a `const char *` one stays the library's. Streams are CUDA streams
+ * (cudaStream_t, CUstream) passed as `void *`; NULL is the legacy default stream. No function
+ * unwinds into the caller but vram_ledger_malloc_or_throw, which throws a C++ exception.
+ * With VRAM_LEDGER_DRIVER=sim in the environment at the first call, every function runs on
+ * simulated devices (VRAM_LEDGER_SIM_DEVICES of them, default 1), with no GPU.
+ */
+#ifndef VRAM_LEDGER_H
+#define VRAM_LEDGER_H
+
+#include <stdint.h>
+#include <sys/types.h> /* ssize_t */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A host's sink for the failures of C entry points: `level` is on Python's `logging` scale (30,
+ * a warning), `message` a NUL-terminated UTF-8 string valid during the call.
+ */
+typedef void (*vram_ledger_log_callback)(int level, const char *message);
+
+/* ---- src/ffi/boundary.rs ----------------------------------------------------
+ * The boundary every C entry point goes through: errors and panics become return values and a
+ * per-thread message, failures are logged, and arguments from C are checked.
+ */
+
+/* Send the failures of C entry points to `callback` instead of stderr (NULL goes back to
+ * stderr). The Python package hands it `logging`. The callback runs on the failing thread,
+ * after the failed call has released every lock of the allocator, and must not unwind.
+ */
+void vram_ledger_set_log_callback(vram_ledger_log_callback callback);
+
+/* The message of the last failure on this thread ("" if none). Valid until the next failure
+ * on this thread. Never NULL.
+ */
+const char *vram_ledger_last_error(void);
+
+/* Free a string returned by this library. NULL is ignored.
+ *
+ * Safety:
+ * `s` is NULL or a string this library returned, not freed before.
+ */
+void vram_ledger_string_free(char *s);
+
+/* The number of this process's devices: CUDA devices (0 without a driver or a device), or
+ * with `VRAM_LEDGER_DRIVER=sim` simulated ones.
+ */
+int vram_ledger_device_count(void);
+
+/* ---- src/ffi/ledger.rs ------------------------------------------------------
+ * Configuration, tags, statistics, history and metrics. Functions returning int give 0 or -1.
+ */
+
+/* Choose the segment mode ("native", "expandable", "compact" or "remap") of allocators not yet
+ * created.
+ *
+ * Safety:
+ * `mode` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
+ */
+int vram_ledger_configure(const char *mode);
+
+/* Set this thread's tag (weights, activation, kv_cache or kv, untracked).
+ *
+ * Safety:
+ * `name` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
+ */
+int vram_ledger_set_tag(const char *name);
+
+/* Make `name` this thread's tag until the matching `vram_ledger_pop_tag`.
+ *
+ * Safety:
+ * `name` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
+ */
+int vram_ledger_push_tag(const char *name);
+
+/* Give this thread back the tag it had before the matching `vram_ledger_push_tag`; -1 when
+ * there is none.
+ */
+int vram_ledger_pop_tag(void);
+
+/* This thread's tag, as a static string (never NULL). */
+const char *vram_ledger_current_tag(void);
+
+/* The ledger snapshot as JSON (free with `vram_ledger_string_free`), or NULL. */
+char *vram_ledger_stats_json(int device);
+
+/* Statistics under PyTorch's `memory_stats()` keys, plus per-tag keys, as JSON. */
+char *vram_ledger_memory_stats_json(int device);
+
+/* Hold this process to `bytes` of device memory in all on `device` (the budget contract:
+ * the allocator's bytes plus memory outside it, re-read before every growth); a negative
+ * `bytes` lifts the cap. Profiling sets it to the requested memory by itself.
+ */
+int vram_ledger_set_cap(int device, int64_t bytes);
+
+/* The budget contract of `device` in bytes, -1 when none is set, or -2 on error (with the
+ * last error set).
+ */
+int64_t vram_ledger_cap(int device);
+
+/* Start every peak figure of `device` over from its current value. */
+int vram_ledger_reset_peaks(int device);
+
+/* Give `device`'s cached, unused memory back to the driver. */
+int vram_ledger_empty_cache(int device);
+
+/* Start (`enabled` non-zero; clearing what was recorded, keeping the newest `max_entries`
+ * entries) or stop recording `device`'s allocation history.
+ */
+int vram_ledger_record_history(int device, int enabled, int64_t max_entries);
+
+/* Write `device`'s snapshot (segments now, and the recorded history) to `path` as PyTorch's
+ * snapshot pickle (`torch.cuda.memory._dump_snapshot`'s format).
+ *
+ * Safety:
+ * `path` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
+ */
+int vram_ledger_dump_snapshot(int device, const char *path);
+
+/* Every device in use, in Prometheus' text exposition format (see `crate::metrics` for the
+ * names); the caller frees the string with `vram_ledger_string_free`.
+ */
+char *vram_ledger_metrics(void);
+
+/* ---- src/ffi/pytorch.rs -----------------------------------------------------
+ * PyTorch's pluggable-allocator entry points and hooks.
+ */
+
+/* `void* alloc(ssize_t size, int device, cudaStream_t stream)`. Size 0 returns NULL (as
+ * PyTorch's own allocator does), which is not an error.
+ *
+ * Safety:
+ * On the CUDA backend `stream` is NULL (the legacy default stream) or a live `cudaStream_t` of
+ * `device`'s primary context, which stays alive while memory allocated on it is in use: the
+ * allocator hands it to the driver (capture queries, and events when the memory is freed).
+ * The simulated backend only compares it.
+ */
+void *vram_ledger_malloc(ssize_t size, int device, void *stream);
+
+/* `vram_ledger_malloc` for PyTorch's pluggable allocator, which does not check for NULL:
+ * when there is nothing to return it throws a C++ exception instead, which PyTorch turns into
+ * a Python `RuntimeError` whose message starts with "CUDA out of memory." (out of memory) and
+ * carries the breakdown. The process keeps its CUDA context and can go on.
+ *
+ * Safety:
+ * As for `vram_ledger_malloc`; and the caller is C++ that lets exceptions pass (PyTorch).
+ */
+void *vram_ledger_malloc_or_throw(ssize_t size, int device, void *stream);
+
+/* `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`. `ptr` is looked up,
+ * never dereferenced: NULL is ignored, and a pointer this library did not allocate is an error.
+ *
+ * Safety:
+ * `stream` is as for `vram_ledger_malloc`. Work that uses `ptr` is queued on `stream`, or on
+ * a stream passed to `vram_ledger_record_stream` for it: the memory is reused once that work
+ * completes, and the driver is handed those streams to find out when.
+ */
+void vram_ledger_free(void *ptr, ssize_t size, int device, void *stream);
+
+/* `void init(int device)`. PyTorch calls it for every device at start-up, also in processes
+ * that use only one, so it creates nothing: a device's allocator and profiling baseline come
+ * with its first use.
+ */
+void vram_ledger_init(int device);
+
+/* `void reset(void)`: `torch.cuda.empty_cache()`. */
+void vram_ledger_reset(void);
+
+/* `void memory_fraction(double fraction, int device)`. */
+void vram_ledger_memory_fraction(double fraction, int device);
+
+/* `void record_stream(void* ptr, cudaStream_t stream)`: `ptr`'s memory is not reused before
+ * the work queued on `stream` so far completes. `ptr` is looked up, never dereferenced.
+ *
+ * Safety:
+ * On the CUDA backend `stream` is a live `cudaStream_t` of the context of the device that
+ * `ptr` belongs to, alive until `ptr` is freed: the allocator records an event on it then.
+ */
+void vram_ledger_record_stream(void *ptr, void *stream);
+
+/* ---- src/ffi/profile.rs -----------------------------------------------------
+ * Profiling scopes: open one on a device, end it with the budget and report as JSON.
+ */
+
+/* Open a profiling scope on `device` (its baseline was taken at the device's first use). A
+ * negative `margin_bytes` means the default (`Margin::Auto`: none in native mode, a little
+ * room for placement in the virtual-memory modes).
+ */
+int vram_ledger_profile_begin(int device, double utilization, int64_t margin_bytes);
+
+/* Close the profiling scope of `device`: the result as JSON (free with
+ * `vram_ledger_string_free`), or NULL.
+ */
+char *vram_ledger_profile_end(int device);
+
+/* ---- src/ffi/kv.rs ----------------------------------------------------------
+ * The KV cache sized last (see `Allocator::reserve_kv`): reserve it, commit it to what the
+ * budget contract leaves after the CUDA graphs are captured, resize it while serving, give it
+ * back. Results are JSON (free them with `vram_ledger_string_free`), NULL on error with the
+ * reason in `vram_ledger_last_error`.
+ */
+
+/* Reserve the KV cache on `device`: address space for `max_bytes` (negative: the device's
+ * memory) in blocks of `block_bytes`, `initial_blocks` of them usable now (native mode: one
+ * segment of what the contract leaves, every block usable). Returns the KV cache as JSON
+ * (`base`, `block_bytes`, `reserved_blocks`, `usable_blocks`, `reserved_bytes`,
+ * `mapped_bytes`, `native`).
+ */
+char *vram_ledger_kv_reserve(int device, uint64_t block_bytes, int64_t max_bytes, uint64_t initial_blocks);
+
+/* Map the KV cache up to what the budget contract leaves now; returns the KV cache and what
+ * was measured (`kv`, `room`, `blocks_before`) as JSON.
+ */
+char *vram_ledger_kv_commit(int device);
+
+/* Make `blocks` usable (every block from `free_from` on is free); returns the KV cache as
+ * JSON.
+ */
+char *vram_ledger_kv_resize(int device, uint64_t blocks, uint64_t free_from);
+
+/* The KV cache as JSON, or `null` when none is reserved. */
+char *vram_ledger_kv_info(int device);
+
+/* Give the KV cache back: 0, or -1 on error. */
+int vram_ledger_kv_release(int device);
+
+/* ---- src/ffi/sleep.rs -------------------------------------------------------
+ * Sleep and wake by tag (see `Allocator::sleep`). Tags are given as bit masks: bit `i` is
+ * `Tag::ALL[i]` (1 weights, 2 activation, 4 kv_cache, 8 untracked; `vram_ledger_abi_json` gives
+ * them to hosts). A negative device means every device in use, one after the other.
+ */
+
+/* Keep each tag's memory apart (`Config::separate_tags`), which sleep needs, in allocators
+ * created from now on (call before the first use of a device, as `vram_ledger_configure`).
+ */
+int vram_ledger_separate_tags(int enabled);
+
+/* Put the `offload` tags (copied to page-locked host memory) and the `discard` tags to sleep.
+ * Returns a JSON report per device (free it with `vram_ledger_string_free`), NULL on error.
+ * When one of several devices fails, those this call already put to sleep are woken again,
+ * so that an error means nothing was left asleep by it.
+ */
+char *vram_ledger_sleep(int device, int offload, int discard);
+
+/* Wake the tags of `mask` (0: every sleeping tag). Returns a JSON report per device, NULL on
+ * error (the tag that failed stays asleep; wake can be retried).
+ */
+char *vram_ledger_wake(int device, int mask);
+
+/* Keep (non-zero) or free (0, the default) offloaded tags' page-locked host memory at wake. */
+int vram_ledger_set_retain_host(int device, int retain);
+
+/* ---- src/ffi/graphs.rs ------------------------------------------------------
+ * CUDA graph pools (PyTorch's private pools, which its pluggable allocator does not forward:
+ * the Python package calls these around `torch.cuda.CUDAGraph`'s capture and release).
+ */
+
+/* Route the capture running on `stream` to graph pool (`pool_a`, `pool_b`), PyTorch's
+ * `MempoolId_t`: until `vram_ledger_graph_end`, allocations on streams of that capture come
+ * from the pool, and nothing else gets its memory while a graph made from it lives. Counts
+ * one reference to the pool. -1 when `stream` is not capturing.
+ *
+ * Safety:
+ * On the CUDA backend `stream` is a live `cudaStream_t` of `device`'s primary context.
+ */
+int vram_ledger_graph_begin(int device, void *stream, uint64_t pool_a, uint64_t pool_b);
+
+/* Stop routing the capture that began on `stream` into the pool (after the capture has ended
+ * and the graph is instantiated); measures what appeared outside the allocator meanwhile.
+ * `stream` is only compared.
+ */
+int vram_ledger_graph_end(int device, void *stream, uint64_t pool_a, uint64_t pool_b);
+
+/* Drop one reference to the pool (a graph made from it was reset or destroyed); with the last
+ * one its free memory goes back to the driver.
+ */
+int vram_ledger_graph_release(int device, uint64_t pool_a, uint64_t pool_b);
+
+/* ---- src/ffi/abi.rs ---------------------------------------------------------
+ * The library describing itself to hosts that bind it at run time (the Python package builds
+ * its ctypes bindings from this): the tags, the spellings accepted for them and their bits in
+ * sleep and wake masks, the segment modes, and the C signature of every entry point. Tags and
+ * modes come from the code that parses and decodes them, so a host never keeps its own copy.
+ */
+
+/* The library's description as JSON (free it with `vram_ledger_string_free`), NULL on error:
+ * `tags`, each with its `name`, its other accepted spellings (`aliases`) and its `bit` in the
+ * masks of `vram_ledger_sleep` and `vram_ledger_wake`; `modes`, each with its `name` and
+ * whether it is a virtual-memory mode (`virtual`, which sleep needs); and `functions`, each
+ * exported function's `name`, `returns` and `args` as C types.
+ */
+char *vram_ledger_abi_json(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* VRAM_LEDGER_H */
