@@ -13,11 +13,15 @@
 # there). PYTHON: the interpreter (default python3.12, which must import torch with CUDA).
 # MODE: the segment mode, remap (default) or expandable (sleep needs a virtual-memory mode).
 set -euo pipefail
-# What run-all.sh exports points into the bundle: the package must come from the wheel alone.
-unset VRAM_LEDGER_LIB PYTHONPATH VRAM_LEDGER_DRIVER VRAM_LEDGER_BIN
 here="$(cd "$(dirname "$0")" && pwd)"
 bundle="$(cd "$here/../.." && pwd)"
 python="${PYTHON:-python3.12}"
+# Where the machine's torch is, as its interpreter finds it (a venv sees the system's
+# site-packages, not a user site or a PYTHONPATH the machine sets): found before that
+# environment is cleared, and handed to the venv as a path file.
+torch_dir="$(cd / && "$python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null || true)"
+# What run-all.sh exports points into the bundle: the package must come from the wheel alone.
+unset VRAM_LEDGER_LIB PYTHONPATH VRAM_LEDGER_DRIVER VRAM_LEDGER_BIN
 mode="${MODE:-remap}"
 
 wheel="${1:-}"
@@ -38,6 +42,11 @@ case "$mode" in remap | expandable) ;; *) echo "h200_wheel: MODE must be remap o
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 "$python" -m venv --system-site-packages "$scratch/venv"
+if [ -n "$torch_dir" ] && [ ! -e "$torch_dir/vram_ledger" ]; then
+    site="$("$scratch/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "$torch_dir" >"$site/machine-torch.pth"
+    echo "torch from: $torch_dir"
+fi
 # --ignore-installed: a vram-ledger in the system's site-packages must not stand in for it.
 "$scratch/venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
     --ignore-installed "$wheel"
