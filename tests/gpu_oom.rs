@@ -43,3 +43,18 @@ fn gpu_allocate_until_oom_then_recover() {
         assert_eq!(a.snapshot().reserved_bytes.current, 0);
     }
 }
+
+/// Pinning more host memory than the host can spare is an error that says so, before any page
+/// is touched (faulting them in would wake the OOM killer instead); a size that fits pins.
+#[test]
+fn gpu_pinning_past_the_host_is_refused_as_host_memory_exhausted() {
+    use vram_ledger::driver::{Driver, DriverErrorKind};
+    let Some(_g) = gpu("gpu_oom") else { return };
+    let d = vram_ledger::driver::cuda::CudaDriver::new(0).unwrap();
+    let e = d.host_alloc(1 << 50).unwrap_err();
+    assert_eq!(e.kind, DriverErrorKind::OutOfMemory, "{e}");
+    assert!(e.to_string().contains("host memory exhausted"), "{e}");
+    println!("1 PiB of pinned host memory: {e}");
+    let p = d.host_alloc(64 << 20).unwrap();
+    d.host_free(p).unwrap();
+}

@@ -307,6 +307,15 @@ fn pin_error(call: DriverCall, e: super::pinned::PinError) -> DriverError {
             };
             DriverError::new(call, kind, format!("host memory: {e}"))
         }
+        super::pinned::PinError::Exhausted { wanted, room } => DriverError::new(
+            call,
+            DriverErrorKind::OutOfMemory,
+            format!(
+                "host memory exhausted: pinning {} needs more than the {} this host can spare",
+                crate::units::Bytes(wanted),
+                crate::units::Bytes(room)
+            ),
+        ),
     }
 }
 

@@ -16,6 +16,7 @@
 pub mod cost;
 pub mod counting;
 pub mod cuda;
+mod host_room;
 pub mod nvml;
 mod pinned;
 pub mod sim;

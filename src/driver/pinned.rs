@@ -16,6 +16,15 @@ const THREADS: usize = 8;
 
 /// A registered buffer of at least `bytes`; `Err` carries the failed call's result or errno.
 pub(super) fn alloc(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
+    // Faulting in pages the host does not have would not fail: it would wake the OOM killer.
+    if let Some(room) = super::host_room::pinnable_now() {
+        if bytes > room {
+            return Err(PinError::Exhausted {
+                wanted: bytes,
+                room,
+            });
+        }
+    }
     let size = (bytes as usize).div_ceil(HUGE) * HUGE;
     // Over-map by a huge page so that the buffer can start on a huge-page boundary.
     let span = size + HUGE;
@@ -90,4 +99,9 @@ pub(super) fn free(p: *mut c_void, size: usize) -> Result<(), PinError> {
 pub(super) enum PinError {
     Driver(sys::CUresult),
     Os(std::io::Error),
+    /// More than the host (and this process's memory cgroup) can spare now.
+    Exhausted {
+        wanted: u64,
+        room: u64,
+    },
 }
