@@ -260,6 +260,11 @@ char *vram_ledger_wake(int device, int mask);
 /* Keep (non-zero) or free (0, the default) offloaded tags' page-locked host memory at wake. */
 int vram_ledger_set_retain_host(int device, int retain);
 
+/* Fill discarded tags' memory with zeros at wake (non-zero, the default), or leave it as fresh
+ * memory comes (0: stale data of this process).
+ */
+int vram_ledger_set_zero_discarded(int device, int zero);
+
 /* ---- src/ffi/graphs.rs ------------------------------------------------------
  * CUDA graph pools (PyTorch's private pools, which its pluggable allocator does not forward:
  * the Python package calls these around `torch.cuda.CUDAGraph`'s capture and release).

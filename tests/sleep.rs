@@ -150,6 +150,7 @@ fn sleep_offloads_and_wake_restores_at_the_same_addresses() {
             e.kv.iter().all(|x| readable(&a, x)),
             "{mode}: the discarded memory is back"
         );
+        assert!(w.zeroed_bytes >= kv, "{mode}: {w:?}");
         assert_eq!(
             a.driver().host_bytes(),
             0,
@@ -163,6 +164,46 @@ fn sleep_offloads_and_wake_restores_at_the_same_addresses() {
         }
         a.allocate_tagged(30 * MIB, S, Tag::Weights).unwrap();
         check(&a);
+    }
+}
+
+/// Discarded memory reads as zeros after wake, written words and words nothing wrote alike
+/// (fresh memory on the simulated device holds stale data, as on a GPU); told to leave it, wake
+/// maps fresh memory and fills nothing.
+#[test]
+fn sleep_discarded_memory_reads_zeros_after_wake_unless_told_to_leave_it() {
+    let zeros = |a: &Allocator<SimDriver>, x: &Allocation| {
+        let d = a.driver();
+        [x.ptr, x.ptr + 4096, x.ptr + x.requested / 8 * 8 - 8]
+            .iter()
+            .all(|&w| d.read_word(w).ok() == Some(0))
+    };
+    for mode in VIRTUAL {
+        for zero in [true, false] {
+            let a = allocator(mode, 80 * GIB);
+            let e = engine(&a);
+            assert!(
+                !zeros(&a, &e.kv[0]),
+                "{mode}: fresh memory reads stale data"
+            );
+            a.set_zero_discarded(zero);
+            let r = a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
+            let w = a.wake(&[]).unwrap();
+            for x in &e.kv {
+                assert_eq!(zeros(&a, x), zero, "{mode}, zero {zero}: {x:?}");
+            }
+            let want = if zero { r.discarded_bytes } else { 0 };
+            assert_eq!(w.zeroed_bytes, want, "{mode}");
+            assert_eq!(
+                a.driver_calls()[DriverCall::FillZero] > 0,
+                zero,
+                "{mode}: one fill per discarded mapping, none when told to leave them"
+            );
+            for (i, x) in e.weights.iter().enumerate() {
+                assert!(stamped(&a, x, 0x1000 + i as u64), "{mode}: offloaded kept");
+            }
+            check(&a);
+        }
     }
 }
 
@@ -265,6 +306,7 @@ fn sleep_and_wake_faults_leave_each_tag_wholly_asleep_or_awake_with_nothing_leak
         DriverCall::CreatePhysical,
         DriverCall::Map,
         DriverCall::SetAccess,
+        DriverCall::FillZero,
     ];
     let mut struck = std::collections::BTreeSet::new();
     for mode in VIRTUAL {

@@ -27,6 +27,7 @@ WITH_DEVICE = {
     "sleep": lambda d: vl.sleep(offload="weights", device=d),
     "wake": lambda d: vl.wake(device=d),
     "set_retain_host": lambda d: vl.set_retain_host(True, device=d),
+    "set_zero_discarded": lambda d: vl.set_zero_discarded(False, device=d),
 }
 
 

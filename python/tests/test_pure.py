@@ -551,3 +551,23 @@ def test_kv_cache_is_reserved_committed_and_resized_on_a_simulated_device():
     zero, negative, huge, fraction = r["refused"]
     assert "ValueError" in zero and "ValueError" in negative
     assert "OverflowError" in huge and "TypeError" in fraction
+
+
+def test_wake_zeroes_discarded_tags_unless_told_to_leave_them():
+    r = run_on_sim(
+        """
+        assert lib.vram_ledger_configure(b"remap") == 0
+        assert lib.vram_ledger_separate_tags(1) == 0
+        with vl.tag("kv"):
+            lib.vram_ledger_malloc(64 << 20, 0, None)
+        seen = {}
+        for zero in (True, False):
+            vl.set_zero_discarded(zero)
+            slept = vl.sleep(discard="kv")[0]
+            seen["zero" if zero else "left"] = (slept["discarded_bytes"], vl.wake()[0]["zeroed_bytes"])
+        print(json.dumps(seen))
+        """
+    )
+    (discarded, zeroed), (_, left) = r["zero"], r["left"]
+    assert discarded >= 64 << 20 and zeroed == discarded, r
+    assert left == 0, r

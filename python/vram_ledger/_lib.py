@@ -96,6 +96,7 @@ USED = (
     "vram_ledger_sleep",
     "vram_ledger_wake",
     "vram_ledger_set_retain_host",
+    "vram_ledger_set_zero_discarded",
     "vram_ledger_kv_reserve",
     "vram_ledger_kv_commit",
     "vram_ledger_kv_resize",

@@ -47,3 +47,9 @@ def set_retain_host(retain: bool = True, device: Optional[int] = None) -> None:
     """Keep the page-locked host memory of offloaded tags after wake, so that the next sleep
     does not pin it again (default: freed at wake)."""
     _check(load().vram_ledger_set_retain_host(_args.devices(device), 1 if retain else 0))
+
+
+def set_zero_discarded(zero: bool = True, device: Optional[int] = None) -> None:
+    """Whether wake fills discarded tags' memory with zeros (the default), or leaves it as fresh
+    memory comes: stale data of this process, one device memset cheaper."""
+    _check(load().vram_ledger_set_zero_discarded(_args.devices(device), 1 if zero else 0))

@@ -120,6 +120,8 @@ pub(crate) struct SleepState {
     pub(crate) stream: Option<StreamId>,
     pub(crate) host: [HostArena; Tag::COUNT],
     pub(crate) retain_host: bool,
+    /// Wake leaves discarded memory as fresh memory comes (stale data), instead of zeros.
+    pub(crate) leave_discarded: bool,
 }
 
 impl SleepState {

@@ -253,6 +253,10 @@ impl<D: Driver> Driver for Counting<D> {
         self.counts.bump(DriverCall::CopyToDevice);
         self.inner.copy_to_device(dst, src, bytes, stream)
     }
+    fn fill_zero(&self, dst: DevicePtr, bytes: u64, stream: StreamId) -> DriverResult<()> {
+        self.counts.bump(DriverCall::FillZero);
+        self.inner.fill_zero(dst, bytes, stream)
+    }
     fn capture(&self, stream: StreamId) -> Capture {
         self.inner.capture(stream)
     }

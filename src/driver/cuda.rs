@@ -589,6 +589,16 @@ impl Driver for CudaDriver {
         })
     }
 
+    fn fill_zero(&self, dst: DevicePtr, bytes: u64, s: StreamId) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::FillZero;
+        self.current(CALL)?;
+        // SAFETY: `dst` is device memory this process mapped, `bytes` long (the caller's
+        // contract); the fill is queued on a live stream.
+        check(CALL, unsafe {
+            sys::cuMemsetD8Async(dst, 0, bytes as usize, stream(s))
+        })
+    }
+
     fn capture(&self, s: StreamId) -> Capture {
         use sys::CUstreamCaptureStatus::*;
         if self.current(DriverCall::PrimaryContext).is_err() {

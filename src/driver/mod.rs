@@ -57,7 +57,7 @@ pub struct MemInfo {
     pub total: u64,
 }
 
-/// A driver call, named in every [`DriverError`]. The first twenty-two are the allocator's
+/// A driver call, named in every [`DriverError`]. The first twenty-four are the allocator's
 /// primitives ([`DriverCall::ALL`]: counted and faulted by the simulated driver); the rest
 /// ([`DriverCall::SETUP`]) are the CUDA backend's one-off set-up of a device, which no allocator
 /// path makes and no simulated device counts.
@@ -87,6 +87,7 @@ pub enum DriverCall {
     DestroyStream,
     CopyToHost,
     CopyToDevice,
+    FillZero,
     // Set-up calls: after the primitives, so that a primitive's discriminant is its index.
     Init,
     DeviceCount,
@@ -97,7 +98,7 @@ pub enum DriverCall {
 }
 
 impl DriverCall {
-    pub const ALL: [DriverCall; 23] = [
+    pub const ALL: [DriverCall; 24] = [
         DriverCall::AllocSegment,
         DriverCall::FreeSegment,
         DriverCall::ReserveVa,
@@ -121,6 +122,7 @@ impl DriverCall {
         DriverCall::DestroyStream,
         DriverCall::CopyToHost,
         DriverCall::CopyToDevice,
+        DriverCall::FillZero,
     ];
 
     /// The CUDA backend's set-up calls, none of which is in [`DriverCall::ALL`].
@@ -173,6 +175,7 @@ impl DriverCall {
             DriverCall::DestroyStream => "destroy_stream",
             DriverCall::CopyToHost => "copy_to_host",
             DriverCall::CopyToDevice => "copy_to_device",
+            DriverCall::FillZero => "fill_zero",
             DriverCall::Init => "init",
             DriverCall::DeviceCount => "device_count",
             DriverCall::DeviceGet => "device_get",
@@ -325,6 +328,10 @@ pub trait Driver: Send + Sync + 'static {
         bytes: u64,
         stream: StreamId,
     ) -> DriverResult<()>;
+
+    /// Queue zeros into `bytes` of device memory at `dst` on `stream` (`cuMemsetD8Async`):
+    /// fresh physical memory holds whatever it held before, in this process.
+    fn fill_zero(&self, dst: DevicePtr, bytes: u64, stream: StreamId) -> DriverResult<()>;
 
     /// Whether `stream` is capturing a CUDA graph, and which capture. Not counted: it queues
     /// nothing and reads no memory figure.

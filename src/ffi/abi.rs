@@ -106,6 +106,7 @@ pub(super) const SIGNATURES: &[Signature] = &[
     sig("vram_ledger_sleep", "char *", &["int", "int", "int"]),
     sig("vram_ledger_wake", "char *", &["int", "int"]),
     sig("vram_ledger_set_retain_host", "int", &["int", "int"]),
+    sig("vram_ledger_set_zero_discarded", "int", &["int", "int"]),
     sig(
         "vram_ledger_kv_reserve",
         "char *",

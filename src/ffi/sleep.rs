@@ -112,3 +112,15 @@ pub extern "C" fn vram_ledger_set_retain_host(device: c_int, retain: c_int) -> c
         Ok(0)
     })
 }
+
+/// Fill discarded tags' memory with zeros at wake (non-zero, the default), or leave it as fresh
+/// memory comes (0: stale data of this process).
+#[no_mangle]
+pub extern "C" fn vram_ledger_set_zero_discarded(device: c_int, zero: c_int) -> c_int {
+    guard(-1, || {
+        for (_, d) in devices_of(device)? {
+            on_device!(d, d => d.allocator().set_zero_discarded(zero != 0));
+        }
+        Ok(0)
+    })
+}

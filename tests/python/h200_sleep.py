@@ -19,8 +19,9 @@ Marks (a missing NVML reading misses its mark): contents and addresses intact af
 wake; asleep, usage within 1% of what was held above the process's start; with host memory
 retained, a sleep that reuses it and every wake that keeps it ≤ 0.5 s; host memory back to its
 start after a wake that does not retain it; NVML's usage lower asleep by at least half of what
-sleep gave back; the second process's data checked. Goals not reached yet are printed under
-`open_goals` and do not fail the case: the first round's sleep and wake ≤ 0.5 s.
+sleep gave back; the discarded KV tensor all zeros after wake; the second process's data
+checked. Goals not reached yet are printed under `open_goals` and do not fail the case: the
+first round's sleep and wake ≤ 0.5 s.
 """
 
 import ctypes
@@ -210,6 +211,8 @@ def case_model(mode, second_process=False):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         tenant = dict(rc=r.returncode, out=r.stdout.strip()[-200:], err=r.stderr[-400:], bytes=want)
     woke = vl.wake()[0]
+    # The discarded KV tensor (random before the sleep) reads as zeros after the wake.
+    kv_zero = bool((kv == 0).all())
     with torch.no_grad():
         again = m(ids, use_cache=False).logits
     g.replay()
@@ -219,6 +222,7 @@ def case_model(mode, second_process=False):
     m = Marks()
     m.true("eager_bit_identical", eager_same)
     m.true("graph_bit_identical", graph_same)
+    m.true("discarded_reads_zeros", kv_zero)
     # What sleeping gave back shows in NVML's reading of this process.
     given_back = None if None in (usage_full, usage_asleep) else usage_full - usage_asleep
     m.at_least("usage_fell_asleep", given_back, report["given_back_bytes"] // 2, usage_full or 0)

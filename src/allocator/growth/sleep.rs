@@ -166,6 +166,18 @@ impl Shard {
             .collect()
     }
 
+    /// The discarded mappings of asleep `tag`: (address, bytes).
+    pub(crate) fn discarded(&self, tag: Tag) -> Vec<(DevicePtr, u64)> {
+        self.tag_mappings(tag)
+            .into_iter()
+            .filter(|m| {
+                let s = self.segments.get(m.seg).virt().mappings[&m.va].sleep;
+                s.is_some_and(|s| s.host == DISCARDED)
+            })
+            .map(|m| (m.va, m.bytes))
+            .collect()
+    }
+
     /// `tag` is awake again here: its mappings are marked awake (those remade counted in
     /// reserved, no longer sleeping), its free lists rejoin the index, and the frees deferred
     /// while it slept are applied (failures logged).

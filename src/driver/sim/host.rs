@@ -5,6 +5,11 @@
 //! Invariants:
 //! - Contents belong to a handle (at an offset into it), not to an address: unmapping keeps
 //!   them while the handle lives, and releasing the handle's last mapping drops them.
+//! - A word nothing wrote reads as stale data (a value of its offset, never 0), as fresh
+//!   physical memory holds what this process left there, unless a fill with zeros covered it
+//!   since (and no copy to the device overwrote it after). Copies carry written words only, so
+//!   zeros offloaded and restored read stale again: a test can trust zeros, never be fooled by
+//!   them.
 //! - A copy touches only accessible mapped memory and the inside of one host buffer; anything
 //!   else fails as an invalid value and copies nothing (a real copy would fault).
 //! - Copies complete when queued (a simulated stream has nothing to overlap them with).
@@ -90,24 +95,7 @@ impl SimDriver {
             .map(|(&b, _)| b)
             .ok_or_else(|| Self::invalid(call, "host range is not inside one host buffer"))?;
         let host_off = host.0 - base;
-        // The device side, mapping by mapping: (handle, offset in it, offset in the copy, length).
-        let mut pieces = Vec::new();
-        let mut cursor = dev;
-        while cursor < dev + bytes {
-            match p.mappings.range(..=cursor).next_back() {
-                Some((&va, m)) if cursor < va + m.bytes && m.accessible => {
-                    let len = (va + m.bytes).min(dev + bytes) - cursor;
-                    pieces.push((m.handle, cursor - va, cursor - dev, len));
-                    cursor += len;
-                }
-                _ => {
-                    return Err(Self::invalid(
-                        call,
-                        format!("{cursor:#x} is not accessible device memory"),
-                    ))
-                }
-            }
-        }
+        let pieces = Self::device_pieces(p, call, dev, bytes)?;
         for (handle, dev_off, copy_off, len) in pieces {
             let h = host_off + copy_off;
             match dir {
@@ -135,6 +123,9 @@ impl SimDriver {
                     let c = p.contents.entry(handle).or_default();
                     c.retain(|&o, _| o < dev_off || o >= dev_off + len);
                     c.extend(words.into_iter().map(|(o, w)| (o - h + dev_off, w)));
+                    if let Some(z) = p.zeroed.get_mut(&handle) {
+                        *z = subtract(z, dev_off, dev_off + len);
+                    }
                 }
             }
         }
@@ -150,23 +141,75 @@ impl SimDriver {
         Ok(())
     }
 
-    /// The 8-byte word at `va` (0 where nothing was written); an error where `va` is not
-    /// accessible mapped memory, which on a GPU would be an illegal address.
+    /// The 8-byte word at `va` (stale data where nothing wrote and no fill zeroed it); an
+    /// error where `va` is not accessible mapped memory, which on a GPU would be an illegal
+    /// address.
     pub fn read_word(&self, va: DevicePtr) -> DriverResult<u64> {
         let st = self.device.state.lock();
         let p = &st.processes[&self.pid];
         let (handle, off) = Self::resolve(p, va)?;
-        Ok(p.contents
+        if let Some(&w) = p.contents.get(&handle).and_then(|c| c.get(&off)) {
+            return Ok(w);
+        }
+        let zero = p
+            .zeroed
             .get(&handle)
-            .and_then(|c| c.get(&off))
-            .copied()
-            .unwrap_or(0))
+            .is_some_and(|z| z.iter().any(|&(lo, hi)| lo <= off && off + 8 <= hi));
+        Ok(if zero { 0 } else { stale(off) })
+    }
+
+    /// Fill `bytes` at `dev` with zeros: accessible mapped memory only (anything else fails as
+    /// an invalid value and fills nothing), and not on a capturing stream.
+    pub(super) fn zero(&self, dev: DevicePtr, bytes: u64, stream: StreamId) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::FillZero;
+        self.device.real_stream(stream);
+        let mut st = self.device.state.lock();
+        if st.streams.get(&stream).is_some_and(|s| s.capture.is_some()) {
+            return Err(Self::invalid(CALL, "fill queued on a capturing stream"));
+        }
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        let pieces = Self::device_pieces(p, CALL, dev, bytes)?;
+        for (handle, off, _, len) in pieces {
+            if let Some(c) = p.contents.get_mut(&handle) {
+                c.retain(|&o, _| o < off || o >= off + len);
+            }
+            p.zeroed.entry(handle).or_default().push((off, off + len));
+        }
+        Ok(())
     }
 
     /// Bytes of page-locked host memory this process holds.
     pub fn host_bytes(&self) -> u64 {
         let st = self.device.state.lock();
         st.processes[&self.pid].host.values().map(|h| h.bytes).sum()
+    }
+
+    /// `[dev, dev + bytes)` mapping by mapping: (handle, offset in it, offset from `dev`,
+    /// length); an error where any of it is not accessible mapped memory.
+    fn device_pieces(
+        p: &super::Process,
+        call: DriverCall,
+        dev: DevicePtr,
+        bytes: u64,
+    ) -> DriverResult<Vec<(u64, u64, u64, u64)>> {
+        let mut pieces = Vec::new();
+        let mut cursor = dev;
+        while cursor < dev + bytes {
+            match p.mappings.range(..=cursor).next_back() {
+                Some((&va, m)) if cursor < va + m.bytes && m.accessible => {
+                    let len = (va + m.bytes).min(dev + bytes) - cursor;
+                    pieces.push((m.handle, cursor - va, cursor - dev, len));
+                    cursor += len;
+                }
+                _ => {
+                    return Err(Self::invalid(
+                        call,
+                        format!("{cursor:#x} is not accessible device memory"),
+                    ))
+                }
+            }
+        }
+        Ok(pieces)
     }
 
     fn resolve(p: &super::Process, va: DevicePtr) -> DriverResult<(u64, u64)> {
@@ -178,4 +221,27 @@ impl SimDriver {
             )),
         }
     }
+}
+
+/// What a word nothing wrote reads: stale data, never 0.
+fn stale(off: u64) -> u64 {
+    (off ^ 0x5afe_0ff5_e7d0_0000) | 1
+}
+
+/// `ranges` less `[lo, hi)`.
+fn subtract(ranges: &[(u64, u64)], lo: u64, hi: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::with_capacity(ranges.len() + 1);
+    for &(a, b) in ranges {
+        if b <= lo || a >= hi {
+            out.push((a, b));
+            continue;
+        }
+        if a < lo {
+            out.push((a, lo));
+        }
+        if b > hi {
+            out.push((hi, b));
+        }
+    }
+    out
 }

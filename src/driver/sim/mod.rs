@@ -74,6 +74,9 @@ struct Process {
     usage_visible: bool,
     /// What tests wrote into physical handles, by handle (`host.rs`).
     contents: HashMap<u64, BTreeMap<u64, u64>>,
+    /// Offset ranges of each handle filled with zeros since; elsewhere a word nothing wrote
+    /// reads as stale data (`host.rs`).
+    zeroed: HashMap<u64, Vec<(u64, u64)>>,
     /// Page-locked host buffers by address (`host.rs`).
     host: BTreeMap<u64, host::HostBuf>,
 }
@@ -463,6 +466,7 @@ impl Driver for SimDriver {
                 if ph.mapped == 0 {
                     p.phys.remove(&handle.0);
                     p.contents.remove(&handle.0);
+                    p.zeroed.remove(&handle.0);
                 }
                 Ok(())
             }
@@ -553,6 +557,7 @@ impl Driver for SimDriver {
         if ph.released && ph.mapped == 0 {
             p.phys.remove(&m.handle);
             p.contents.remove(&m.handle);
+            p.zeroed.remove(&m.handle);
         }
         Ok(())
     }
@@ -695,6 +700,11 @@ impl Driver for SimDriver {
     ) -> DriverResult<()> {
         self.count(DriverCall::CopyToDevice, bytes)?;
         self.copy(host::Direction::ToDevice, src, dst, bytes, s)
+    }
+
+    fn fill_zero(&self, dst: DevicePtr, bytes: u64, s: StreamId) -> DriverResult<()> {
+        self.count(DriverCall::FillZero, bytes)?;
+        self.zero(dst, bytes, s)
     }
 
     fn capture(&self, stream: StreamId) -> Capture {
