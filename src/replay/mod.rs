@@ -8,4 +8,5 @@ pub mod svg;
 pub mod trace;
 
 pub use engine::{replay, ReplayOptions, ReplayResult};
+pub use pickle_guard::{Refusal, MAX_DEPTH};
 pub use trace::{read_file, Trace, TraceError};

@@ -11,6 +11,7 @@ use std::path::Path;
 use serde_pickle::{HashableValue, Value};
 use thiserror::Error;
 
+use super::pickle_guard::Refusal;
 pub use crate::allocator::Action;
 use crate::tag::Tag;
 
@@ -50,6 +51,8 @@ pub enum TraceError {
     Gzip(std::io::Error),
     #[error("not a pickle: {0}")]
     Pickle(String),
+    #[error("refused: {0}")]
+    Refused(#[from] Refusal),
     #[error("not a PyTorch memory snapshot: {0} (expected a dict with a 'device_traces' list, as written by torch.cuda.memory._dump_snapshot)")]
     NotASnapshot(String),
     #[error("device {asked} has no trace; the snapshot has {available} device(s)")]
@@ -83,13 +86,7 @@ pub fn read_bytes(bytes: &[u8], device: Option<usize>) -> Result<Trace, TraceErr
             "it does not start with a pickle protocol header".into(),
         ));
     }
-    if let Err(nodes) = super::pickle_guard::check(bytes) {
-        return Err(TraceError::Pickle(format!(
-            "it would expand to at least {nodes} values from {} bytes (memo references and \
-             duplicates copied over and over); refused",
-            bytes.len()
-        )));
-    }
+    super::pickle_guard::check(bytes)?;
     let opts = serde_pickle::DeOptions::new()
         .replace_unresolved_globals()
         .decode_strings();
