@@ -1,19 +1,21 @@
 //! Reading PyTorch memory snapshots (`torch.cuda.memory._dump_snapshot`): a pickle, gzipped
-//! or not, whose `device_traces` lists every allocator event of each device.
+//! or not, whose `device_traces` lists every allocator event of each device. Any byte string
+//! is either read or refused with a [`TraceError`], whose message is one line.
 //!
 //! Invariant: a [`Trace`] holds only the events the replay acts on, in file order; anything
 //! else in the file is counted, never silently dropped (see `skipped`, `unknown_tags`).
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::Path;
 
 use serde_pickle::{HashableValue, Value};
 use thiserror::Error;
 
+use super::input::{self, Limits, Reading};
 use super::pickle_guard::Refusal;
 pub use crate::allocator::Action;
 use crate::tag::Tag;
+use crate::units::Bytes;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Event {
@@ -47,63 +49,66 @@ pub enum TraceError {
         path: String,
         source: std::io::Error,
     },
+    #[error("refused: {reading} {}", Bytes(*limit))]
+    TooLarge { reading: Reading, limit: u64 },
     #[error("the gzip stream is corrupt: {0}")]
-    Gzip(std::io::Error),
-    #[error("not a pickle: {0}")]
-    Pickle(String),
+    Gzip(#[source] std::io::Error),
+    #[error("not a pickle: it does not start with a pickle protocol header")]
+    NoPickleHeader,
     #[error("refused: {0}")]
     Refused(#[from] Refusal),
+    // The decoder's messages can quote a whole decoded value: the start is enough.
+    #[error("not a pickle: {}", one_line(&.0.to_string(), 300))]
+    Decode(#[source] serde_pickle::Error),
     #[error("not a PyTorch memory snapshot: {0} (expected a dict with a 'device_traces' list, as written by torch.cuda.memory._dump_snapshot)")]
     NotASnapshot(String),
     #[error("device {asked} has no trace; the snapshot has {available} device(s)")]
     NoSuchDevice { asked: usize, available: usize },
 }
 
+/// `text` on one line (control characters escaped), cut after `max` bytes or so.
+pub(crate) fn one_line(text: &str, max: usize) -> String {
+    let mut out = String::new();
+    for c in text.chars() {
+        if out.len() >= max {
+            out.push('…');
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Read a snapshot file (gzipped or not).
 pub fn read_file(path: &Path, device: Option<usize>) -> Result<Trace, TraceError> {
-    let bytes = std::fs::read(path).map_err(|e| TraceError::Io {
-        path: path.display().to_string(),
-        source: e,
-    })?;
-    read_bytes(&bytes, device)
+    read_file_with(path, device, Limits::default())
+}
+
+/// [`read_file`] within `limits`.
+pub fn read_file_with(
+    path: &Path,
+    device: Option<usize>,
+    limits: Limits,
+) -> Result<Trace, TraceError> {
+    read_bytes_with(&input::read_file(path, limits)?, device, limits)
 }
 
 /// Parse snapshot bytes (gzipped or not). Without `device`, the device with the most events.
 pub fn read_bytes(bytes: &[u8], device: Option<usize>) -> Result<Trace, TraceError> {
-    let raw;
-    let bytes = if bytes.starts_with(&[0x1f, 0x8b]) {
-        let mut out = Vec::new();
-        flate2::read::GzDecoder::new(bytes)
-            .read_to_end(&mut out)
-            .map_err(TraceError::Gzip)?;
-        raw = out;
-        &raw[..]
-    } else {
-        bytes
-    };
-    if bytes.first() != Some(&0x80) {
-        return Err(TraceError::Pickle(
-            "it does not start with a pickle protocol header".into(),
-        ));
-    }
-    super::pickle_guard::check(bytes)?;
-    let opts = serde_pickle::DeOptions::new()
-        .replace_unresolved_globals()
-        .decode_strings();
-    let value = serde_pickle::value_from_slice(bytes, opts).map_err(|e| {
-        // The decoder's messages can quote a whole decoded value: keep the start.
-        let mut msg = e.to_string();
-        if msg.len() > 300 {
-            let cut = (0..=300)
-                .rev()
-                .find(|&i| msg.is_char_boundary(i))
-                .unwrap_or(0);
-            msg.truncate(cut);
-            msg.push('…');
-        }
-        TraceError::Pickle(msg)
-    })?;
-    parse_snapshot(&value, device)
+    read_bytes_with(bytes, device, Limits::default())
+}
+
+/// [`read_bytes`] within `limits`.
+pub fn read_bytes_with(
+    bytes: &[u8],
+    device: Option<usize>,
+    limits: Limits,
+) -> Result<Trace, TraceError> {
+    parse_snapshot(&input::decode(bytes, limits)?, device)
 }
 
 fn get<'a>(d: &'a BTreeMap<HashableValue, Value>, key: &str) -> Option<&'a Value> {
@@ -206,7 +211,7 @@ mod tests {
     #[test]
     fn rejects_what_is_not_a_snapshot() {
         let e = read_bytes(b"hello", None).unwrap_err();
-        assert!(matches!(e, TraceError::Pickle(_)), "{e}");
+        assert!(matches!(e, TraceError::NoPickleHeader), "{e}");
         let list = serde_pickle::to_vec(&vec![1, 2, 3], Default::default()).unwrap();
         let e = read_bytes(&list, None).unwrap_err();
         assert!(e.to_string().contains("device_traces"), "{e}");
@@ -217,5 +222,12 @@ mod tests {
         assert!(e.to_string().contains("no 'device_traces' list"), "{e}");
         let e = read_bytes(&[0x1f, 0x8b, 0, 1, 2], None).unwrap_err();
         assert!(matches!(e, TraceError::Gzip(_)), "{e}");
+        assert!(std::error::Error::source(&e).is_some(), "the cause is kept");
+    }
+
+    #[test]
+    fn messages_are_one_line() {
+        assert_eq!(one_line("a\nb\rc\u{0}", 100), "a\\nb\\rc\\u{0}");
+        assert_eq!(one_line(&"x".repeat(10), 4), "xxxx…");
     }
 }
