@@ -11,4 +11,4 @@ pub mod trace;
 pub use engine::{replay, ReplayOptions, ReplayResult};
 pub use input::{Limits, MAX_INPUT_BYTES};
 pub use pickle_guard::{Refusal, MAX_DEPTH};
-pub use trace::{read_file, read_file_with, Trace, TraceError};
+pub use trace::{read_file, read_file_with, FieldError, Trace, TraceError, MAX_STREAMS};
