@@ -405,7 +405,15 @@ fn main() -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(msg) => {
-            eprintln!("vram-ledger: {msg}");
+            // One line whatever the message quotes (a path, a decoder's text), for scripts.
+            let line: String = msg
+                .chars()
+                .map(|c| match c.is_control() {
+                    true => c.escape_default().to_string(),
+                    false => c.to_string(),
+                })
+                .collect();
+            eprintln!("vram-ledger: {line}");
             ExitCode::from(2)
         }
     }
