@@ -7,11 +7,12 @@
 //!   one);
 //! - nest values more than [`MAX_DEPTH`] deep, or open more than that many marks at once: the
 //!   decoder converts and drops values recursively, so 600 KB of nested lists overflow the
-//!   stack, and it allocates a buffer for each open mark. Real snapshots nest 6 deep (the top
-//!   dict, its lists, their dicts and their values) and open one mark per level;
+//!   stack, and it allocates a buffer for each open mark. Real snapshots nest 8 deep with stack
+//!   frames recorded (the top dict, `segments`, a segment, its `blocks`, a block, its `frames`,
+//!   a frame, its fields; 6 in the shipped traces, which have none) and open one mark per level;
 //! - hold an integer of more than [`MAX_INT_DIGITS`] decimal digits: the decoder's big
 //!   integers take time quadratic in their length to parse from text or to print in a message
-//!   (3 MB of digits take ten seconds);
+//!   (3 MB of digits took 12 s on the development VM);
 //! - change a value after a reference to it was fetched from the memo, or write a memo entry
 //!   twice: a reference's size and depth are its entry's when it is fetched, and either would
 //!   change them behind it. Python's pickler writes neither (it memoises each object once,
@@ -34,8 +35,8 @@ const NODES_PER_BYTE: u64 = 4;
 const BASE_NODES: u64 = 1 << 20;
 
 /// The deepest nesting of values, and the most marks open at once, that a pickle may have:
-/// sixteen times what real snapshots use, and shallow enough that the decoder's recursion
-/// stays within a few tens of kilobytes of stack.
+/// twelve times what real snapshots use, and shallow enough that the decoder's recursion stays
+/// within a few tens of kilobytes of stack.
 pub const MAX_DEPTH: u32 = 100;
 
 /// The most decimal digits an integer may have: Python's own bound on converting integers to
