@@ -39,6 +39,10 @@ struct ReplayArgs {
     /// Which device's trace to replay (default: the one with the most events).
     #[arg(long)]
     device: Option<usize>,
+    /// The largest snapshot read, and the most its gzip stream may decompress to (K/M/G
+    /// suffixes allowed; default 1G).
+    #[arg(long, value_name = "BYTES")]
+    max_input: Option<String>,
     /// Print one JSON object per mode instead of a table.
     #[arg(long)]
     json: bool,
@@ -210,7 +214,13 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
         None => vram_ledger::replay::engine::H200_CAPACITY,
     };
     let remap_piece = args.remap_piece.as_deref().map(parse_size).transpose()?;
-    let trace = replay::read_file(file, args.device).map_err(|e| e.to_string())?;
+    let limits = match &args.max_input {
+        Some(m) => replay::Limits {
+            max_bytes: parse_size(m)?,
+        },
+        None => replay::Limits::default(),
+    };
+    let trace = replay::read_file_with(file, args.device, limits).map_err(|e| e.to_string())?;
     let name = file.file_name().map_or_else(
         || file.display().to_string(),
         |n| n.to_string_lossy().into_owned(),
@@ -395,7 +405,15 @@ fn main() -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(msg) => {
-            eprintln!("vram-ledger: {msg}");
+            // One line whatever the message quotes (a path, a decoder's text), for scripts.
+            let line: String = msg
+                .chars()
+                .map(|c| match c.is_control() {
+                    true => c.escape_default().to_string(),
+                    false => c.to_string(),
+                })
+                .collect();
+            eprintln!("vram-ledger: {line}");
             ExitCode::from(2)
         }
     }

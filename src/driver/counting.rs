@@ -49,22 +49,24 @@ pub struct DriverCalls([u64; N]);
 impl DriverCalls {
     /// Count `n` more calls of `call` (for figures that come from elsewhere, such as a trace).
     pub fn add(&mut self, call: DriverCall, n: u64) {
-        self.0[call.index()] += n;
+        // Counts made from a trace's recorded sizes can be absurd; they saturate, never wrap.
+        let c = &mut self.0[call.index()];
+        *c = c.saturating_add(n);
     }
 
     /// Every call, of every kind.
     pub fn total(&self) -> u64 {
-        self.0.iter().sum()
+        self.0.iter().fold(0u64, |a, &c| a.saturating_add(c))
     }
 
     /// Calls that obtain device memory: plain segments and physical allocations.
     pub fn memory_allocations(&self) -> u64 {
-        self[DriverCall::AllocSegment] + self[DriverCall::CreatePhysical]
+        self[DriverCall::AllocSegment].saturating_add(self[DriverCall::CreatePhysical])
     }
 
     /// Calls that give device memory back: segment frees and physical releases.
     pub fn memory_frees(&self) -> u64 {
-        self[DriverCall::FreeSegment] + self[DriverCall::ReleasePhysical]
+        self[DriverCall::FreeSegment].saturating_add(self[DriverCall::ReleasePhysical])
     }
 
     /// `self − earlier`, per call (counts only grow; a smaller later count reads as 0).

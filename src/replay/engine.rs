@@ -126,8 +126,8 @@ pub struct TagPeak {
     pub peak_allocated: u64,
 }
 
-/// Streams of the replay's own, one per free that waits for its `free_completed`: above any
-/// real stream handle (user-space pointers) and below graph pool keys.
+/// Streams of the replay's own, one per free that waits for its `free_completed`: above the
+/// trace's streams, which the reader numbers from 0 ([`Trace::streams`]).
 const HOLD_STREAMS: u64 = 1 << 56;
 
 /// The page size and page count of a range PyTorch's expandable segments mapped: 20 MiB pages
@@ -273,7 +273,8 @@ impl Torch {
 
     /// A `segment_alloc` or `segment_map` event.
     fn segment_mapped(&mut self, e: &Event) {
-        self.reserved += e.size;
+        // A hostile trace's segments may add up past 2^64; the sum is only reported.
+        self.reserved = self.reserved.saturating_add(e.size);
         self.peak = self.peak.max(self.reserved);
         if e.action == Action::SegmentAlloc {
             self.call(DriverCall::AllocSegment, 1, 1, e.size);

@@ -2,10 +2,13 @@
 //! workload fit, and how fragmented does it get, compared with what PyTorch recorded.
 
 pub mod engine;
+pub mod input;
 mod pickle_guard;
 pub mod snapshot;
 pub mod svg;
 pub mod trace;
 
 pub use engine::{replay, ReplayOptions, ReplayResult};
-pub use trace::{read_file, Trace, TraceError};
+pub use input::{Limits, MAX_INPUT_BYTES};
+pub use pickle_guard::{Refusal, MAX_DEPTH};
+pub use trace::{read_file, read_file_with, FieldError, Trace, TraceError, MAX_STREAMS};

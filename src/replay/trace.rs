@@ -1,24 +1,45 @@
 //! Reading PyTorch memory snapshots (`torch.cuda.memory._dump_snapshot`): a pickle, gzipped
-//! or not, whose `device_traces` lists every allocator event of each device.
+//! or not, whose `device_traces` lists every allocator event of each device. Any byte string
+//! is either read or refused with a [`TraceError`], whose message is one line.
 //!
-//! Invariant: a [`Trace`] holds only the events the replay acts on, in file order; anything
-//! else in the file is counted, never silently dropped (see `skipped`, `unknown_tags`).
+//! Invariants:
+//! - A [`Trace`] holds only the events the replay acts on, in file order; anything else in the
+//!   file is counted, never silently dropped (see `skipped`, `unknown_tags`).
+//! - An event's fields are within bounds: addresses below 2^63 (PyTorch writes them as
+//!   int64), sizes below 2^60 ([`ABSURD_SIZE`], what the allocator refuses), except an `oom`
+//!   event's, which records what was asked and is not replayed.
+//! - An event's `stream` is the trace's own number for the stream it was recorded on: 0 for
+//!   the default stream (recorded as 0, or not recorded), then 1, 2, … in order of first
+//!   appearance; the recorded handles are kept in [`Trace::streams`]. Recorded values are
+//!   never used as stream ids: a handle is a pointer, in the range where the simulated
+//!   driver's own handles are, or any other integer, an allocator's own keys (bits 59 to 63)
+//!   among them; first appearance keeps the order the allocator met the streams in. A trace
+//!   names at most [`MAX_STREAMS`].
 
-use std::collections::BTreeMap;
-use std::io::Read;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use serde_pickle::{HashableValue, Value};
 use thiserror::Error;
 
+use super::input::{self, Limits, Reading};
+use super::pickle_guard::Refusal;
+use crate::allocator::rules::ABSURD_SIZE;
 pub use crate::allocator::Action;
 use crate::tag::Tag;
+use crate::units::Bytes;
+
+/// The most streams one trace may name, the default stream included: PyTorch's stream pools
+/// hold 32 streams per priority, real traces name a handful, and each stream costs the replay
+/// tens of kilobytes of bookkeeping per mode (and each new one a segment of its own).
+pub const MAX_STREAMS: usize = 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Event {
     pub action: Action,
     pub addr: u64,
     pub size: u64,
+    /// The trace's number for the stream (see the invariants above), not the recorded handle.
     pub stream: u64,
     pub tag: Tag,
 }
@@ -28,6 +49,9 @@ pub struct Event {
 pub struct Trace {
     pub device: usize,
     pub events: Vec<Event>,
+    /// The recorded handle of each stream the events name, by the trace's number for it:
+    /// `streams[0]` is 0, the default stream, whether or not an event uses it.
+    pub streams: Vec<u64>,
     /// Metadata names that are not tags, with how many events carried each (replayed as
     /// untracked).
     pub unknown_tags: BTreeMap<String, u64>,
@@ -46,78 +70,218 @@ pub enum TraceError {
         path: String,
         source: std::io::Error,
     },
+    #[error("refused: {reading} {}", Bytes(*limit))]
+    TooLarge { reading: Reading, limit: u64 },
     #[error("the gzip stream is corrupt: {0}")]
-    Gzip(std::io::Error),
-    #[error("not a pickle: {0}")]
-    Pickle(String),
+    Gzip(#[source] std::io::Error),
+    #[error("not a pickle: it does not start with a pickle protocol header")]
+    NoPickleHeader,
+    #[error("refused: {0}")]
+    Refused(#[from] Refusal),
+    // The decoder's messages can quote a whole decoded value: the start is enough.
+    #[error("not a pickle: {}", one_line(&.0.to_string(), 300))]
+    Decode(#[source] serde_pickle::Error),
     #[error("not a PyTorch memory snapshot: {0} (expected a dict with a 'device_traces' list, as written by torch.cuda.memory._dump_snapshot)")]
     NotASnapshot(String),
+    #[error("trace entry {entry} ({action}): '{field}' {problem}")]
+    Field {
+        entry: usize,
+        action: &'static str,
+        field: &'static str,
+        #[source]
+        problem: FieldError,
+    },
+    #[error(
+        "refused: trace entry {entry} names more streams than the {MAX_STREAMS} a trace may \
+         name (the default stream among them)"
+    )]
+    TooManyStreams { entry: usize },
     #[error("device {asked} has no trace; the snapshot has {available} device(s)")]
     NoSuchDevice { asked: usize, available: usize },
 }
 
+/// What is wrong with a field of a trace entry.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum FieldError {
+    #[error("is missing")]
+    Missing,
+    #[error("is {0}, not an integer")]
+    NotAnInteger(&'static str),
+    #[error("is {0}, not a string")]
+    NotAString(&'static str),
+    #[error("is an integer of more than 128 bits")]
+    Huge,
+    #[error("is {value}, outside {range}")]
+    OutOfRange { value: i128, range: &'static str },
+}
+
+/// `text` on one line (control characters escaped), cut after `max` bytes or so.
+pub(crate) fn one_line(text: &str, max: usize) -> String {
+    let mut out = String::new();
+    for c in text.chars() {
+        if out.len() >= max {
+            out.push('…');
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Read a snapshot file (gzipped or not).
 pub fn read_file(path: &Path, device: Option<usize>) -> Result<Trace, TraceError> {
-    let bytes = std::fs::read(path).map_err(|e| TraceError::Io {
-        path: path.display().to_string(),
-        source: e,
-    })?;
-    read_bytes(&bytes, device)
+    read_file_with(path, device, Limits::default())
+}
+
+/// [`read_file`] within `limits`.
+pub fn read_file_with(
+    path: &Path,
+    device: Option<usize>,
+    limits: Limits,
+) -> Result<Trace, TraceError> {
+    read_bytes_with(&input::read_file(path, limits)?, device, limits)
 }
 
 /// Parse snapshot bytes (gzipped or not). Without `device`, the device with the most events.
 pub fn read_bytes(bytes: &[u8], device: Option<usize>) -> Result<Trace, TraceError> {
-    let raw;
-    let bytes = if bytes.starts_with(&[0x1f, 0x8b]) {
-        let mut out = Vec::new();
-        flate2::read::GzDecoder::new(bytes)
-            .read_to_end(&mut out)
-            .map_err(TraceError::Gzip)?;
-        raw = out;
-        &raw[..]
-    } else {
-        bytes
-    };
-    if bytes.first() != Some(&0x80) {
-        return Err(TraceError::Pickle(
-            "it does not start with a pickle protocol header".into(),
-        ));
-    }
-    if let Err(nodes) = super::pickle_guard::check(bytes) {
-        return Err(TraceError::Pickle(format!(
-            "it would expand to at least {nodes} values from {} bytes (memo references and \
-             duplicates copied over and over); refused",
-            bytes.len()
-        )));
-    }
-    let opts = serde_pickle::DeOptions::new()
-        .replace_unresolved_globals()
-        .decode_strings();
-    let value = serde_pickle::value_from_slice(bytes, opts).map_err(|e| {
-        // The decoder's messages can quote a whole decoded value: keep the start.
-        let mut msg = e.to_string();
-        if msg.len() > 300 {
-            let cut = (0..=300)
-                .rev()
-                .find(|&i| msg.is_char_boundary(i))
-                .unwrap_or(0);
-            msg.truncate(cut);
-            msg.push('…');
-        }
-        TraceError::Pickle(msg)
-    })?;
-    parse_snapshot(&value, device)
+    read_bytes_with(bytes, device, Limits::default())
+}
+
+/// [`read_bytes`] within `limits`.
+pub fn read_bytes_with(
+    bytes: &[u8],
+    device: Option<usize>,
+    limits: Limits,
+) -> Result<Trace, TraceError> {
+    parse_snapshot(&input::decode(bytes, limits)?, device)
 }
 
 fn get<'a>(d: &'a BTreeMap<HashableValue, Value>, key: &str) -> Option<&'a Value> {
     d.get(&HashableValue::String(key.to_owned()))
 }
 
-fn as_u64(v: &Value) -> Option<u64> {
+/// What kind of value `v` is, for messages.
+fn kind(v: &Value) -> &'static str {
     match v {
-        Value::I64(i) => u64::try_from(*i).ok(),
-        Value::Int(b) => u64::try_from(b).ok(),
-        _ => None,
+        Value::None => "None",
+        Value::Bool(_) => "a bool",
+        Value::I64(_) | Value::Int(_) => "an integer",
+        Value::F64(_) => "a float",
+        Value::Bytes(_) => "bytes",
+        Value::String(_) => "a string",
+        Value::List(_) => "a list",
+        Value::Tuple(_) => "a tuple",
+        Value::Set(_) | Value::FrozenSet(_) => "a set",
+        Value::Dict(_) => "a dict",
+    }
+}
+
+fn integer(v: &Value) -> Result<i128, FieldError> {
+    match v {
+        Value::I64(i) => Ok(i128::from(*i)),
+        Value::Int(b) => i128::try_from(b).map_err(|_| FieldError::Huge),
+        other => Err(FieldError::NotAnInteger(kind(other))),
+    }
+}
+
+/// An integer in `lo..hi`.
+fn bounded(v: &Value, lo: i128, hi: i128, range: &'static str) -> Result<u64, FieldError> {
+    let i = integer(v)?;
+    if !(lo..hi).contains(&i) {
+        return Err(FieldError::OutOfRange { value: i, range });
+    }
+    // Negative values are allowed only for stream handles, taken as their 64 bits.
+    Ok(i as u64)
+}
+
+/// One trace entry's fields, read as the replay needs them.
+struct Entry<'a> {
+    fields: &'a BTreeMap<HashableValue, Value>,
+    index: usize,
+    action: Action,
+}
+
+impl Entry<'_> {
+    fn error(&self, field: &'static str, problem: FieldError) -> TraceError {
+        TraceError::Field {
+            entry: self.index,
+            action: self.action.name(),
+            field,
+            problem,
+        }
+    }
+
+    /// A required integer field in `lo..hi`.
+    fn int(&self, field: &'static str, hi: i128, range: &'static str) -> Result<u64, TraceError> {
+        let v = get(self.fields, field).ok_or_else(|| self.error(field, FieldError::Missing))?;
+        bounded(v, 0, hi, range).map_err(|p| self.error(field, p))
+    }
+
+    fn addr(&self) -> Result<u64, TraceError> {
+        self.int("addr", 1 << 63, "0 to 2^63 - 1")
+    }
+
+    fn size(&self) -> Result<u64, TraceError> {
+        if self.action == Action::Oom {
+            return self.int("size", 1 << 63, "0 to 2^63 - 1");
+        }
+        self.int("size", i128::from(ABSURD_SIZE), "0 to 2^60 - 1")
+    }
+
+    /// The recorded stream handle: any 64-bit integer, signed (as PyTorch writes it) or not;
+    /// the default stream when absent.
+    fn stream(&self) -> Result<u64, TraceError> {
+        match get(self.fields, "stream") {
+            None | Some(Value::None) => Ok(0),
+            Some(v) => bounded(v, i128::from(i64::MIN), 1 << 64, "-2^63 to 2^64 - 1")
+                .map_err(|p| self.error("stream", p)),
+        }
+    }
+
+    /// The tag named by `user_metadata`; a name that is no tag is counted in `unknown`.
+    fn tag(&self, unknown: &mut BTreeMap<String, u64>) -> Result<Tag, TraceError> {
+        match get(self.fields, "user_metadata") {
+            None | Some(Value::None) => Ok(Tag::Untracked),
+            Some(Value::String(s)) if s.is_empty() => Ok(Tag::Untracked),
+            Some(Value::String(s)) => Ok(s.parse::<Tag>().unwrap_or_else(|_| {
+                *unknown.entry(s.clone()).or_default() += 1;
+                Tag::Untracked
+            })),
+            Some(other) => Err(self.error("user_metadata", FieldError::NotAString(kind(other)))),
+        }
+    }
+}
+
+/// The trace's numbers for recorded stream handles (see the invariants above).
+struct Streams {
+    ids: HashMap<u64, u64>,
+    handles: Vec<u64>,
+}
+
+impl Streams {
+    fn new() -> Streams {
+        Streams {
+            ids: HashMap::from([(0, 0)]),
+            handles: vec![0],
+        }
+    }
+
+    /// The number for `handle`, a new one on its first appearance (in trace entry `entry`).
+    fn id(&mut self, handle: u64, entry: usize) -> Result<u64, TraceError> {
+        if let Some(&id) = self.ids.get(&handle) {
+            return Ok(id);
+        }
+        if self.handles.len() == MAX_STREAMS {
+            return Err(TraceError::TooManyStreams { entry });
+        }
+        let id = self.handles.len() as u64;
+        self.ids.insert(handle, id);
+        self.handles.push(handle);
+        Ok(id)
     }
 }
 
@@ -160,45 +324,40 @@ fn parse_snapshot(value: &Value, device: Option<usize>) -> Result<Trace, TraceEr
             trace.vram_ledger_mode = Some(m.clone());
         }
     }
+    let mut streams = Streams::new();
     trace.events.reserve(entries.len());
-    for (i, e) in entries.iter().enumerate() {
-        let Value::Dict(e) = e else {
+    for (index, e) in entries.iter().enumerate() {
+        let Value::Dict(fields) = e else {
             return Err(TraceError::NotASnapshot(format!(
-                "trace entry {i} is not a dict"
+                "trace entry {index} is not a dict"
             )));
         };
-        let action = match get(e, "action") {
+        let action = match get(fields, "action") {
             Some(Value::String(s)) => s,
             _ => {
                 return Err(TraceError::NotASnapshot(format!(
-                    "trace entry {i} has no 'action' string"
+                    "trace entry {index} has no 'action' string"
                 )))
             }
         };
-        let Some(action_kind) = Action::parse(action) else {
+        let Some(action) = Action::parse(action) else {
             *trace.skipped.entry(action.clone()).or_default() += 1;
             continue;
         };
-        let field = |k: &str| {
-            get(e, k).and_then(as_u64).ok_or_else(|| {
-                TraceError::NotASnapshot(format!("trace entry {i} ({action}) has no integer '{k}'"))
-            })
-        };
-        let tag = match get(e, "user_metadata") {
-            Some(Value::String(s)) if !s.is_empty() => s.parse::<Tag>().unwrap_or_else(|_| {
-                *trace.unknown_tags.entry(s.clone()).or_default() += 1;
-                Tag::Untracked
-            }),
-            _ => Tag::Untracked,
+        let entry = Entry {
+            fields,
+            index,
+            action,
         };
         trace.events.push(Event {
-            action: action_kind,
-            addr: field("addr")?,
-            size: field("size")?,
-            stream: get(e, "stream").and_then(as_u64).unwrap_or(0),
-            tag,
+            action,
+            addr: entry.addr()?,
+            size: entry.size()?,
+            stream: streams.id(entry.stream()?, index)?,
+            tag: entry.tag(&mut trace.unknown_tags)?,
         });
     }
+    trace.streams = streams.handles;
     Ok(trace)
 }
 
@@ -206,10 +365,37 @@ fn parse_snapshot(value: &Value, device: Option<usize>) -> Result<Trace, TraceEr
 mod tests {
     use super::*;
 
+    fn snapshot(entries: Vec<Value>) -> Vec<u8> {
+        let mut top = BTreeMap::new();
+        top.insert(
+            HashableValue::String("device_traces".into()),
+            Value::List(vec![Value::List(entries)]),
+        );
+        serde_pickle::value_to_vec(&Value::Dict(top), Default::default()).unwrap()
+    }
+
+    fn entry(fields: &[(&str, Value)]) -> Value {
+        Value::Dict(
+            fields
+                .iter()
+                .map(|(k, v)| (HashableValue::String((*k).into()), v.clone()))
+                .collect(),
+        )
+    }
+
+    fn alloc(size: Value, stream: Value) -> Value {
+        entry(&[
+            ("action", Value::String("alloc".into())),
+            ("addr", Value::I64(0x1000)),
+            ("size", size),
+            ("stream", stream),
+        ])
+    }
+
     #[test]
     fn rejects_what_is_not_a_snapshot() {
         let e = read_bytes(b"hello", None).unwrap_err();
-        assert!(matches!(e, TraceError::Pickle(_)), "{e}");
+        assert!(matches!(e, TraceError::NoPickleHeader), "{e}");
         let list = serde_pickle::to_vec(&vec![1, 2, 3], Default::default()).unwrap();
         let e = read_bytes(&list, None).unwrap_err();
         assert!(e.to_string().contains("device_traces"), "{e}");
@@ -220,5 +406,109 @@ mod tests {
         assert!(e.to_string().contains("no 'device_traces' list"), "{e}");
         let e = read_bytes(&[0x1f, 0x8b, 0, 1, 2], None).unwrap_err();
         assert!(matches!(e, TraceError::Gzip(_)), "{e}");
+        assert!(std::error::Error::source(&e).is_some(), "the cause is kept");
+    }
+
+    #[test]
+    fn sizes_addresses_and_types_are_checked() {
+        let int = Value::I64;
+        let cases = [
+            (
+                alloc(int(-4096), int(0)),
+                "'size' is -4096, outside 0 to 2^60 - 1",
+            ),
+            (
+                alloc(int(1 << 60), int(0)),
+                "'size' is 1152921504606846976, outside",
+            ),
+            (
+                alloc(Value::String("4096".into()), int(0)),
+                "'size' is a string, not an integer",
+            ),
+            (
+                alloc(Value::F64(1.0), int(0)),
+                "'size' is a float, not an integer",
+            ),
+            (
+                alloc(int(512), Value::String("s".into())),
+                "'stream' is a string",
+            ),
+            (alloc(int(512), Value::List(vec![])), "'stream' is a list"),
+        ];
+        for (e, want) in cases {
+            let err = read_bytes(&snapshot(vec![e]), None).unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                msg.starts_with("trace entry 0 (alloc): ") && msg.contains(want),
+                "{msg}"
+            );
+            assert!(std::error::Error::source(&err).is_some(), "{msg}");
+        }
+        let negative_addr = entry(&[
+            ("action", Value::String("free_requested".into())),
+            ("addr", Value::I64(-1)),
+            ("size", Value::I64(512)),
+        ]);
+        let e = read_bytes(&snapshot(vec![negative_addr]), None).unwrap_err();
+        assert!(e.to_string().contains("'addr' is -1, outside"), "{e}");
+        let meta = entry(&[
+            ("action", Value::String("alloc".into())),
+            ("addr", Value::I64(1)),
+            ("size", Value::I64(512)),
+            ("user_metadata", Value::I64(3)),
+        ]);
+        let e = read_bytes(&snapshot(vec![meta]), None).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("'user_metadata' is an integer, not a string"),
+            "{e}"
+        );
+        // An oom event records what was asked, however absurd: it is read, not refused.
+        let oom = entry(&[
+            ("action", Value::String("oom".into())),
+            ("addr", Value::I64(1 << 40)),
+            ("size", Value::I64(1 << 62)),
+        ]);
+        assert_eq!(
+            read_bytes(&snapshot(vec![oom]), None).unwrap().events.len(),
+            1
+        );
+    }
+
+    #[test]
+    fn streams_are_numbered_by_first_appearance() {
+        let int = Value::I64;
+        let handle = 0x7f12_3456_7000;
+        let t = read_bytes(
+            &snapshot(vec![
+                alloc(int(512), int(handle)),
+                alloc(int(512), int(0)),
+                alloc(int(512), int(-8)),
+                alloc(int(512), int(handle)),
+                alloc(int(512), Value::None),
+            ]),
+            None,
+        )
+        .unwrap();
+        let ids: Vec<u64> = t.events.iter().map(|e| e.stream).collect();
+        assert_eq!(ids, [1, 0, 2, 1, 0]);
+        assert_eq!(t.streams, [0, handle as u64, (-8i64) as u64]);
+        let many: Vec<Value> = (1..=MAX_STREAMS as i64)
+            .map(|s| alloc(int(512), int(s)))
+            .collect();
+        let e = read_bytes(&snapshot(many.clone()), None).unwrap_err();
+        assert!(
+            matches!(e, TraceError::TooManyStreams { entry } if entry == MAX_STREAMS - 1),
+            "{e}"
+        );
+        // The default stream is one of them.
+        let t = read_bytes(&snapshot(many[..MAX_STREAMS - 1].to_vec()), None).unwrap();
+        assert_eq!(t.streams.len(), MAX_STREAMS);
+    }
+
+    #[test]
+    fn messages_are_one_line() {
+        assert_eq!(one_line("a\nb\rc\u{0}", 100), "a\\nb\\rc\\u{0}");
+        assert_eq!(one_line(&"x".repeat(10), 4), "xxxx…");
     }
 }
