@@ -517,3 +517,68 @@ fn sleep_copy_stream_goes_with_the_allocator() {
         }
     }
 }
+
+/// Sleep and wake show in the allocation history as segment events of their tag ("sleep TAG",
+/// "wake TAG" in PyTorch's snapshot), and a replay of that snapshot shows what the recording
+/// held falling at the sleep and rising at the wake, with no cache release counted for them.
+#[test]
+fn sleep_and_wake_show_in_the_history_and_its_replay() {
+    use vram_ledger::replay::{self, trace::Action, ReplayOptions};
+    for mode in VIRTUAL {
+        let a = allocator(mode, 80 * GIB);
+        a.record_history(true, 100_000).unwrap();
+        let e = engine(&a);
+        // The cache goes first, and an allocation stands between its release and the sleep.
+        a.empty_cache().unwrap();
+        let _kept = a.allocate_tagged(MIB, S, Tag::Activation).unwrap();
+        let s = a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
+        let w = a.wake(&[]).unwrap();
+        let t = replay::trace::read_bytes(&replay::snapshot::write(&a, 0), None).unwrap();
+        let bytes = |action: Action, tag: Tag| -> u64 {
+            let of = t.events.iter().filter(|ev| ev.sleep && ev.action == action);
+            of.filter(|ev| ev.tag == tag).map(|ev| ev.size).sum()
+        };
+        let slept =
+            bytes(Action::SegmentUnmap, Tag::Weights) + bytes(Action::SegmentUnmap, Tag::KvCache);
+        let woke =
+            bytes(Action::SegmentMap, Tag::Weights) + bytes(Action::SegmentMap, Tag::KvCache);
+        assert_eq!(slept, s.given_back_bytes, "{mode}");
+        assert_eq!(woke, w.mapped_bytes, "{mode}");
+        assert!(bytes(Action::SegmentUnmap, Tag::KvCache) >= e.kv.iter().map(|x| x.size).sum());
+        let sleep_at = t.events.iter().position(|ev| ev.sleep).unwrap();
+        let wake_at = t.events.iter().rposition(|ev| ev.sleep).unwrap();
+        let opts = ReplayOptions {
+            mode,
+            timeline_points: t.events.len(),
+            ..Default::default()
+        };
+        let r = replay::replay(&t, &opts, |_| {}).unwrap();
+        let at = |i: usize| {
+            r.timeline
+                .iter()
+                .find(|p| p.event == i)
+                .unwrap()
+                .torch_reserved
+        };
+        let (before, asleep, after) = (at(sleep_at - 1), at(wake_at - 1), at(wake_at));
+        assert!(
+            asleep + slept - woke.min(slept) <= before + 1,
+            "{mode}: {before} {asleep}"
+        );
+        assert!(
+            asleep < before && after > asleep,
+            "{mode}: {before} → {asleep} → {after}"
+        );
+        // The one release is the `empty_cache`; read as cache events, the sleep's unmaps would
+        // count as one more (in expandable mode, where unmaps are not moves).
+        assert!(r.cache_releases <= 1, "{mode}: {}", r.cache_releases);
+        let mut plain = t.clone();
+        plain.events.iter_mut().for_each(|ev| ev.sleep = false);
+        let as_cache = replay::replay(&plain, &opts, |_| {})
+            .unwrap()
+            .cache_releases;
+        if mode == SegmentMode::Expandable {
+            assert!(as_cache > r.cache_releases, "{as_cache}");
+        }
+    }
+}

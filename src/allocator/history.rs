@@ -78,6 +78,9 @@ pub struct HistoryEntry {
     pub size: u64,
     pub stream: StreamId,
     pub tag: Tag,
+    /// A segment event of sleep or wake: `tag`'s memory given back, or mapped again at the
+    /// same addresses (not the cache's).
+    pub sleep: bool,
     /// Microseconds since recording started.
     pub time_us: u64,
 }
@@ -130,6 +133,24 @@ impl History {
     /// pool's memory, which no one stream owns, is recorded on the default stream).
     #[cold]
     pub(crate) fn record(&self, action: Action, addr: u64, size: u64, stream: StreamId, tag: Tag) {
+        self.record_entry(action, addr, size, stream, tag, false);
+    }
+
+    /// [`History::record`] of a segment event of sleep or wake of `tag`.
+    #[cold]
+    pub(crate) fn record_sleep(&self, action: Action, addr: u64, size: u64, tag: Tag) {
+        self.record_entry(action, addr, size, StreamId::DEFAULT, tag, true);
+    }
+
+    fn record_entry(
+        &self,
+        action: Action,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        tag: Tag,
+        sleep: bool,
+    ) {
         if !self.on() {
             return;
         }
@@ -145,6 +166,7 @@ impl History {
             size,
             stream,
             tag,
+            sleep,
             time_us,
         });
     }

@@ -403,6 +403,12 @@ impl<'a> Replayer<'a> {
 
     /// Event `i`, a `segment_free` or `segment_unmap`.
     fn segment_released(&mut self, i: usize, e: &Event) -> Result<(), Error> {
+        if e.sleep {
+            // A tag put to sleep: the recording gave its memory back, its allocations live on.
+            // The modes replayed here do not sleep; what the recording held falls.
+            self.torch.segment_released(e);
+            return Ok(());
+        }
         // The first of a run: PyTorch released its cache here. (In vram-ledger's own
         // recordings, the compact and remap modes also unmap to move memory: there only
         // segment frees mark a release.)

@@ -10,6 +10,7 @@ use serde_pickle::{HashableValue, Value};
 
 use super::trace::Action;
 use crate::allocator::rules::PoolKind;
+use crate::allocator::HistoryEntry;
 use crate::driver::Driver;
 use crate::invariants::{BlockDump, DumpState, SegmentDump};
 use crate::tag::Tag;
@@ -30,9 +31,30 @@ fn int(v: u64) -> Value {
 
 /// A tag as PyTorch's metadata: the tag's name, and "" for untracked (as in the traces PyTorch
 /// records with `_set_memory_metadata`).
-fn metadata(t: Tag) -> Value {
-    Value::String(if t == Tag::Untracked { "" } else { t.name() }.into())
+/// An entry's `user_metadata`: its tag's name ("" for untracked), or for a segment event of
+/// sleep or wake "sleep TAG" or "wake TAG" (PyTorch's memory_viz shows it as it is).
+fn metadata(e: &HistoryEntry) -> Value {
+    if e.sleep {
+        let how = if e.action == Action::SegmentUnmap {
+            SLEEP
+        } else {
+            WAKE
+        };
+        return Value::String(format!("{how} {}", e.tag.name()));
+    }
+    Value::String(
+        if e.tag == Tag::Untracked {
+            ""
+        } else {
+            e.tag.name()
+        }
+        .into(),
+    )
 }
+
+/// How a segment event of sleep (memory given back) or wake (mapped again) is marked.
+pub const SLEEP: &str = "sleep";
+pub const WAKE: &str = "wake";
 
 fn block(b: &BlockDump) -> Value {
     let state = match b.state {
@@ -125,7 +147,7 @@ pub fn write<D: Driver>(alloc: &Allocator<D>, device: usize) -> Vec<u8> {
                 ("stream", int(e.stream.0)),
                 ("time_us", int(e.time_us)),
                 ("frames", Value::List(vec![])),
-                ("user_metadata", metadata(e.tag)),
+                ("user_metadata", metadata(e)),
             ])
         })
         .collect();

@@ -24,6 +24,7 @@ use thiserror::Error;
 
 use super::input::{self, Limits, Reading};
 use super::pickle_guard::Refusal;
+use super::snapshot::{SLEEP, WAKE};
 use crate::allocator::rules::ABSURD_SIZE;
 pub use crate::allocator::Action;
 use crate::tag::Tag;
@@ -42,6 +43,9 @@ pub struct Event {
     /// The trace's number for the stream (see the invariants above), not the recorded handle.
     pub stream: u64,
     pub tag: Tag,
+    /// A segment event of sleep or wake (`user_metadata` "sleep TAG" or "wake TAG", as
+    /// vram-ledger writes them): the tag's memory given back or mapped again, not the cache's.
+    pub sleep: bool,
 }
 
 /// The events of one device.
@@ -242,17 +246,33 @@ impl Entry<'_> {
         }
     }
 
-    /// The tag named by `user_metadata`; a name that is no tag is counted in `unknown`.
-    fn tag(&self, unknown: &mut BTreeMap<String, u64>) -> Result<Tag, TraceError> {
-        match get(self.fields, "user_metadata") {
-            None | Some(Value::None) => Ok(Tag::Untracked),
-            Some(Value::String(s)) if s.is_empty() => Ok(Tag::Untracked),
-            Some(Value::String(s)) => Ok(s.parse::<Tag>().unwrap_or_else(|_| {
+    /// The tag named by `user_metadata`, and whether it marks a segment event of sleep or
+    /// wake; a name that is no tag is counted in `unknown`.
+    fn tag(&self, unknown: &mut BTreeMap<String, u64>) -> Result<(Tag, bool), TraceError> {
+        let s = match get(self.fields, "user_metadata") {
+            None | Some(Value::None) => return Ok((Tag::Untracked, false)),
+            Some(Value::String(s)) if s.is_empty() => return Ok((Tag::Untracked, false)),
+            Some(Value::String(s)) => s,
+            Some(other) => {
+                return Err(self.error("user_metadata", FieldError::NotAString(kind(other))))
+            }
+        };
+        let segment = matches!(self.action, Action::SegmentMap | Action::SegmentUnmap);
+        let marked = [SLEEP, WAKE]
+            .iter()
+            .find_map(|m| s.strip_prefix(m)?.strip_prefix(' '))
+            .filter(|_| segment)
+            .and_then(|t| t.parse::<Tag>().ok());
+        if let Some(t) = marked {
+            return Ok((t, true));
+        }
+        Ok((
+            s.parse::<Tag>().unwrap_or_else(|_| {
                 *unknown.entry(s.clone()).or_default() += 1;
                 Tag::Untracked
-            })),
-            Some(other) => Err(self.error("user_metadata", FieldError::NotAString(kind(other)))),
-        }
+            }),
+            false,
+        ))
     }
 }
 
@@ -349,12 +369,14 @@ fn parse_snapshot(value: &Value, device: Option<usize>) -> Result<Trace, TraceEr
             index,
             action,
         };
+        let (tag, sleep) = entry.tag(&mut trace.unknown_tags)?;
         trace.events.push(Event {
             action,
             addr: entry.addr()?,
             size: entry.size()?,
             stream: streams.id(entry.stream()?, index)?,
-            tag: entry.tag(&mut trace.unknown_tags)?,
+            tag,
+            sleep,
         });
     }
     trace.streams = streams.handles;

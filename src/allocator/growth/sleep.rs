@@ -15,6 +15,7 @@
 
 use super::mapped::map_one;
 use crate::allocator::core::Core;
+use crate::allocator::history::Action;
 use crate::allocator::segment::{Mapping, Slept, DISCARDED};
 use crate::allocator::shard::{tag_bit, Shard};
 use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
@@ -70,6 +71,8 @@ impl Shard {
             let map = self.mapping_mut(m);
             map.sleep = Some(Slept { host, gone: ok });
             if ok {
+                core.history
+                    .record_sleep(Action::SegmentUnmap, m.va, m.bytes, tag);
                 gone += m.bytes;
                 core.ledger.on_unreserve(m.bytes, false);
                 core.ledger.sleeping_add(tag, m.bytes);
@@ -127,6 +130,8 @@ impl Shard {
                 continue;
             }
             let h = map_one(&core.driver, m.va, m.bytes)?;
+            core.history
+                .record_sleep(Action::SegmentMap, m.va, m.bytes, tag);
             let map = self.mapping_mut(&m);
             map.handle = h;
             map.released = false;
@@ -144,6 +149,10 @@ impl Shard {
     /// stays mapped (and held, counted in reserved). Returns whether it was given back.
     pub(crate) fn unmake<D: Driver>(&mut self, core: &Core<D>, tag: Tag, m: &TagMapping) -> bool {
         let ok = self.give_back(core, m);
+        if ok {
+            core.history
+                .record_sleep(Action::SegmentUnmap, m.va, m.bytes, tag);
+        }
         let map = self.mapping_mut(m);
         let s = map.sleep.expect("a mapping made by wake is asleep");
         map.sleep = Some(Slept { gone: ok, ..s });
