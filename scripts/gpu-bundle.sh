@@ -42,7 +42,7 @@ done
 cp target/release/libvram_ledger.so "$out/"
 cp -r scripts kernels "$out/"
 mkdir -p "$out/tests/python" && cp tests/python/*.py tests/python/*.sh "$out/tests/python/"
-mkdir -p "$out/tests/data" && cp tests/data/* "$out/tests/data/"
+mkdir -p "$out/tests/data" && cp -r tests/data/* "$out/tests/data/"
 # The C test (tests/c_abi.rs) builds tests/c against include/ from the bundle's root.
 mkdir -p "$out/tests/c" && cp tests/c/* "$out/tests/c/" && cp -r include "$out/"
 [ -d python ] && cp -r python "$out/"
