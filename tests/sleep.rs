@@ -582,3 +582,72 @@ fn sleep_and_wake_show_in_the_history_and_its_replay() {
         }
     }
 }
+
+/// Sleep and wake copy with no shard locked: while their copies are held (the simulated
+/// device's gate), another thread's allocations of awake tags are served, from the cache and
+/// by growth, its frees go through, and an allocation of a sleeping tag is refused as asleep.
+/// (With every shard locked across the copies, that thread would wait for them instead; the
+/// channel's limit turns such a wait into a failure.)
+#[test]
+fn sleep_and_wake_copy_with_no_shard_locked() {
+    use std::sync::{mpsc, Arc};
+    use std::time::{Duration, Instant};
+    let meanwhile = |a: &Arc<Allocator<SimDriver>>| {
+        let a = a.clone();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut served = Vec::new();
+            for (n, s) in [(5 * MIB, S), (300 * MIB, OTHER), (4096, S)] {
+                let x = a.allocate_tagged(n, s, Tag::Activation).unwrap();
+                a.free(x.ptr).unwrap();
+                served.push(x.size);
+            }
+            let refused = a.allocate_tagged(MIB, S, Tag::Weights);
+            tx.send((served, matches!(refused, Err(Error::Asleep(Tag::Weights)))))
+                .unwrap();
+        });
+        rx.recv_timeout(Duration::from_secs(60))
+    };
+    let held = |dev: &vram_ledger::driver::sim::SimDevice| {
+        let t = Instant::now();
+        while dev.copies_held() == 0 {
+            assert!(t.elapsed() < Duration::from_secs(60), "no copy was held");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    for mode in VIRTUAL {
+        let a = Arc::new(allocator(mode, 80 * GIB));
+        let dev = a.driver().device().clone();
+        let e = engine(&a);
+        dev.hold_copies(true);
+        let sleeper = {
+            let a = a.clone();
+            std::thread::spawn(move || a.sleep(&[Tag::Weights], &[Tag::KvCache]).map(|_| ()))
+        };
+        held(&dev);
+        let during_sleep = meanwhile(&a);
+        dev.hold_copies(false);
+        sleeper.join().unwrap().unwrap();
+        let (served, refused) = during_sleep.expect("allocations waited for the sleep's copies");
+        assert_eq!(served.len(), 3, "{mode}");
+        assert!(refused, "{mode}: weights were being put to sleep");
+        dev.hold_copies(true);
+        let waker = {
+            let a = a.clone();
+            std::thread::spawn(move || a.wake(&[]).map(|_| ()))
+        };
+        held(&dev);
+        let during_wake = meanwhile(&a);
+        dev.hold_copies(false);
+        waker.join().unwrap().unwrap();
+        let (_, refused) = during_wake.expect("allocations waited for the wake's copies");
+        assert!(
+            refused,
+            "{mode}: weights were asleep until the wake finished"
+        );
+        for (i, x) in e.weights.iter().enumerate() {
+            assert!(stamped(&a, x, 0x1000 + i as u64), "{mode}: weights {i}");
+        }
+        check(&a);
+    }
+}

@@ -30,7 +30,7 @@ use super::segment::DISCARDED;
 use super::shard::Shard;
 use super::spin::SpinGuard;
 use crate::driver::counting::Counting;
-use crate::driver::{Driver, DriverError, PhysHandle, StreamId};
+use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle, StreamId};
 use crate::error::{Error, Result};
 use crate::tag::Tag;
 
@@ -66,6 +66,13 @@ pub struct WakeReport {
     /// Page-locked host memory still held after the wake (retained, or not freeable).
     pub host_bytes_after: u64,
     pub seconds: f64,
+}
+
+/// What a wake puts back in one shard: offloaded mappings (address, bytes, host offset) and
+/// discarded ones to fill with zeros (address, bytes).
+struct Contents {
+    offloaded: Vec<(DevicePtr, u64, u64)>,
+    discarded: Vec<(DevicePtr, u64)>,
 }
 
 fn is_out_of_memory(e: &Error) -> bool {
@@ -129,30 +136,44 @@ impl<D: Driver> Allocator<D> {
             )));
         }
         let mut st = self.sleep.lock();
-        let mut shards = self.lock_all()?;
-        self.check_sleepable(&shards, "sleep")?;
         let d = &self.core.driver;
-        d.sync_device()?;
-        for sh in shards.iter_mut() {
-            sh.release_cached(&self.core, SyncFirst::Done)?;
-        }
-        let mut plan: Vec<(Tag, bool)> = Vec::new();
-        for &t in offload.iter().chain(discard) {
-            if !shards[0].tag_asleep(t) && !plan.iter().any(|&(p, _)| p == t) {
-                plan.push((t, offload.contains(&t)));
+        let (plan, maps) = {
+            let mut shards = self.lock_all()?;
+            self.check_sleepable(&shards, "sleep")?;
+            d.sync_device()?;
+            for sh in shards.iter_mut() {
+                sh.release_cached(&self.core, SyncFirst::Done)?;
             }
-        }
-        let maps: Vec<Vec<Vec<TagMapping>>> = plan
-            .iter()
-            .map(|&(t, _)| shards.iter().map(|sh| sh.tag_mappings(t)).collect())
-            .collect();
-        // The copies, all queued and then waited for once: until they are complete nothing
-        // has changed, and a failure leaves every tag awake.
+            let mut plan: Vec<(Tag, bool)> = Vec::new();
+            for &t in offload.iter().chain(discard) {
+                if !shards[0].tag_asleep(t) && !plan.iter().any(|&(p, _)| p == t) {
+                    plan.push((t, offload.contains(&t)));
+                }
+            }
+            let maps: Vec<Vec<Vec<TagMapping>>> = plan
+                .iter()
+                .map(|&(t, _)| shards.iter().map(|sh| sh.tag_mappings(t)).collect())
+                .collect();
+            for &(t, _) in &plan {
+                shards.iter_mut().for_each(|sh| sh.mark_asleep(t));
+            }
+            (plan, maps)
+        };
+        // The pinning and the copies run with no shard locked: other tags' allocations and
+        // frees go on. The sleeping tags' mappings cannot change meanwhile (their allocations
+        // are refused, their frees deferred, their cache given back above). The copies are all
+        // queued and waited for once: until they are complete nothing is given back, and a
+        // failure wakes every tag of the plan again.
         let mut report = SleepReport::default();
         let copied = self.offload(&mut st, &plan, &maps, &mut report);
+        let mut shards = self.lock_all()?;
         let hosts = match copied {
             Ok(h) => h,
             Err((e, settled)) => {
+                for &(t, _) in &plan {
+                    shards.iter_mut().for_each(|sh| sh.awake(&self.core, t, 0));
+                }
+                drop(shards);
                 // Host memory is freed only once no copy can still be writing into it; if
                 // that is unknown (the stream could not be synchronised) it is kept, and the
                 // next wake or sleep frees it.
@@ -251,6 +272,7 @@ impl<D: Driver> Allocator<D> {
         let mut shards = self.lock_all()?;
         self.check_sleepable(&shards, "wake")?;
         let mut report = WakeReport::default();
+        let mut failed = None;
         for t in Tag::ALL {
             if (tags.is_empty() || tags.contains(&t)) && shards[0].tag_asleep(t) {
                 let mut woke = self.wake_tag(&mut st, &mut shards, t, &mut report);
@@ -264,32 +286,50 @@ impl<D: Driver> Allocator<D> {
                     }
                     woke = self.wake_tag(&mut st, &mut shards, t, &mut report);
                 }
-                woke.map_err(|e| Error::Wake {
-                    tag: t,
-                    source: Box::new(e),
-                })?;
+                if let Err(e) = woke {
+                    failed = Some(Error::Wake {
+                        tag: t,
+                        source: Box::new(e),
+                    });
+                    break;
+                }
                 report.tags.push(t);
             }
         }
-        // Host memory of awake tags that an earlier wake could not free goes now.
+        // Unpinning takes time too: the host memory of awake tags (this wake's, and any an
+        // earlier one could not free) goes with no shard locked.
+        let awake: Vec<Tag> = match shards.first() {
+            Some(sh) => Tag::ALL
+                .into_iter()
+                .filter(|&t| !sh.tag_asleep(t))
+                .collect(),
+            None => Vec::new(),
+        };
+        drop(shards);
         if !st.retain_host {
-            for t in Tag::ALL.into_iter().filter(|&t| !shards[0].tag_asleep(t)) {
+            for t in awake {
                 st.host[t.index()].free_all(&self.core.driver);
             }
+        }
+        if let Some(e) = failed {
+            return Err(e);
         }
         report.host_bytes_after = st.host_bytes();
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
     }
 
-    fn wake_tag(
-        &self,
+    /// Wake `tag`: fresh memory mapped under its mappings with every shard locked, its contents
+    /// put back with none locked (the tag stays asleep meanwhile, so nothing else touches its
+    /// mappings), then every shard locked again to mark it awake or, on a failure, to give
+    /// back what was mapped.
+    fn wake_tag<'a>(
+        &'a self,
         st: &mut SleepState,
-        shards: &mut [SpinGuard<'_, Shard>],
+        shards: &mut Vec<SpinGuard<'a, Shard>>,
         tag: Tag,
         report: &mut WakeReport,
     ) -> Result<()> {
-        let d = &self.core.driver;
         let gone = self.core.ledger.sleeping(tag);
         match self.core.commit(gone) {
             Ok(()) => {}
@@ -310,7 +350,21 @@ impl<D: Driver> Allocator<D> {
         }
         let (mut restored, mut zeroed) = (0, 0);
         if failure.is_none() {
-            match self.restore(st, shards, tag) {
+            let work: Vec<Contents> = shards
+                .iter()
+                .map(|sh| Contents {
+                    offloaded: sh.offloaded(tag),
+                    discarded: if st.leave_discarded {
+                        Vec::new()
+                    } else {
+                        sh.discarded(tag)
+                    },
+                })
+                .collect();
+            shards.clear();
+            let put_back = self.restore(st, tag, &work);
+            *shards = self.lock_all()?;
+            match put_back {
                 Ok(n) => (restored, zeroed) = n,
                 Err(e) => failure = Some(e),
             }
@@ -339,37 +393,26 @@ impl<D: Driver> Allocator<D> {
         // Memory still held from a failed give-back was committed when it was mapped first.
         let remade_all: u64 = made.iter().flatten().map(|(m, _)| m.bytes).sum();
         self.core.uncommit(gone - remade_all);
-        if !st.retain_host {
-            st.host[tag.index()].free_all(d);
-        }
         Ok(())
     }
 
     /// Put `tag`'s contents back: offloaded ones copied from host memory, discarded ones filled
     /// with zeros (unless told to leave them), all queued, one synchronisation; returns the
     /// bytes copied and the bytes zeroed.
-    fn restore(
-        &self,
-        st: &mut SleepState,
-        shards: &[SpinGuard<'_, Shard>],
-        tag: Tag,
-    ) -> Result<(u64, u64)> {
+    fn restore(&self, st: &mut SleepState, tag: Tag, work: &[Contents]) -> Result<(u64, u64)> {
         let (mut restored, mut zeroed) = (0, 0);
         let d = &self.core.driver;
         let stream = st.stream(d)?;
         let arena = &st.host[tag.index()];
-        for sh in shards {
-            for (va, bytes, off) in sh.offloaded(tag) {
+        for w in work {
+            for &(va, bytes, off) in &w.offloaded {
                 let queued = queue_copies(d, arena, off, va, bytes, stream, Direction::ToDevice);
                 if let Err(e) = queued {
                     return Err(Self::abandon(d, stream, e));
                 }
                 restored += bytes;
             }
-            if st.leave_discarded {
-                continue;
-            }
-            for (va, bytes) in sh.discarded(tag) {
+            for &(va, bytes) in &w.discarded {
                 if let Err(e) = d.fill_zero(va, bytes, stream) {
                     return Err(Self::abandon(d, stream, e));
                 }

@@ -1,7 +1,7 @@
 //! From a snapshot's bytes to the pickle's value, within bounds: the file and what its gzip
 //! stream decompresses to are read up to [`Limits::max_bytes`] and refused past it (a small
 //! gzip file can expand a thousandfold, and a path can name an endless device), and the pickle
-//! is walked by the guard ([`super::pickle_guard`]) before the decoder sees it.
+//! is walked by the guard (`pickle_guard.rs`) before the decoder sees it.
 //!
 //! Invariant: no more than `max_bytes` (and one byte to tell) is ever held, read or
 //! decompressed, whatever the input says about its own length.

@@ -48,10 +48,21 @@ impl Shard {
         out
     }
 
-    /// Put `tag` to sleep here: its free lists are marked asleep, each of its mappings is
-    /// marked with where its contents wait (`hosts`, in [`Shard::tag_mappings`] order), and
-    /// its memory is given back. Returns (bytes given back, bytes still held because a release
-    /// or unmap failed; those stay mapped with their contents).
+    /// `tag` is asleep here from now: its allocations are refused and its frees deferred, so
+    /// its mappings stay as they are while its contents are copied with no shard locked.
+    pub(crate) fn mark_asleep(&mut self, tag: Tag) {
+        self.asleep |= tag_bit(tag);
+        for l in &mut self.lists {
+            if l.owner.region() == Some(tag) {
+                l.asleep = true;
+            }
+        }
+    }
+
+    /// Give asleep `tag`'s memory back here: each of its mappings is marked with where its
+    /// contents wait (`hosts`, in [`Shard::tag_mappings`] order), then released and unmapped.
+    /// Returns (bytes given back, bytes still held because a release or unmap failed; those
+    /// stay mapped with their contents).
     pub(crate) fn put_to_sleep<D: Driver>(
         &mut self,
         core: &Core<D>,
@@ -59,12 +70,7 @@ impl Shard {
         maps: &[TagMapping],
         hosts: &[u64],
     ) -> (u64, u64) {
-        self.asleep |= tag_bit(tag);
-        for l in &mut self.lists {
-            if l.owner.region() == Some(tag) {
-                l.asleep = true;
-            }
-        }
+        debug_assert!(self.tag_asleep(tag), "marked asleep first");
         let (mut gone, mut held) = (0, 0);
         for (m, &host) in maps.iter().zip(hosts) {
             let ok = self.give_back(core, m);

@@ -16,6 +16,8 @@
 
 use std::collections::BTreeMap;
 
+use parking_lot::{Condvar, Mutex};
+
 use super::SimDriver;
 use crate::driver::{DevicePtr, DriverCall, DriverResult, HostPtr, StreamId};
 
@@ -26,6 +28,35 @@ pub(super) struct HostBuf {
     bytes: u64,
     /// Words copied into the buffer, by offset.
     words: BTreeMap<u64, u64>,
+}
+
+/// Where copies wait while a test holds them.
+#[derive(Default)]
+pub(super) struct CopyGate {
+    held: Mutex<(bool, usize)>,
+    changed: Condvar,
+}
+
+impl CopyGate {
+    pub(super) fn set(&self, hold: bool) {
+        self.held.lock().0 = hold;
+        self.changed.notify_all();
+    }
+
+    pub(super) fn waiting(&self) -> usize {
+        self.held.lock().1
+    }
+
+    fn pass(&self) {
+        let mut g = self.held.lock();
+        if g.0 {
+            g.1 += 1;
+            while g.0 {
+                self.changed.wait(&mut g);
+            }
+            g.1 -= 1;
+        }
+    }
 }
 
 pub(super) enum Direction {
@@ -81,6 +112,7 @@ impl SimDriver {
             Direction::ToHost => DriverCall::CopyToHost,
             Direction::ToDevice => DriverCall::CopyToDevice,
         };
+        self.device.copies.pass();
         self.device.real_stream(stream);
         let mut st = self.device.state.lock();
         if st.streams.get(&stream).is_some_and(|s| s.capture.is_some()) {

@@ -147,6 +147,9 @@ impl DeviceState {
 pub struct SimDevice {
     config: SimConfig,
     state: Mutex<DeviceState>,
+    /// Copies between host and device wait while this is set (`host.rs`), so that a test can
+    /// see what other threads can do while a sleep or a wake copies.
+    copies: host::CopyGate,
 }
 
 impl SimDevice {
@@ -168,7 +171,18 @@ impl SimDevice {
                 next_capture: 0,
                 reclaimed_at_exit: 0,
             }),
+            copies: Default::default(),
         })
+    }
+
+    /// Hold every copy between host and device at its start (`true`) until released
+    /// (`false`); [`SimDevice::copies_held`] counts the copies waiting.
+    pub fn hold_copies(&self, hold: bool) {
+        self.copies.set(hold);
+    }
+
+    pub fn copies_held(&self) -> usize {
+        self.copies.waiting()
     }
 
     pub fn config(&self) -> &SimConfig {
