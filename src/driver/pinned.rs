@@ -8,6 +8,7 @@
 //! unmaps it, with the size it was made with.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::sys;
 
@@ -17,14 +18,28 @@ const THREADS: usize = 8;
 /// A registered buffer of at least `bytes`; `Err` carries the failed call's result or errno.
 pub(super) fn alloc(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
     // Faulting in pages the host does not have would not fail: it would wake the OOM killer.
-    if let Some(room) = super::host_room::pinnable_now() {
-        if bytes > room {
-            return Err(PinError::Exhausted {
-                wanted: bytes,
-                room,
-            });
-        }
+    // Buffers being faulted in on other threads count against the room too: the host's
+    // figure does not show them yet (or only in part, which errs on the safe side).
+    let others = PINNING.fetch_add(bytes, Ordering::Relaxed);
+    let r = check_room(others, bytes).and_then(|()| alloc_unchecked(bytes));
+    PINNING.fetch_sub(bytes, Ordering::Relaxed);
+    r
+}
+
+/// Bytes of buffers being made now, by every thread.
+static PINNING: AtomicU64 = AtomicU64::new(0);
+
+fn check_room(others: u64, bytes: u64) -> Result<(), PinError> {
+    match super::host_room::pinnable_now() {
+        Some(room) if others.saturating_add(bytes) > room => Err(PinError::Exhausted {
+            wanted: bytes,
+            room: room.saturating_sub(others),
+        }),
+        _ => Ok(()),
     }
+}
+
+fn alloc_unchecked(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
     let size = (bytes as usize).div_ceil(HUGE) * HUGE;
     // Over-map by a huge page so that the buffer can start on a huge-page boundary.
     let span = size + HUGE;
