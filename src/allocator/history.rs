@@ -70,6 +70,11 @@ impl Action {
     }
 }
 
+/// How a segment event of sleep (memory given back) or wake (mapped again) is marked in a
+/// snapshot's `user_metadata`, before the tag's name.
+pub const SLEEP: &str = "sleep";
+pub const WAKE: &str = "wake";
+
 /// One trace entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HistoryEntry {

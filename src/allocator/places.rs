@@ -153,8 +153,9 @@ mod tests {
     #[test]
     fn every_live_allocation_is_found_in_its_shard() {
         use crate::driver::sim::SimDriver;
-        use crate::{Allocator, Config, SegmentMode, StreamId};
-        for mode in SegmentMode::ALL {
+        // Every mode, each policy's growth (modes are matched only in config.rs and growth/).
+        use crate::{Allocator, Config, SegmentMode as Mode, StreamId};
+        for mode in Mode::ALL {
             let a = Allocator::new(SimDriver::new(), Config::with_mode(mode)).unwrap();
             let mut live = Vec::new();
             for i in 0..160u64 {

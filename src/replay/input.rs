@@ -11,8 +11,9 @@ use std::path::Path;
 
 use serde_pickle::Value;
 
+pub use super::error::Reading;
+use super::error::TraceError;
 use super::pickle_guard;
-use super::trace::TraceError;
 use crate::units::Bytes;
 
 /// The most bytes read from a file, or decompressed from a gzip stream, by default: a
@@ -32,22 +33,6 @@ impl Default for Limits {
         Limits {
             max_bytes: MAX_INPUT_BYTES,
         }
-    }
-}
-
-/// What was being read when the limit was passed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reading {
-    File,
-    Gzip,
-}
-
-impl std::fmt::Display for Reading {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Reading::File => "the file is larger than",
-            Reading::Gzip => "the gzip stream decompresses to more than",
-        })
     }
 }
 

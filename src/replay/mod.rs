@@ -2,6 +2,7 @@
 //! workload fit, and how fragmented does it get, compared with what PyTorch recorded.
 
 pub mod engine;
+mod error;
 pub mod input;
 mod pickle_guard;
 pub mod snapshot;

@@ -9,8 +9,8 @@
 use serde_pickle::{HashableValue, Value};
 
 use super::trace::Action;
+use crate::allocator::history::{HistoryEntry, SLEEP, WAKE};
 use crate::allocator::rules::PoolKind;
-use crate::allocator::HistoryEntry;
 use crate::driver::Driver;
 use crate::invariants::{BlockDump, DumpState, SegmentDump};
 use crate::tag::Tag;
@@ -51,10 +51,6 @@ fn metadata(e: &HistoryEntry) -> Value {
         .into(),
     )
 }
-
-/// How a segment event of sleep (memory given back) or wake (mapped again) is marked.
-pub const SLEEP: &str = "sleep";
-pub const WAKE: &str = "wake";
 
 fn block(b: &BlockDump) -> Value {
     let state = match b.state {

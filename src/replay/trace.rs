@@ -20,15 +20,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use serde_pickle::{HashableValue, Value};
-use thiserror::Error;
 
-use super::input::{self, Limits, Reading};
-use super::pickle_guard::Refusal;
-use super::snapshot::{SLEEP, WAKE};
+pub use super::error::{FieldError, TraceError};
+use super::input::{self, Limits};
+use crate::allocator::history::{SLEEP, WAKE};
 use crate::allocator::rules::ABSURD_SIZE;
 pub use crate::allocator::Action;
 use crate::tag::Tag;
-use crate::units::Bytes;
 
 /// The most streams one trace may name, the default stream included: PyTorch's stream pools
 /// hold 32 streams per priority, real traces name a handful, and each stream costs the replay
@@ -65,75 +63,6 @@ pub struct Trace {
     pub expandable: Option<bool>,
     /// The mode, when vram-ledger recorded the trace (its snapshots say so).
     pub vram_ledger_mode: Option<String>,
-}
-
-#[derive(Debug, Error)]
-pub enum TraceError {
-    #[error("cannot read {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("refused: {reading} {}", Bytes(*limit))]
-    TooLarge { reading: Reading, limit: u64 },
-    #[error("the gzip stream is corrupt: {0}")]
-    Gzip(#[source] std::io::Error),
-    #[error("not a pickle: it does not start with a pickle protocol header")]
-    NoPickleHeader,
-    #[error("refused: {0}")]
-    Refused(#[from] Refusal),
-    // The decoder's messages can quote a whole decoded value: the start is enough.
-    #[error("not a pickle: {}", one_line(&.0.to_string(), 300))]
-    Decode(#[source] serde_pickle::Error),
-    #[error("not a PyTorch memory snapshot: {0} (expected a dict with a 'device_traces' list, as written by torch.cuda.memory._dump_snapshot)")]
-    NotASnapshot(String),
-    #[error("trace entry {entry} ({action}): '{field}' {problem}")]
-    Field {
-        entry: usize,
-        action: &'static str,
-        field: &'static str,
-        #[source]
-        problem: FieldError,
-    },
-    #[error(
-        "refused: trace entry {entry} names more streams than the {MAX_STREAMS} a trace may \
-         name (the default stream among them)"
-    )]
-    TooManyStreams { entry: usize },
-    #[error("device {asked} has no trace; the snapshot has {available} device(s)")]
-    NoSuchDevice { asked: usize, available: usize },
-}
-
-/// What is wrong with a field of a trace entry.
-#[derive(Clone, Debug, PartialEq, Eq, Error)]
-pub enum FieldError {
-    #[error("is missing")]
-    Missing,
-    #[error("is {0}, not an integer")]
-    NotAnInteger(&'static str),
-    #[error("is {0}, not a string")]
-    NotAString(&'static str),
-    #[error("is an integer of more than 128 bits")]
-    Huge,
-    #[error("is {value}, outside {range}")]
-    OutOfRange { value: i128, range: &'static str },
-}
-
-/// `text` on one line (control characters escaped), cut after `max` bytes or so.
-pub(crate) fn one_line(text: &str, max: usize) -> String {
-    let mut out = String::new();
-    for c in text.chars() {
-        if out.len() >= max {
-            out.push('…');
-            break;
-        }
-        if c.is_control() {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 /// Read a snapshot file (gzipped or not).
@@ -296,7 +225,10 @@ impl Streams {
             return Ok(id);
         }
         if self.handles.len() == MAX_STREAMS {
-            return Err(TraceError::TooManyStreams { entry });
+            return Err(TraceError::TooManyStreams {
+                entry,
+                max: MAX_STREAMS,
+            });
         }
         let id = self.handles.len() as u64;
         self.ids.insert(handle, id);
@@ -520,7 +452,7 @@ mod tests {
             .collect();
         let e = read_bytes(&snapshot(many.clone()), None).unwrap_err();
         assert!(
-            matches!(e, TraceError::TooManyStreams { entry } if entry == MAX_STREAMS - 1),
+            matches!(e, TraceError::TooManyStreams { entry, .. } if entry == MAX_STREAMS - 1),
             "{e}"
         );
         // The default stream is one of them.
@@ -530,6 +462,7 @@ mod tests {
 
     #[test]
     fn messages_are_one_line() {
+        use crate::replay::error::one_line;
         assert_eq!(one_line("a\nb\rc\u{0}", 100), "a\\nb\\rc\\u{0}");
         assert_eq!(one_line(&"x".repeat(10), 4), "xxxx…");
     }
