@@ -94,27 +94,47 @@ impl Places {
     fn each(&self, base: DevicePtr, size: u64, change: impl Fn(u32) -> u32) {
         let first = base >> GRANULE_SHIFT;
         let last = base.saturating_add(size.max(1) - 1) >> GRANULE_SHIFT;
-        for g in first..=last {
-            let Some(entry) = self.entry(g, true) else {
+        // One second-level table at a time: its root is looked up once, not per granule.
+        let mut g = first;
+        while g <= last {
+            let Some(leaf) = self.leaf(g, true) else {
                 return;
             };
-            let _ = entry.fetch_update(AcqRel, Acquire, |e| Some(change(e)));
+            let start = g as usize & (LEAF_LEN - 1);
+            let end = (start as u64 + (last - g)).min(LEAF_LEN as u64 - 1) as usize;
+            for entry in &leaf[start..=end] {
+                let _ = entry.fetch_update(AcqRel, Acquire, |e| Some(change(e)));
+            }
+            g += (end - start) as u64 + 1;
         }
     }
 
     /// The entry of granule `g`; its table is made when `make` is set and it has none yet.
     #[inline]
     fn entry(&self, g: u64, make: bool) -> Option<&AtomicU32> {
+        Some(&self.leaf(g, make)?[g as usize & (LEAF_LEN - 1)])
+    }
+
+    /// The second-level table holding granule `g`, made (zeroed) when `make` is set and it
+    /// has none yet.
+    #[inline]
+    fn leaf(&self, g: u64, make: bool) -> Option<&[AtomicU32]> {
         let root = self
             .roots
             .get((g >> (LEAF_SHIFT - GRANULE_SHIFT)) as usize)?;
-        let leaf = match root.get() {
-            Some(leaf) => leaf,
-            None if make => root.get_or_init(|| (0..LEAF_LEN).map(|_| AtomicU32::new(0)).collect()),
-            None => return None,
-        };
-        Some(&leaf[g as usize & (LEAF_LEN - 1)])
+        match root.get() {
+            Some(leaf) => Some(leaf),
+            None if make => Some(root.get_or_init(zeroed_leaf)),
+            None => None,
+        }
     }
+}
+
+/// A second-level table of zero entries, from zeroed memory: no pass writing its 128 KiB, and
+/// the pages no granule's entry touches are never faulted in.
+fn zeroed_leaf() -> Box<[AtomicU32]> {
+    // SAFETY: all-zero bytes are a valid `AtomicU32` (it has the bit validity of `u32`).
+    unsafe { Box::<[AtomicU32]>::new_zeroed_slice(LEAF_LEN).assume_init() }
 }
 
 #[cfg(test)]
@@ -180,6 +200,22 @@ mod tests {
                     Place::Nowhere | Place::Search
                 ));
             }
+        }
+    }
+
+    #[test]
+    fn a_segment_across_two_tables_is_counted_in_both() {
+        let p = Places::default();
+        let edge = 1u64 << LEAF_SHIFT;
+        p.add(edge - 4 * MIB, 8 * MIB, 7);
+        for a in [edge - 4 * MIB, edge - 1, edge, edge + 4 * MIB - 1] {
+            assert_eq!(p.find(a), Place::Shard(7), "{a:#x}");
+        }
+        assert_eq!(p.find(edge - 6 * MIB), Place::Nowhere);
+        assert_eq!(p.find(edge + 4 * MIB), Place::Nowhere);
+        p.remove(edge - 4 * MIB, 8 * MIB);
+        for a in [edge - 4 * MIB, edge, edge + 4 * MIB - 1] {
+            assert_eq!(p.find(a), Place::Nowhere, "{a:#x}");
         }
     }
 

@@ -190,7 +190,22 @@ impl Shard {
             }
             for (k, idx) in l.pools.iter().enumerate() {
                 indexed += idx.len();
-                for id in idx.listed(&self.blocks) {
+                if !idx.bitmap_agrees() {
+                    problems.push(format!(
+                        "the free index of {:?} has a bitmap that does not match its bins",
+                        l.owner
+                    ));
+                }
+                let listed = idx.listed(&self.blocks);
+                if listed.len() != idx.len() {
+                    problems.push(format!(
+                        "the free index of {:?} lists {} blocks but counts {}",
+                        l.owner,
+                        listed.len(),
+                        idx.len()
+                    ));
+                }
+                for id in listed {
                     let b = &self.blocks[id];
                     if b.state != BlockState::Free
                         || b.list as usize != slot
