@@ -122,15 +122,15 @@ pub enum Margin {
     Bytes(u64),
     /// A fraction of the requested memory.
     Fraction(f64),
-    /// The default: none in native mode; in the virtual-memory modes, [`PLACEMENT_ROOM`] of
-    /// the requested memory. Native segments keep the slack of their rounding, which serving
-    /// reuses; a virtual mode keeps almost none, and serving, with another history than the
-    /// profiled pass, places blocks differently (partly used pages, a few more live bytes).
+    /// The default: [`PLACEMENT_ROOM`] of the requested memory, in every mode. Serving has
+    /// another history than the profiled pass and places blocks differently: in a virtual
+    /// mode partly used pages and a few more live bytes, in native mode segments cut for other
+    /// shapes (on an H200, the engine-order run left a native Llama 10 to 20 MiB short of its
+    /// profiled shape with no margin).
     Auto,
 }
 
-/// The room [`Margin::Auto`] keeps in the virtual-memory modes, as a fraction of the requested
-/// memory. On an H200 a transformer whose profiled pass left no room was refused its profiled
+/// The room [`Margin::Auto`] keeps, as a fraction of the requested memory. On an H200 a transformer whose profiled pass left no room was refused its profiled
 /// shape for want of 10 to 30 MiB of 28 GiB (0.04 to 0.1%).
 pub const PLACEMENT_ROOM: f64 = 0.0025;
 
@@ -517,15 +517,11 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
         peak: &AllocatorPeak,
         outside: Outside,
     ) -> ProfileResult {
-        let alloc = self.profiler.alloc;
         let non_kv = peak.total + outside.now;
         let margin = match self.options.margin {
             Margin::Bytes(b) => b,
             Margin::Fraction(f) => (self.requested as f64 * f).ceil() as u64,
-            Margin::Auto if alloc.mode().is_virtual() => {
-                (self.requested as f64 * PLACEMENT_ROOM).ceil() as u64
-            }
-            Margin::Auto => 0,
+            Margin::Auto => (self.requested as f64 * PLACEMENT_ROOM).ceil() as u64,
         };
         let (kv_budget, overridden) = match self.options.kv_override {
             Some(k) => (k, true),

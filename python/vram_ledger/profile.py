@@ -52,8 +52,8 @@ def profile(
 ) -> Iterator[Profile]:
     """Profile the dummy pass run inside the block; the KV-cache budget is
     ceil(total × utilization) − what this process needs besides the KV cache − margin. The
-    default margin (None) is none in native mode and 0.25% of the requested memory in the
-    virtual-memory modes (room for placing blocks differently while serving). With
+    default margin (None) is 0.25% of the requested memory in every mode (room for placing
+    blocks differently while serving). With
     `contract` (the default), the process is then held to the requested memory while it serves
     (see set_cap)."""
     fraction = _args.utilization(utilization)
