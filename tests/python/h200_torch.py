@@ -216,12 +216,15 @@ def timed_empty(torch, how):
     for _ in range(2000):
         x = torch.empty(n, dtype=torch.uint8, device="cuda")
         del x
-    iters = 200_000
-    t = time.perf_counter()
-    for _ in range(iters):
-        x = torch.empty(n, dtype=torch.uint8, device="cuda")
-        del x
-    ns = round((time.perf_counter() - t) / iters * 1e9, 1)
+    # The median of five timed batches: one batch on a shared host can be slowed by anything.
+    iters, batches = 40_000, []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(iters):
+            x = torch.empty(n, dtype=torch.uint8, device="cuda")
+            del x
+        batches.append((time.perf_counter() - t) / iters * 1e9)
+    ns = round(sorted(batches)[2], 1)
     m = Marks()
     m.at_least("timed", ns, 0.0, 1e18)
     emit(m, part="latency_" + how, ns_per_pair=ns)
@@ -274,6 +277,11 @@ def main():
         return {"llama": part_llama, "graphs": part_graphs, "seed": part_seed, "latency_ours": lambda: latency("ours"),
                 "latency_mempool": lambda: latency("mempool"), "latency_native": lambda: latency("native"), "mempool": part_mempool, "oom": part_oom}[name]()
     parts = sys.argv[1:] or PARTS
+    # Installed and native latency alternate, three processes each, and are compared by their
+    # medians: processes minutes apart on a shared host differ by more than the two allocators.
+    if "latency_ours" in parts and "latency_native" in parts:
+        rest = [p for p in parts if p not in ("latency_ours", "latency_native")]
+        parts = rest + ["latency_ours", "latency_native"] * 3
     failed = 0
     results = {}
     for name in parts:
@@ -284,14 +292,18 @@ def main():
             print(json.dumps({"part": name, "failed": True, "returncode": r.returncode, "stderr": r.stderr[-1500:]}))
         for l in lines:
             res = json.loads(l)
-            results[res["part"]] = res
+            results.setdefault(res["part"], []).append(res)
             failed += not res.get("ok")
             print(l)
         sys.stdout.flush()
     if "latency_ours" in parts and "latency_native" in parts:
         # Installed, a cached pair through PyTorch's pluggable interface is no slower than
         # PyTorch's own caching allocator in the same session.
-        ours, native = (results.get(p, {}).get("ns_per_pair") for p in ("latency_ours", "latency_native"))
+        def median(part):
+            runs = sorted(r["ns_per_pair"] for r in results.get(part, []) if "ns_per_pair" in r)
+            return runs[len(runs) // 2] if runs else None
+
+        ours, native = median("latency_ours"), median("latency_native")
         m = Marks()
         m.at_most("installed_not_slower", ours, native if native is not None else -1, (native or 0) / 100)
         failed += not m.ok
