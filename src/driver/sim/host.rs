@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::SimDriver;
+use super::{SimDevice, SimDriver};
 use crate::driver::{DevicePtr, DriverCall, DriverResult, HostPtr, StreamId};
 
 /// Host buffers start here, far from device addresses.
@@ -28,6 +28,18 @@ pub(super) struct HostBuf {
     bytes: u64,
     /// Words copied into the buffer, by offset.
     words: BTreeMap<u64, u64>,
+}
+
+impl SimDevice {
+    /// Hold every copy between host and device at its start (`true`) until released
+    /// (`false`); [`SimDevice::copies_held`] counts the copies waiting.
+    pub fn hold_copies(&self, hold: bool) {
+        self.copies.set(hold);
+    }
+
+    pub fn copies_held(&self) -> usize {
+        self.copies.waiting()
+    }
 }
 
 /// Where copies wait while a test holds them.

@@ -24,42 +24,23 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+mod config;
 mod faults;
 mod host;
 mod inspect;
 mod streams;
 
+pub use self::config::SimConfig;
 use self::faults::{Fault, Faults};
 use super::{
     Capture, DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
     HostPtr, MemInfo, PhysHandle, StreamId,
 };
 
-use crate::units::{GIB, MIB};
+use crate::units::MIB;
 
 /// Streams made by [`Driver::create_stream`] start here, away from the small ids tests use.
 const OWN_STREAMS: u64 = 0x7000_0000_0000;
-
-/// Construction parameters of a simulated device.
-#[derive(Clone, Debug)]
-pub struct SimConfig {
-    /// Device memory in bytes (default 80 GiB).
-    pub capacity: u64,
-    /// VMM granularity in bytes (default 2 MiB).
-    pub granularity: u64,
-    /// Memory charged to each process when it creates its context (default 512 MiB).
-    pub context_overhead: u64,
-}
-
-impl Default for SimConfig {
-    fn default() -> Self {
-        SimConfig {
-            capacity: 80 * GIB,
-            granularity: 2 * MIB,
-            context_overhead: 512 * MIB,
-        }
-    }
-}
 
 #[derive(Default)]
 struct Process {
@@ -173,16 +154,6 @@ impl SimDevice {
             }),
             copies: Default::default(),
         })
-    }
-
-    /// Hold every copy between host and device at its start (`true`) until released
-    /// (`false`); [`SimDevice::copies_held`] counts the copies waiting.
-    pub fn hold_copies(&self, hold: bool) {
-        self.copies.set(hold);
-    }
-
-    pub fn copies_held(&self) -> usize {
-        self.copies.waiting()
     }
 
     pub fn config(&self) -> &SimConfig {
