@@ -6,6 +6,7 @@
 
 use parking_lot::Mutex;
 
+use super::SimDriver;
 use crate::driver::counting::CallCounters;
 use crate::driver::{DriverCall, DriverError, DriverErrorKind, DriverResult};
 
@@ -69,5 +70,38 @@ impl Faults {
                 ))
             }
         }
+    }
+}
+
+/// Planting faults in a simulated process, and what they did.
+impl SimDriver {
+    /// How many times `call` was made.
+    pub fn calls(&self, call: DriverCall) -> u64 {
+        self.faults.calls(call)
+    }
+
+    /// Fail the `n`th call of `call` from now (n = 1: the next one).
+    pub fn fail_nth(&self, call: DriverCall, n: u64) {
+        self.faults.plant(call, n, Fault::Once);
+    }
+
+    /// Fail every call of `call` from the `n`th from now on.
+    pub fn fail_from(&self, call: DriverCall, n: u64) {
+        self.faults.plant(call, n, Fault::FromThen);
+    }
+
+    /// Panic in the `n`th call of `call` from now, to test what a panic leaves behind.
+    pub fn panic_nth(&self, call: DriverCall, n: u64) {
+        self.faults.plant(call, n, Fault::Panic);
+    }
+
+    pub fn clear_faults(&self) {
+        self.faults.clear();
+    }
+
+    /// How many calls planted faults have made fail, over this driver's life: an error the
+    /// allocator returns while this does not move had another cause.
+    pub fn faults_struck(&self) -> u64 {
+        self.faults.struck()
     }
 }

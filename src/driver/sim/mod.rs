@@ -31,7 +31,7 @@ mod inspect;
 mod streams;
 
 pub use self::config::SimConfig;
-use self::faults::{Fault, Faults};
+use self::faults::Faults;
 use super::{
     Capture, DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
     HostPtr, MemInfo, PhysHandle, StreamId,
@@ -238,36 +238,6 @@ impl SimDriver {
     /// estimate from measured per-call costs: [`crate::driver::cost`]).
     pub fn estimated_host_seconds(&self) -> f64 {
         self.host_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9
-    }
-
-    /// How many times `call` was made.
-    pub fn calls(&self, call: DriverCall) -> u64 {
-        self.faults.calls(call)
-    }
-
-    /// Fail the `n`th call of `call` from now (n = 1: the next one).
-    pub fn fail_nth(&self, call: DriverCall, n: u64) {
-        self.faults.plant(call, n, Fault::Once);
-    }
-
-    /// Fail every call of `call` from the `n`th from now on.
-    pub fn fail_from(&self, call: DriverCall, n: u64) {
-        self.faults.plant(call, n, Fault::FromThen);
-    }
-
-    /// Panic in the `n`th call of `call` from now, to test what a panic leaves behind.
-    pub fn panic_nth(&self, call: DriverCall, n: u64) {
-        self.faults.plant(call, n, Fault::Panic);
-    }
-
-    pub fn clear_faults(&self) {
-        self.faults.clear();
-    }
-
-    /// How many calls planted faults have made fail, over this driver's life: an error the
-    /// allocator returns while this does not move had another cause.
-    pub fn faults_struck(&self) -> u64 {
-        self.faults.struck()
     }
 
     /// The size of a physical handle of this process (0 if unknown).
