@@ -19,15 +19,14 @@ memory." that names the tags, and a kernel running after it; serve, NVML read, p
 within the request, and no forward refused.
 """
 
-import ctypes
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 from marks import Marks
+from nvml import NvmlUsage, Poller
 
 MODES = ["native", "expandable", "compact", "remap"]
 
@@ -66,47 +65,6 @@ def model(name="llama", layers=None):
     config = getattr(transformers, kind + "Config")(**cfg)
     torch.manual_seed(0)
     return getattr(transformers, kind + "ForCausalLM")(config).to(device="cuda", dtype=torch.bfloat16).eval()
-
-
-class NvmlUsage:
-    """This process's used GPU memory from NVML, read through ctypes (not through the library
-    under test)."""
-
-    class Proc(ctypes.Structure):
-        _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
-                    ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
-
-    def __init__(self):
-        self.nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        assert self.nvml.nvmlInit_v2() == 0
-        self.dev = ctypes.c_void_p()
-        assert self.nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.dev)) == 0
-        self.pid = os.getpid()
-
-    def read(self):
-        n = ctypes.c_uint(64)
-        procs = (self.Proc * 64)()
-        rc = self.nvml.nvmlDeviceGetComputeRunningProcesses_v3(self.dev, ctypes.byref(n), procs)
-        if rc != 0:
-            return None
-        for i in range(n.value):
-            if procs[i].pid == self.pid:
-                return int(procs[i].usedGpuMemory)
-        return None
-
-
-class Poller(threading.Thread):
-    def __init__(self, period=0.002):
-        super().__init__(daemon=True)
-        self.usage, self.period, self.peak, self.samples, self.stop = NvmlUsage(), period, 0, 0, False
-
-    def run(self):
-        while not self.stop:
-            u = self.usage.read()
-            if u is not None:
-                self.peak = max(self.peak, u)
-                self.samples += 1
-            time.sleep(self.period)
 
 
 def case_capture(mode):
@@ -225,9 +183,7 @@ def case_serve(mode, utilization="0.2", name="llama"):
             g.replay()
             torch.cuda.synchronize()
             outside_max = max(outside_max, outside())
-        time.sleep(0.05)
-        poll.stop = True
-        poll.join()
+        poll.finish()
         m = Marks()
         peak = poll.peak if poll.samples else None
         m.at_least("peak_read", poll.samples, 1, 1 << 60)

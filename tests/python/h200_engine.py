@@ -22,13 +22,13 @@ against a scratch cache (their memory is measured and kept as reserve), and they
 before the KV cache is allocated.
 """
 
-import ctypes
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
+
+from nvml import Poller
 
 MODES = ["native", "expandable", "compact", "remap"]
 BATCHES = [1, 2, 4, 8]
@@ -49,53 +49,6 @@ MODELS["llama4"] = ("Llama", dict(MODELS["llama"][1], num_hidden_layers=4), (16,
 
 def emit(**kv):
     print("RESULT " + json.dumps(kv), flush=True)
-
-
-class NvmlUsage:
-    """This process's used GPU memory from NVML, through ctypes (not through the library under
-    test); None when NVML does not list the process."""
-
-    class Proc(ctypes.Structure):
-        _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
-                    ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
-
-    def __init__(self):
-        self.nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        assert self.nvml.nvmlInit_v2() == 0
-        self.dev = ctypes.c_void_p()
-        assert self.nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.dev)) == 0
-        self.pid = os.getpid()
-
-    def read(self):
-        n = ctypes.c_uint(64)
-        procs = (self.Proc * 64)()
-        if self.nvml.nvmlDeviceGetComputeRunningProcesses_v3(self.dev, ctypes.byref(n), procs) != 0:
-            return None
-        for i in range(n.value):
-            if procs[i].pid == self.pid:
-                return int(procs[i].usedGpuMemory)
-        return None
-
-
-class Poller(threading.Thread):
-    def __init__(self, period=0.002):
-        super().__init__(daemon=True)
-        self.usage, self.period, self.peak, self.samples, self.misses, self.stop = NvmlUsage(), period, 0, 0, 0, False
-
-    def run(self):
-        while not self.stop:
-            u = self.usage.read()
-            if u is None:
-                self.misses += 1
-            else:
-                self.peak = max(self.peak, u)
-                self.samples += 1
-            time.sleep(self.period)
-
-    def finish(self):
-        time.sleep(0.05)
-        self.stop = True
-        self.join()
 
 
 def build(name):
@@ -229,7 +182,6 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
 
     poll = Poller()
     poll.start()
-    usage = poll.usage
     with torch.no_grad():
         with vl.tag("weights"):
             e = Engine(name)

@@ -24,8 +24,6 @@ checked. Goals not reached yet are printed under `open_goals` and do not fail th
 first round's sleep and wake ≤ 0.5 s.
 """
 
-import ctypes
-import os
 import subprocess
 import sys
 import time
@@ -33,30 +31,21 @@ import time
 import cases
 from cases import emit
 from marks import Marks
+from nvml import NvmlUsage
 
 MODES = ["expandable", "compact", "remap"]
 G = 1 << 30
 
 
 def nvml_usage():
-    """This process's used GPU memory from NVML, read through ctypes (not through the library);
-    None when NVML does not list this process."""
+    """This process's used GPU memory from NVML (`nvml.py`); None when NVML does not list it."""
+    global _nvml
+    if _nvml is None:
+        _nvml = NvmlUsage()
+    return _nvml.read()
 
-    class Proc(ctypes.Structure):
-        _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong),
-                    ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]
 
-    nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    assert nvml.nvmlInit_v2() == 0
-    dev = ctypes.c_void_p()
-    assert nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(dev)) == 0
-    n = ctypes.c_uint(64)
-    procs = (Proc * 64)()
-    assert nvml.nvmlDeviceGetComputeRunningProcesses_v3(dev, ctypes.byref(n), procs) == 0
-    for i in range(n.value):
-        if procs[i].pid == os.getpid():
-            return int(procs[i].usedGpuMemory)
-    return None
+_nvml = None
 
 
 def rss():
