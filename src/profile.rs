@@ -20,6 +20,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
+use crate::allocator::Profiled;
 use crate::driver::{Driver, MemInfo};
 use crate::ledger::Snapshot;
 use crate::units::Bytes;
@@ -439,14 +440,11 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
         if !result.overridden && self.requested <= result.non_kv + result.margin {
             return Err(ProfileError::NoRoomForKvCache(Box::new(result)));
         }
-        if self.options.contract {
-            // What lies outside the allocator now is the floor for when the driver cannot
-            // report it later (the device-wide figure cannot be re-read per process).
-            alloc.arm_cap(Some(self.requested), result.non_allocator);
-        }
-        // Eager work's transient memory: its peak above what it still holds at the end (the
-        // weights, mostly). The pools' allocations are in the tags' peaks and in the pools both
-        // (the part still allocated shows which; freed ones go uncounted, on the safe side).
+        // Eager work's peak, what it still holds at the end (the weights, mostly) and, in the
+        // virtual-memory modes, what it still reserves once its cache is given back: the KV
+        // cache is sized for the pass's rise above them (allocator/kv.rs). The pools'
+        // allocations are in the tags' peaks and in the pools both (the part still allocated
+        // shows which; freed ones go uncounted, on the safe side).
         let in_pools = alloc.graph_memory().allocated;
         let eager_peak = peak.total.saturating_sub(peak.graph_pools + in_pools);
         let held = exit
@@ -455,11 +453,19 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
             .allocated_bytes
             .current
             .saturating_sub(peak.kv_allocated + in_pools);
-        alloc.note_profile(
-            eager_peak.saturating_sub(held),
-            result.graph_pools + result.graph_outside,
-            result.margin,
-        );
+        let kept = alloc.eager_kept()?.unwrap_or(held);
+        alloc.note_profile(Profiled {
+            eager_peak,
+            held,
+            kept,
+            graph_reserve: result.graph_pools + result.graph_outside,
+            margin: result.margin,
+        });
+        if self.options.contract {
+            // What lies outside the allocator now is the floor for when the driver cannot
+            // report it later (the device-wide figure cannot be re-read per process).
+            alloc.arm_cap(Some(self.requested), result.non_allocator);
+        }
         Ok(result)
     }
 

@@ -78,16 +78,28 @@ pub(crate) struct Core<D> {
     committed: AtomicU64,
 }
 
-/// What the last profiling measured, besides the cap: how far eager work (not the KV cache,
-/// not graph pools) rose above what it still held at the end (the pass's transient memory:
-/// activations and their cache slack), the graph memory its representative captures took (pools
-/// and memory outside the allocator, kept as reserve where the KV cache must be sized before the
-/// real captures), and the safety margin.
+/// What the last profiling measured, besides the cap (see [`Profiled`]).
 #[derive(Debug, Default)]
 pub(crate) struct Measured {
-    pub(crate) transient: AtomicU64,
+    pub(crate) eager_peak: AtomicU64,
+    pub(crate) held: AtomicU64,
+    pub(crate) kept: AtomicU64,
     pub(crate) graph_reserve: AtomicU64,
     pub(crate) margin: AtomicU64,
+}
+
+/// What profiling measured of eager work (not the KV cache, not graph pools) and of graphs.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Profiled {
+    /// The pass's reserved peak, the bytes still allocated at its end, and the bytes still
+    /// reserved once its cache was given back (`held` where it was not given back).
+    pub(crate) eager_peak: u64,
+    pub(crate) held: u64,
+    pub(crate) kept: u64,
+    /// The graph memory the representative captures took (pools and memory outside the
+    /// allocator), kept as reserve where the KV cache is sized before the real captures.
+    pub(crate) graph_reserve: u64,
+    pub(crate) margin: u64,
 }
 
 /// "No limit" and "no cap".

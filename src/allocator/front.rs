@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use crossbeam::utils::CachePadded;
 
 use super::config::{Config, Limit, SegmentMode};
-use super::core::{Allocation, Core, GrowError, NONE};
+use super::core::{Allocation, Core, GrowError, Profiled, NONE};
 use super::dump::{PoolStats, StateDump};
 use super::growth::{At, Growth, Request, SyncFirst};
 use super::history::{Action, HistoryEntry};
@@ -160,14 +160,14 @@ impl<D: Driver> Allocator<D> {
         }
     }
 
-    /// Keep what profiling measured, for sizing the KV cache against the cap later: eager
-    /// work's transient memory, the graph memory its representative captures took, and the
-    /// margin.
-    pub(crate) fn note_profile(&self, transient: u64, graph_reserve: u64, margin: u64) {
+    /// Keep what profiling measured, for sizing the KV cache against the cap later.
+    pub(crate) fn note_profile(&self, p: Profiled) {
         let m = &self.core.measured;
-        m.transient.store(transient, Relaxed);
-        m.graph_reserve.store(graph_reserve, Relaxed);
-        m.margin.store(margin, Relaxed);
+        m.eager_peak.store(p.eager_peak, Relaxed);
+        m.held.store(p.held, Relaxed);
+        m.kept.store(p.kept, Relaxed);
+        m.graph_reserve.store(p.graph_reserve, Relaxed);
+        m.margin.store(p.margin, Relaxed);
     }
 
     /// The budget contract in bytes, if one is set.

@@ -14,7 +14,9 @@
 //! What the cap must leave room for besides the KV cache, when sizing it:
 //! - eager work: what it holds now, after the cache is given back (weights, workspaces, graphs'
 //!   static inputs), and on top of it the transient memory profiling's pass took (its peak
-//!   above what it still held at the end: activations and their cache slack);
+//!   above what it still held at the end: activations and their cache slack; in the
+//!   virtual-memory modes, above what it still reserved once its cache was given back, so
+//!   that free memory pinned beside live blocks is counted once: `transient_to_keep`);
 //! - graph pools, as held now (and, in native mode, the reserve for captures still to come);
 //! - memory outside the allocator, as this process's usage shows it now (CUDA context,
 //!   libraries, graph instantiation), and the margin profiling chose.
@@ -288,7 +290,7 @@ impl<D: Driver> Allocator<D> {
         let reserved = self.core.ledger.reserved();
         let graph_pools = self.core.ledger.graph_reserved.get();
         let eager_now = reserved.saturating_sub(kv_mapped + graph_pools);
-        let transient = m.transient.load(Relaxed);
+        let transient = self.transient_to_keep();
         let graph_reserve = if graphs_to_come {
             m.graph_reserve.load(Relaxed)
         } else {
@@ -306,6 +308,40 @@ impl<D: Driver> Allocator<D> {
             margin,
             room: cap.saturating_sub(non_kv),
         })
+    }
+
+    /// What eager work's next pass may take on top of what it holds now: the profiled pass's
+    /// rise above what it held at its end.
+    ///
+    /// In native mode the rise above the bytes still allocated: everything reserved now comes
+    /// on top, free memory in segments still in use included, as a plain segment keeps the
+    /// cuts of the requests it served and a pass of another shape may find its free blocks of
+    /// no use (a serving mix on the H200 needed up to all of it: docs/results.md §3). The
+    /// virtual-memory modes map new memory per request, page or piece and unmap what is wholly
+    /// free before growing under the cap: the next pass takes what the profiled one took, so
+    /// the rise is above what eager work still reserved once its cache was given back, and what
+    /// survived (free memory pinned beside live blocks) is counted once, in what it holds now.
+    fn transient_to_keep(&self) -> u64 {
+        let m = &self.core.measured;
+        let peak = m.eager_peak.load(Relaxed);
+        let rise = peak.saturating_sub(m.held.load(Relaxed));
+        if !self.growth.is_virtual() {
+            return rise;
+        }
+        rise.min(peak.saturating_sub(m.kept.load(Relaxed)))
+    }
+
+    /// Eager work's reserved bytes once its cache is given back, in the virtual-memory modes
+    /// when no capture runs (giving the cache back would spoil it); `None` otherwise.
+    pub(crate) fn eager_kept(&self) -> Result<Option<u64>> {
+        if !self.growth.is_virtual() || self.check_not_capturing("").is_err() {
+            return Ok(None);
+        }
+        self.empty_cache()?;
+        let kv_mapped = self.kv.lock().as_ref().map_or(0, |r| r.mapped());
+        let graph_pools = self.core.ledger.graph_reserved.get();
+        let reserved = self.core.ledger.reserved();
+        Ok(Some(reserved.saturating_sub(kv_mapped + graph_pools)))
     }
 
     fn check_not_capturing(&self, what: &'static str) -> Result<()> {

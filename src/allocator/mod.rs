@@ -41,6 +41,7 @@ mod streams;
 
 pub use self::config::{Config, Limit, SegmentMode, UnknownMode, DEFAULT_REMAP_PIECE};
 pub use self::core::Allocation;
+pub(crate) use self::core::Profiled;
 pub use self::dump::PoolStats;
 pub use self::front::Allocator;
 pub use self::graphs::GraphMemory;
