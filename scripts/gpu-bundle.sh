@@ -54,7 +54,8 @@ echo "wheel: $wheel"
 cat > "$out/run-all.sh" <<'RUN'
 #!/usr/bin/env bash
 # Run every test and benchmark of the bundle; logs go to $1 (default ./logs). Set
-# SKIP_CPU_TESTS=1 to run only what needs the GPU.
+# SKIP_CPU_TESTS=1 to run only what needs the GPU. RUN_ONLY=REGEX runs only the steps whose
+# names match (a whole run split over several sessions: each prints the steps it ran).
 #
 # Every step runs even when an earlier one failed; the script ends with a summary of the
 # failed steps and exits 1 if there is any. compute-sanitizer's memcheck runs over every GPU
@@ -64,14 +65,21 @@ logs="$(mkdir -p "${1:-logs}" && cd "${1:-logs}" && pwd)"
 export VRAM_LEDGER_LIB="$here/libvram_ledger.so" VRAM_LEDGER_BIN="$here/bin/vram-ledger" PYTHONPATH="$here/python"
 cd "$here"
 failed=()
+ran=()
 
 # step NAME COMMAND...: run COMMAND (its own redirections, or its output into $logs/NAME.log)
 # and remember NAME if it exits non-zero.
 step() {
     local name=$1
     shift
+    if [ -n "${RUN_ONLY:-}" ] && ! [[ $name =~ $RUN_ONLY ]]; then
+        return 0
+    fi
+    ran+=("$name")
+    local t0=$SECONDS
     "$@" >"$logs/$name.log" 2>&1
     local rc=$?
+    echo "step $name: exit $rc, $((SECONDS - t0)) s"
     if [ "$rc" -ne 0 ]; then
         failed+=("$name (exit $rc, see $logs/$name.log)")
         echo "FAILED: $name (exit $rc)"
@@ -85,7 +93,7 @@ for t in tests/*; do
     name=$(basename "$t")
     case "$name" in gpu_*) gpu_tests+=("$t") ;; *) [ -n "${SKIP_CPU_TESTS:-}" ] && continue ;; esac
     step "test-$name" "$t" --test-threads=1 --show-output
-    grep -E "^test result|skipped:" "$logs/test-$name.log" | sed "s/^/$name: /"
+    grep -sE "^test result|skipped:" "$logs/test-$name.log" | sed "s/^/$name: /"
 done
 [ ${#gpu_tests[@]} -gt 0 ] || failed+=("no GPU test binary in $here/tests")
 
@@ -99,7 +107,8 @@ if command -v compute-sanitizer >/dev/null; then
         step "memcheck-$name" timeout "${MEMCHECK_TIMEOUT:-900}" \
             compute-sanitizer --tool memcheck --leak-check full --error-exitcode 1 \
             $(api_errors "$name") "$t" --test-threads=1
-        echo "memcheck $name: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$logs/memcheck-$name.log" | tr '\n' ' ')"
+        [ -f "$logs/memcheck-$name.log" ] &&
+            echo "memcheck $name: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$logs/memcheck-$name.log" | tr '\n' ' ')"
     done
 else
     echo "memcheck: not run: compute-sanitizer is not on PATH"
@@ -126,12 +135,13 @@ else
 fi
 # The bundle's wheel installed with pip into a fresh virtual environment (python3.12 with torch).
 step wheel bash tests/python/h200_wheel.sh
-grep -E "^(wheel:|vram_ledger imported from|h200_wheel:)" "$logs/wheel.log"
+grep -sE "^(wheel:|vram_ledger imported from|h200_wheel:)" "$logs/wheel.log"
 step cpu-bench bin/alloc-bench --bench --warm-up-time 1 --measurement-time 3
 
 echo
+[ ${#ran[@]} -gt 0 ] || failed+=("no step matched RUN_ONLY=${RUN_ONLY:-}")
 if [ ${#failed[@]} -eq 0 ]; then
-    echo "all steps passed"
+    echo "all ${#ran[@]} steps run passed${RUN_ONLY:+ (RUN_ONLY=$RUN_ONLY)}"
     exit 0
 fi
 echo "${#failed[@]} step(s) failed:"

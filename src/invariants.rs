@@ -10,7 +10,8 @@
 //!   bytes + spare (held, unmapped) bytes, sleeping = asleep bytes, cached = reserved +
 //!   sleeping − allocated, the segment count matches,
 //!   every peak ≥ its current;
-//! - reserved = what the driver says the allocator holds, when the driver can tell;
+//! - reserved + lost (mappings whose undo failed) = what the driver says the allocator holds,
+//!   when the driver can tell;
 //! - the shards' own structures are consistent (`problems` collected while dumping).
 
 pub use crate::allocator::dump::{BlockDump, DumpState, SegmentDump, StateDump};
@@ -207,8 +208,9 @@ pub fn check(d: &StateDump) -> Result<(), Violation> {
         peak_ok(name, c)?;
     }
     if let Some(held) = d.driver_held {
-        ensure(held == reserved, || {
-            format!("driver holds {held} bytes for us, ledger reserves {reserved}")
+        let lost = l.lost_bytes;
+        ensure(held == reserved + lost, || {
+            format!("driver holds {held} bytes for us, ledger reserves {reserved} and lost {lost}")
         })?;
     }
     Ok(())

@@ -232,6 +232,8 @@ pub struct Ledger {
     kv_reserved: AtomicU64,
     pub(crate) kv_mapped: Gauge,
     kv_usable: AtomicU64,
+    /// Bytes the driver may still hold for mappings whose undo failed (`allocator/stranded.rs`).
+    pub(crate) lost: AtomicU64,
 }
 
 impl Default for Ledger {
@@ -258,6 +260,7 @@ impl Ledger {
             kv_reserved: AtomicU64::new(0),
             kv_mapped: Gauge::default(),
             kv_usable: AtomicU64::new(0),
+            lost: AtomicU64::new(0),
         }
     }
 
@@ -395,6 +398,7 @@ impl Ledger {
             usage_read_failures: self.usage_read_failures.load(Relaxed),
             graph_reserved_bytes: self.graph_reserved.read(),
             graph_outside_bytes: self.graph_outside.load(Relaxed),
+            lost_bytes: self.lost.load(Relaxed),
             kv_cache: KvBytes {
                 reserved: self.kv_reserved.load(Relaxed),
                 mapped: kv,
@@ -495,6 +499,11 @@ pub struct Snapshot {
     /// (measured from this process's usage at each capture's begin and end; 0 without it).
     #[serde(default)]
     pub graph_outside_bytes: u64,
+    /// Device memory the driver may still hold for this process that nothing uses: mappings
+    /// whose undo failed after a failed map (not in `reserved_bytes`; retried when the cache is
+    /// given back).
+    #[serde(default)]
+    pub lost_bytes: u64,
     /// Bytes of each tag given back to the driver while it sleeps (not in `reserved_bytes`;
     /// its allocations stay allocated).
     #[serde(default)]

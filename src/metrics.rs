@@ -10,6 +10,7 @@
 //! | `vram_ledger_cached_bytes` | gauge | device | reserved but not handed out |
 //! | `vram_ledger_graph_pool_bytes` | gauge | device | held for CUDA graph pools |
 //! | `vram_ledger_graph_outside_bytes` | gauge | device | memory outside the allocator that graph capture and instantiation added |
+//! | `vram_ledger_lost_bytes` | gauge | device | memory left with the driver by mappings whose undo failed |
 //! | `vram_ledger_kv_reserved_bytes` | gauge | device | address space reserved for the KV cache |
 //! | `vram_ledger_kv_mapped_bytes` | gauge | device | physical memory mapped into it |
 //! | `vram_ledger_kv_usable_bytes` | gauge | device | the bytes of the KV blocks the engine may use |
@@ -75,7 +76,7 @@ pub fn prometheus(devices: &[DeviceMetrics]) -> String {
         "Peak bytes handed out since the last reset, by tag.",
         &mut |o| per_tag(o, name, &|s, t| s.per_tag[t].allocated_bytes.peak),
     );
-    let gauges: [PerDevice; 9] = [
+    let gauges: [PerDevice; 10] = [
         (
             "vram_ledger_reserved_bytes",
             "Bytes held from the driver now.",
@@ -100,6 +101,11 @@ pub fn prometheus(devices: &[DeviceMetrics]) -> String {
             "vram_ledger_graph_outside_bytes",
             "Memory outside the allocator that graph capture and instantiation added.",
             &|d| Some(d.snapshot.graph_outside_bytes),
+        ),
+        (
+            "vram_ledger_lost_bytes",
+            "Device memory left with the driver by mappings whose undo failed.",
+            &|d| Some(d.snapshot.lost_bytes),
         ),
         (
             "vram_ledger_kv_reserved_bytes",

@@ -19,6 +19,7 @@ use super::history::History;
 use super::owner::Owner;
 use super::places::Places;
 use super::planted::{self, Bug};
+use super::stranded::Stranded;
 use crate::driver::counting::Counting;
 use crate::driver::{DevicePtr, Driver, DriverError, DriverResult, StreamId};
 use crate::error::OomCause;
@@ -69,6 +70,8 @@ pub(crate) struct Core<D> {
     /// What profiling measured, for sizing the KV cache against the cap later
     /// ([`super::Allocator::commit_kv`]).
     pub(crate) measured: Measured,
+    /// Mappings whose undo failed, their memory counted as lost until an undo succeeds.
+    pub(crate) stranded: Stranded,
     /// The allocation history, when recording (`history.rs`).
     pub(crate) history: History,
     /// [`Config::separate_tags`].
@@ -120,6 +123,7 @@ impl<D: Driver> Core<D> {
             cap: AtomicU64::new(NONE),
             outside_floor: AtomicU64::new(0),
             measured: Measured::default(),
+            stranded: Stranded::default(),
             history: Default::default(),
             separate_tags: config.separate_tags,
             places: Places::default(),

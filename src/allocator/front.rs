@@ -474,6 +474,9 @@ impl<D: Driver> Allocator<D> {
     }
 
     pub(super) fn release_all(&self, sync: SyncFirst) -> Result<()> {
+        self.core
+            .stranded
+            .retry(&self.core.driver, &self.core.ledger);
         let mut first = None;
         for i in 0..self.shards.len() {
             if let Err(e) = self
@@ -568,6 +571,13 @@ impl<D: Driver> Allocator<D> {
         }
         if let Err(e) = self.release_all(SyncFirst::Done) {
             tracing::error!(error = %e, "could not give the cache back when the allocator was dropped");
+        }
+        let lost = self.core.ledger.lost.load(Relaxed);
+        if lost > 0 {
+            tracing::warn!(
+                lost,
+                "allocator dropped with mappings whose undo kept failing: their memory stays held for the rest of the process"
+            );
         }
         let reserved = self.core.ledger.reserved();
         if reserved > 0 {

@@ -144,7 +144,7 @@ impl KvRegion {
         let mut done = 0;
         while done < more {
             let bytes = (more - done).min(KV_PIECE);
-            match map_one(&core.driver, self.base + start + done, bytes) {
+            match map_one(core, self.base + start + done, bytes) {
                 Ok(handle) => {
                     self.pieces.push(Piece {
                         bytes,
@@ -236,7 +236,7 @@ impl KvRegion {
         let mut off = top;
         for k in i..self.pieces.len() {
             let bytes = self.pieces[k].bytes;
-            match map_one(&core.driver, self.base + off, bytes) {
+            match map_one(core, self.base + off, bytes) {
                 Ok(handle) => {
                     self.pieces[k] = Piece {
                         bytes,

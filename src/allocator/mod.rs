@@ -37,6 +37,7 @@ mod segment;
 mod shard;
 mod sleep;
 mod spin;
+mod stranded;
 mod streams;
 
 pub use self::config::{Config, Limit, SegmentMode, UnknownMode, DEFAULT_REMAP_PIECE};

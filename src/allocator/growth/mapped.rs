@@ -160,7 +160,7 @@ impl Shard {
         let mut err = None;
         while done < bytes {
             let va = start + done;
-            match map_one(&core.driver, va, chunk) {
+            match map_one(core, va, chunk) {
                 Ok(handle) => {
                     let m = Mapping::new(chunk, handle, false);
                     self.segments.get_mut(seg).virt_mut().mappings.insert(va, m);
@@ -449,26 +449,31 @@ impl Shard {
     }
 }
 
-/// Create physical memory of `bytes` and map it at `va`; on failure undo what this did.
+/// Create physical memory of `bytes` and map it at `va`; on failure undo what this did, and
+/// what cannot be undone is counted as lost and tried again later (`stranded.rs`).
 pub(crate) fn map_one<D: Driver>(
-    driver: &D,
+    core: &Core<D>,
     va: DevicePtr,
     bytes: u64,
 ) -> std::result::Result<PhysHandle, DriverError> {
+    let driver = &core.driver;
+    core.stranded.undo_first(driver, &core.ledger);
     let h = driver.create_physical(bytes)?;
     if let Err(e) = driver.map(va, bytes, h) {
-        if let Err(e2) = driver.release_physical(h) {
-            tracing::error!(error = %e2, "could not release a physical handle after a failed map");
+        if driver.release_physical(h).is_err() {
+            core.stranded
+                .strand(&core.ledger, va, bytes, false, Some(h));
         }
         return Err(e);
     }
     if let Err(e) = driver.set_access(va, bytes) {
-        // Release then unmap: the memory goes when the mapping does.
-        let undo = driver
-            .release_physical(h)
-            .and_then(|()| driver.unmap(va, bytes));
-        if let Err(e2) = undo {
-            tracing::error!(error = %e2, "could not undo a mapping whose access could not be set");
+        // Release then unmap: the memory goes when the mapping does. Each step is tried even
+        // when the other fails, so that what is left to undo is as small as it can be.
+        let released = driver.release_physical(h).is_ok();
+        let unmapped = driver.unmap(va, bytes).is_ok();
+        if !(released && unmapped) {
+            core.stranded
+                .strand(&core.ledger, va, bytes, !unmapped, (!released).then_some(h));
         }
         return Err(e);
     }

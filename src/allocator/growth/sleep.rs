@@ -135,7 +135,7 @@ impl Shard {
             if !map.sleep.is_some_and(|s| s.gone) {
                 continue;
             }
-            let h = map_one(&core.driver, m.va, m.bytes)?;
+            let h = map_one(core, m.va, m.bytes)?;
             core.history
                 .record_sleep(Action::SegmentMap, m.va, m.bytes, tag);
             let map = self.mapping_mut(&m);

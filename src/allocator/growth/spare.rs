@@ -42,8 +42,17 @@ impl Shard {
                 },
             };
             let va = start + done;
-            if let Err(e) = map_piece(&core.driver, va, p.bytes, p.handle) {
-                self.spare.push(p);
+            if let Err((e, still_mapped)) = map_piece(core, va, p.bytes, p.handle) {
+                if still_mapped {
+                    // Not spare: the piece may not be mapped anywhere else while its failed
+                    // mapping stands. It is lost until an undo succeeds.
+                    core.ledger.on_unreserve(p.bytes, false);
+                    core.uncommit(p.bytes);
+                    core.stranded
+                        .strand(&core.ledger, va, p.bytes, true, Some(p.handle));
+                } else {
+                    self.spare.push(p);
+                }
                 return (done, Some(e.into()));
             }
             let m = Mapping::new(p.bytes, p.handle, true);
@@ -182,20 +191,19 @@ fn create_piece<D: Driver>(core: &Core<D>, size: u64) -> std::result::Result<Spa
     })
 }
 
-/// Map an existing handle of `bytes` at `va` and enable it; on failure undo the mapping (the
-/// handle stays, spare).
+/// Map an existing handle of `bytes` at `va` and enable it; on failure undo the mapping. The
+/// error says whether the mapping still stands (its undo failed too).
 fn map_piece<D: Driver>(
-    driver: &D,
+    core: &Core<D>,
     va: DevicePtr,
     bytes: u64,
     handle: PhysHandle,
-) -> std::result::Result<(), DriverError> {
-    driver.map(va, bytes, handle)?;
+) -> std::result::Result<(), (DriverError, bool)> {
+    let driver = &core.driver;
+    core.stranded.undo_first(driver, &core.ledger);
+    driver.map(va, bytes, handle).map_err(|e| (e, false))?;
     if let Err(e) = driver.set_access(va, bytes) {
-        if let Err(e2) = driver.unmap(va, bytes) {
-            tracing::error!(error = %e2, "could not undo a mapping whose access could not be set");
-        }
-        return Err(e);
+        return Err((e, driver.unmap(va, bytes).is_err()));
     }
     Ok(())
 }
