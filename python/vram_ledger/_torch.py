@@ -26,11 +26,11 @@ def _address(fn: Any) -> Optional[int]:
 
 
 # The mode install() uses when none is named. Measured on an H200 in the order engines work
-# (weights, profile, KV cache, CUDA graphs, serve; tests/python/h200_engine.py): remap and
-# expandable met every mark in every scenario (peak usage 99.60-99.75% of the request, no
-# forward refused, graph replays equal to eager), while native refused a profiled forward or
-# left 0.6% of its request unused, and compact left up to 4.3% unused on one model. Of the two,
-# remap fragments least on replayed workloads and, like every virtual-memory mode, can sleep.
+# (weights, profile, KV cache, CUDA graphs, serve; tests/python/h200_engine.py): remap,
+# expandable and compact met every mark in every scenario (peak usage 99.71-99.89% of the
+# request, no forward refused, graph replays equal to eager; docs/results.md section 3), while
+# native left up to 0.9% of its request unused on one model. Of those, remap fragments least on
+# replayed workloads and, like every virtual-memory mode, can sleep.
 DEFAULT_MODE = "remap"
 
 
