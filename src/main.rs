@@ -254,12 +254,13 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
             && std::io::IsTerminal::is_terminal(&std::io::stderr())
             && trace.events.len() > 200_000)
             .then(|| indicatif::ProgressBar::new(trace.events.len() as u64));
-        let r = replay::replay(&trace, &opts, |i| {
+        let mut r = replay::replay(&trace, &opts, |i| {
             if let Some(b) = &bar {
                 b.set_position(i as u64);
             }
         })
         .map_err(|e| e.to_string())?;
+        r.at_peak = replay::at_peak(&trace, &opts, &r).map_err(|e| e.to_string())?;
         if let Some(b) = bar {
             b.finish_and_clear();
         }
@@ -267,6 +268,7 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
             println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
         } else if detail {
             print!("{}", replay_table(&r));
+            print!("{}", peak_lines(&r));
         }
         if first.is_none() {
             first = Some(r.clone());
@@ -326,7 +328,11 @@ fn compare_table(rs: &[replay::ReplayResult]) -> String {
         torch_s * 1e3,
         "1.00x"
     );
+    let mut at_best = String::new();
     for r in rs {
+        if Some(r.mode) == best {
+            at_best = peak_lines(r);
+        }
         let name = if Some(r.mode) == best {
             format!("{} (best)", r.mode.name())
         } else {
@@ -341,6 +347,34 @@ fn compare_table(rs: &[replay::ReplayResult]) -> String {
             r.driver_seconds * 1e3,
             r.driver_seconds / torch_s.max(1e-12)
         );
+    }
+    s + &at_best
+}
+
+/// Where the reserved bytes stood at `r`'s peak (`replay::at_peak`), for a user asking why a
+/// workload fragments.
+fn peak_lines(r: &replay::ReplayResult) -> String {
+    let Some(p) = r.at_peak else {
+        return String::new();
+    };
+    let g = Bytes;
+    let mut s = format!(
+        "\n{} at its peak (after event {}, an allocation on stream {}): {} reserved\n",
+        r.mode.name(),
+        p.event,
+        p.stream,
+        g(p.reserved)
+    );
+    for (what, bytes) in [
+        ("requested by live blocks", p.requested),
+        ("rounding of live blocks", p.rounding),
+        ("freed, waiting for other streams", p.pending),
+        ("free beside live blocks (pinned)", p.free_pinned),
+        ("free on other streams", p.free_other_streams),
+        ("free on the growing stream", p.free_same_stream),
+        ("spare (held, unmapped)", p.spare),
+    ] {
+        s += &format!("  {what:<34} {:>14}\n", g(bytes));
     }
     s
 }

@@ -400,3 +400,64 @@ fn replay_cli_json_svg_and_errors() {
         .unwrap();
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown segment mode"));
 }
+
+#[test]
+fn replay_at_peak_partitions_what_was_reserved_on_every_trace_and_mode() {
+    // The parts come from the allocator's blocks and mappings, the reserved figure from its
+    // ledger: they must agree, and the moment must be the peak the replay reported.
+    for name in TRACES {
+        let t = trace(name);
+        for mode in SegmentMode::ALL {
+            let opts = ReplayOptions {
+                mode,
+                ..Default::default()
+            };
+            let r = replay::replay(&t, &opts, |_| {}).unwrap();
+            let p = replay::at_peak(&t, &opts, &r).unwrap().unwrap();
+            assert_eq!(
+                p.reserved, r.peak_reserved,
+                "{name} {mode}: the peak's moment"
+            );
+            assert_eq!(p.total(), p.reserved, "{name} {mode}: {p:?}");
+            assert!(p.requested <= r.peak_live_requested, "{name} {mode}");
+        }
+    }
+}
+
+#[test]
+fn replay_at_peak_names_pinned_and_other_streams_memory() {
+    const MB: u64 = 1 << 20;
+    let at_peak = |spec: &str| {
+        let t = replay::trace::read_bytes(&snapshot(events(spec)), None).unwrap();
+        let opts = ReplayOptions::default();
+        let r = replay::replay(&t, &opts, |_| {}).unwrap();
+        replay::at_peak(&t, &opts, &r).unwrap().unwrap()
+    };
+    // Native: 8 MiB requests take 20 MiB segments, one per stream. The first segment keeps B
+    // live beside A's freed 8 MiB and its own 4 MiB tail; stream 1's growth for C gets a new
+    // segment, whose 12 MiB tail lies beside C.
+    let p = at_peak(
+        "alloc 0x1000 8; alloc 0x2000 8; free_requested 0x1000 8; free_completed 0x1000 8; \
+         alloc 0x3000 8 @1",
+    );
+    assert_eq!((p.event, p.stream), (4, 1));
+    assert_eq!(p.reserved, 40 * MB);
+    assert_eq!(p.requested, 16 * MB);
+    assert_eq!(p.free_pinned, 24 * MB);
+    assert_eq!(
+        p.free_other_streams + p.free_same_stream + p.pending + p.rounding,
+        0
+    );
+    // Stream 0's segment wholly free when stream 1 grows: free on another stream.
+    let p = at_peak(
+        "alloc 0x1000 8; free_requested 0x1000 8; free_completed 0x1000 8; alloc 0x3000 8 @1",
+    );
+    assert_eq!(p.reserved, 40 * MB);
+    assert_eq!(p.free_other_streams, 20 * MB);
+    assert_eq!(p.free_pinned, 12 * MB);
+    // A freed block still used by another stream waits: pending, not free.
+    let p = at_peak(
+        "alloc 0x1000 8; free_requested 0x1000 8; alloc 0x3000 8 @1; free_completed 0x1000 8",
+    );
+    assert_eq!(p.pending, 8 * MB);
+}

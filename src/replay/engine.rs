@@ -19,6 +19,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::peak::{self, PeakBreakdown};
 use super::trace::{Action, Event, Trace};
 use crate::driver::counting::DriverCalls;
 use crate::driver::sim::{SimConfig, SimDriver};
@@ -116,6 +117,13 @@ pub struct ReplayResult {
     pub held_after: u64,
     #[serde(skip)]
     pub timeline: Vec<Point>,
+    /// The event after which reserved bytes first reached their peak, and the stream of its
+    /// allocation (none when nothing was reserved).
+    #[serde(skip)]
+    pub peak_event: Option<(usize, u64)>,
+    /// Where the reserved bytes stood at that moment ([`at_peak`]; not filled by [`replay`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at_peak: Option<PeakBreakdown>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -162,6 +170,11 @@ pub fn replay(
     opts: &ReplayOptions,
     progress: impl FnMut(usize),
 ) -> Result<ReplayResult, Error> {
+    replay_on(&fresh(opts)?, trace, opts, progress)
+}
+
+/// An allocator as `opts` says, on a fresh simulated device.
+fn fresh(opts: &ReplayOptions) -> Result<Allocator<SimDriver>, Error> {
     let drv = SimDriver::with_config(SimConfig {
         capacity: opts.capacity,
         context_overhead: 0,
@@ -172,8 +185,26 @@ pub fn replay(
         move_across_streams: opts.move_across_streams,
         ..Config::with_mode(opts.mode)
     };
-    let alloc = Allocator::new(drv, config)?;
-    replay_on(&alloc, trace, opts, progress)
+    Allocator::new(drv, config)
+}
+
+/// Where the reserved bytes stood when `r` (a replay of `trace` with `opts`) reached its peak:
+/// the trace replayed again on a fresh simulated device up to that event, and the allocator's
+/// blocks and mappings read there. `None` when nothing was reserved.
+pub fn at_peak(
+    trace: &Trace,
+    opts: &ReplayOptions,
+    r: &ReplayResult,
+) -> Result<Option<PeakBreakdown>, Error> {
+    let Some((event, stream)) = r.peak_event else {
+        return Ok(None);
+    };
+    let alloc = fresh(opts)?;
+    let mut again = Replayer::new(&alloc, trace, 0);
+    for (i, e) in trace.events.iter().enumerate().take(event + 1) {
+        again.event(i, e)?;
+    }
+    Ok(Some(peak::of_dump(&alloc.dump(), event, stream)))
 }
 
 /// Replay `trace` through an existing allocator (whose mode is the caller's business; `opts`
@@ -190,14 +221,7 @@ pub fn replay_on(
     let host_before = alloc.driver().estimated_host_seconds();
     let mut r = Replayer::new(alloc, trace, opts.timeline_points);
     for (i, e) in trace.events.iter().enumerate() {
-        match e.action {
-            Action::Alloc => r.alloc(e)?,
-            Action::FreeRequested => r.free_requested(i, e)?,
-            Action::FreeCompleted => r.free_completed(e),
-            Action::SegmentAlloc | Action::SegmentMap => r.torch.segment_mapped(e),
-            Action::SegmentFree | Action::SegmentUnmap => r.segment_released(i, e)?,
-            Action::Oom => {}
-        }
+        r.event(i, e)?;
         r.sample(i);
         if i % 65536 == 0 {
             progress(i);
@@ -324,6 +348,8 @@ struct Replayer<'a> {
     /// The moment of most live memory in the current point's window: (event, live bytes,
     /// live bytes per tag).
     window: (usize, u64, PerTag<u64>),
+    /// The most reserved after an allocation, and that allocation's event and stream.
+    peak: (u64, Option<(usize, u64)>),
 }
 
 impl<'a> Replayer<'a> {
@@ -350,14 +376,32 @@ impl<'a> Replayer<'a> {
             every,
             timeline: Vec::with_capacity(timeline_points + 1),
             window: (0, 0, PerTag::default()),
+            peak: (0, None),
         }
     }
 
-    fn alloc(&mut self, e: &Event) -> Result<(), Error> {
+    fn event(&mut self, i: usize, e: &Event) -> Result<(), Error> {
+        match e.action {
+            Action::Alloc => self.alloc(i, e)?,
+            Action::FreeRequested => self.free_requested(i, e)?,
+            Action::FreeCompleted => self.free_completed(e),
+            Action::SegmentAlloc | Action::SegmentMap => self.torch.segment_mapped(e),
+            Action::SegmentFree | Action::SegmentUnmap => self.segment_released(i, e)?,
+            Action::Oom => {}
+        }
+        Ok(())
+    }
+
+    /// Event `i`, an allocation.
+    fn alloc(&mut self, i: usize, e: &Event) -> Result<(), Error> {
         let stream = StreamId(e.stream);
         match self.allocator.allocate_tagged(e.size, stream, e.tag) {
             Ok(a) => {
                 self.allocations += 1;
+                let reserved = self.allocator.ledger().reserved();
+                if reserved > self.peak.0 {
+                    self.peak = (reserved, Some((i, e.stream)));
+                }
                 if let Some((old, ..)) = self.ours.insert(e.addr, (a.ptr, e.size, e.tag)) {
                     // The trace reused an address we think is live: keep ours consistent.
                     self.allocator.free(old)?;
@@ -515,6 +559,8 @@ impl<'a> Replayer<'a> {
             held_after,
             events_per_second: events as f64 / seconds.max(1e-9),
             timeline: self.timeline,
+            peak_event: self.peak.1,
+            at_peak: None,
         }
     }
 }

@@ -4,12 +4,14 @@
 pub mod engine;
 mod error;
 pub mod input;
+pub mod peak;
 mod pickle_guard;
 pub mod snapshot;
 pub mod svg;
 pub mod trace;
 
-pub use engine::{replay, ReplayOptions, ReplayResult};
+pub use engine::{at_peak, replay, ReplayOptions, ReplayResult};
 pub use input::{Limits, MAX_INPUT_BYTES};
+pub use peak::PeakBreakdown;
 pub use pickle_guard::{Refusal, MAX_DEPTH};
 pub use trace::{read_file, read_file_with, FieldError, Trace, TraceError, MAX_STREAMS};
