@@ -45,6 +45,21 @@ inductor = types.ModuleType("torch._inductor")
 inductor.config = types.ModuleType("torch._inductor.config")
 inductor.config.triton = types.SimpleNamespace(cudagraph_trees=True)
 torch._inductor = inductor
+# torch._C's entry points that install() replaces: the originals fail as the pluggable
+# allocator's do, except the memory fraction's setter, which PyTorch passes on to the hook.
+def unsupported(what):
+    def f(*args):
+        raise RuntimeError("CUDAPluggableAllocator does not yet support " + what)
+    return f
+torch._C = types.SimpleNamespace(
+    _cuda_record_memory_history=unsupported("recordHistory"),
+    _cuda_record_memory_history_legacy=unsupported("recordHistory"),
+    _cuda_memorySnapshot=unsupported("snapshot"),
+    _cuda_setMemoryFraction=lambda fraction, device: calls.append(["set_fraction", fraction, device]),
+    _cuda_getMemoryFraction=unsupported("getMemoryFraction"),
+    _accelerator_getDeviceStats=unsupported("getDeviceStats"),
+    _accelerator_resetPeakStats=unsupported("resetPeakStats"),
+)
 sys.modules.update({"torch": torch, "torch.cuda": torch.cuda, "torch.cuda._utils": utils,
                     "torch._inductor": inductor, "torch._inductor.config": inductor.config})
 address = lambda name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
@@ -109,3 +124,46 @@ def test_mempool_allocates_under_its_tag():
     assert r["inside"] == "kv_cache" and r["after"] == "untracked", r
     assert r["calls"][0] == ["plug", r["calls"][0][1], "vram_ledger_malloc", "vram_ledger_free"], r
     assert r["calls"][1] == ["use_mem_pool", ["pool"]] and r["tag"] == "kv", r
+
+
+def test_history_snapshots_fraction_and_accelerator_statistics_answer_under_install():
+    r = run_on_sim(
+        STAND_IN
+        + textwrap.dedent(
+            """
+        vl.install(mode="remap")
+        state["initialized"] = True
+        C = torch._C
+        C._cuda_record_memory_history("all", "all", "all", sys.maxsize, False, False, False, [])
+        with vl.tag("weights"):
+            p = lib.vram_ledger_malloc(3 << 20, 0, None)
+        snap = C._cuda_memorySnapshot(None)
+        trace = snap["device_traces"][0]
+        seen = {
+            "segments": len(snap["segments"]),
+            "allocs": [[e["size"], e["user_metadata"]] for e in trace if e["action"] == "alloc"],
+            "stats": C._accelerator_getDeviceStats(0)["allocated_bytes"]["all"],
+        }
+        lib.vram_ledger_free(p, 3 << 20, 0, None)
+        C._accelerator_resetPeakStats(0)
+        seen["after_reset"] = C._accelerator_getDeviceStats(0)["allocated_bytes"]["all"]
+        C._cuda_record_memory_history_legacy(False)
+        q = lib.vram_ledger_malloc(1 << 20, 0, None)
+        later = C._cuda_memorySnapshot(None)["device_traces"][0]
+        seen["stopped"] = [e["size"] for e in later if e["action"] == "alloc"]
+        lib.vram_ledger_free(q, 1 << 20, 0, None)
+        C._cuda_record_memory_history(None)
+        C._cuda_setMemoryFraction(0.5, 0)
+        seen["fraction"] = [C._cuda_getMemoryFraction(0), C._cuda_getMemoryFraction(1)]
+        seen["set"] = calls[-1]
+        print(json.dumps(seen))
+        """
+        )
+    )
+    assert r["segments"] >= 1, r
+    assert r["allocs"] == [[3 << 20, "weights"]], "the history, each allocation with its tag"
+    assert r["stats"]["current"] == 3 << 20 and r["stats"]["peak"] == 3 << 20, r
+    assert r["after_reset"]["current"] == 0 and r["after_reset"]["peak"] == 0, r
+    assert r["stopped"] == [3 << 20], "recording stopped: the later allocation is not in the history"
+    assert r["fraction"] == [0.5, 1.0], r
+    assert r["set"] == ["set_fraction", 0.5, 0], "the setter still reaches PyTorch and the hook"

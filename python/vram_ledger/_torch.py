@@ -3,16 +3,14 @@ statistics and CUDA graphs work under a pluggable allocator, and MemPools backed
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import itertools
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from . import _args
+from . import _args, _torch_stats
 from ._lib import _LOG, VramLedgerError, _check, _clean_up_after, _last_error, abi, library_path, load
-from .metrics import memory_stats, reset_peak_memory_stats
 from .tags import tag
 
 if TYPE_CHECKING:
@@ -42,7 +40,12 @@ def install(
     `torch_stats` (the default), torch.cuda.memory_stats() and the functions built on it
     (memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved,
     memory_summary, reset_peak_memory_stats) answer with vram-ledger's figures, which a
-    pluggable allocator otherwise cannot give.
+    pluggable allocator otherwise cannot give; so do torch.accelerator's memory_stats family
+    and reset_peak_memory_stats, torch.cuda.memory._record_memory_history, _snapshot,
+    memory_snapshot and _dump_snapshot (the allocation history and segments in PyTorch's
+    snapshot format, each allocation's tag as its user_metadata), and
+    get_per_process_memory_fraction (set_per_process_memory_fraction reaches the library's
+    limit through its hook). See `_torch_stats.py`.
 
     torch.compile(mode="reduce-overhead") captures CUDA graphs. Inductor's CUDA-graph trees
     checkpoint and restore the private pool state of PyTorch's own allocator, which a
@@ -84,7 +87,7 @@ def install(
     torch.cuda.memory.change_current_allocator(alloc)
     _patch_graphs(torch)
     if torch_stats:
-        _patch_torch_stats(torch)
+        _torch_stats.patch(torch)
     if not cudagraph_trees:
         _plain_inductor_graphs()
     _INSTALLED["allocator"] = alloc
@@ -97,32 +100,6 @@ def _plain_inductor_graphs() -> None:
     except ImportError:  # a torch without inductor has nothing to turn off
         return
     inductor.triton.cudagraph_trees = False
-
-
-def _patch_torch_stats(torch: Any) -> None:
-    """torch.cuda.memory_stats() (PyTorch's keys and meanings, plus `tag.*`) and
-    reset_peak_memory_stats() from vram-ledger; everything PyTorch builds on them follows."""
-    mem = torch.cuda.memory
-    if getattr(mem, "_vram_ledger_stats", False):
-        return
-    from torch.cuda._utils import _get_device_index
-
-    # Before CUDA is initialised there is nothing to report (as with PyTorch's allocator), and
-    # asking the library would create a device's context and profiling baseline too early.
-    def memory_stats_(device: Any = None) -> Dict[str, int]:
-        if not torch.cuda.is_initialized():
-            return collections.OrderedDict()
-        stats = memory_stats(_get_device_index(device, optional=True))
-        return collections.OrderedDict(sorted(stats.items()))
-
-    def reset_peak_memory_stats_(device: Any = None) -> None:
-        if torch.cuda.is_initialized():
-            reset_peak_memory_stats(_get_device_index(device, optional=True))
-
-    for owner in (mem, torch.cuda):
-        owner.memory_stats = memory_stats_
-        owner.reset_peak_memory_stats = reset_peak_memory_stats_
-    mem._vram_ledger_stats = True
 
 
 def _patch_graphs(torch: Any) -> None:

@@ -1,0 +1,122 @@
+"""torch.cuda's and torch.accelerator's memory statistics, history, snapshots and memory
+fraction under install(). PyTorch's pluggable allocator answers none of them ("does not yet
+support ..."), so install() points the entry points they call at vram-ledger's figures:
+torch.cuda.memory_stats and reset_peak_memory_stats themselves, and the torch._C functions that
+torch.cuda.memory._record_memory_history, _snapshot, memory_snapshot, _dump_snapshot,
+get/set_per_process_memory_fraction and torch.accelerator's memory functions call. Patching at
+torch._C reaches every Python caller, whichever wrapper it went through. An entry point this
+torch does not have is left alone."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import sys
+import tempfile
+from typing import Any, Dict, Optional
+
+from ._args import INT64_MAX
+from .metrics import dump_snapshot, memory_stats, record_history, reset_peak_memory_stats
+
+# The fraction set through torch per device; PyTorch's default is the whole device.
+_FRACTIONS: Dict[int, float] = {}
+
+
+def patch(torch: Any) -> None:
+    mem = torch.cuda.memory
+    if getattr(mem, "_vram_ledger_stats", False):
+        return
+    from torch.cuda._utils import _get_device_index
+
+    def index(device: Any) -> int:
+        return _get_device_index(device, optional=True)
+
+    # Before CUDA is initialised there is nothing to report (as with PyTorch's allocator), and
+    # asking the library would create a device's context and profiling baseline too early.
+    def memory_stats_(device: Any = None) -> Dict[str, int]:
+        if not torch.cuda.is_initialized():
+            return collections.OrderedDict()
+        return collections.OrderedDict(sorted(memory_stats(index(device)).items()))
+
+    def reset_peak_memory_stats_(device: Any = None) -> None:
+        if torch.cuda.is_initialized():
+            reset_peak_memory_stats(index(device))
+
+    for owner in (mem, torch.cuda):
+        owner.memory_stats = memory_stats_
+        owner.reset_peak_memory_stats = reset_peak_memory_stats_
+    _patch_c(torch, torch._C, index)
+    mem._vram_ledger_stats = True
+
+
+def _patch_c(torch: Any, C: Any, index: Any) -> None:
+    def record(enabled: Optional[str] = "all", context: Any = "all", stacks: str = "all", max_entries: int = sys.maxsize, *_: Any) -> None:
+        # "state" and "all" both need what the ring keeps; None stops recording.
+        record_history(enabled is not None, min(max(int(max_entries), 1), INT64_MAX), torch.cuda.current_device())
+
+    def record_legacy(enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1, *_: Any) -> None:
+        record_history(bool(enabled), max(int(trace_alloc_max_entries), 1), torch.cuda.current_device())
+
+    def snapshot(*_: Any) -> Dict[str, Any]:
+        return _snapshot(torch.cuda.current_device())
+
+    set_fraction = getattr(C, "_cuda_setMemoryFraction", None)
+
+    def set_memory_fraction(fraction: float, device: int) -> None:
+        set_fraction(fraction, device)  # PyTorch's check, then the library's hook
+        _FRACTIONS[int(device)] = float(fraction)
+
+    def get_memory_fraction(device: int) -> float:
+        return _FRACTIONS.get(int(device), 1.0)
+
+    def device_stats(device: Any) -> Dict[str, Any]:
+        return _nested(memory_stats(index(device)))
+
+    def reset_peaks(device: Any) -> None:
+        reset_peak_memory_stats(index(device))
+
+    for name, fn in [
+        ("_cuda_record_memory_history", record),
+        ("_cuda_record_memory_history_legacy", record_legacy),
+        ("_cuda_memorySnapshot", snapshot),
+        ("_cuda_setMemoryFraction", set_memory_fraction if set_fraction else None),
+        ("_cuda_getMemoryFraction", get_memory_fraction),
+        ("_accelerator_getDeviceStats", device_stats),
+        ("_accelerator_resetPeakStats", reset_peaks),
+    ]:
+        if fn is not None and hasattr(C, name):
+            setattr(C, name, fn)
+
+
+def _snapshot(device: int) -> Dict[str, Any]:
+    """The device's segments and recorded history, as torch.cuda.memory._snapshot returns them:
+    the library writes PyTorch's pickle, read back here; `device_traces` is indexed by device."""
+    fd, path = tempfile.mkstemp(prefix="vram-ledger-snapshot-", suffix=".pickle")
+    os.close(fd)
+    try:
+        dump_snapshot(path, device)
+        with open(path, "rb") as f:
+            snap = pickle.load(f)
+    finally:
+        os.unlink(path)
+    traces = snap.get("device_traces", [])
+    if device > 0 and len(traces) == 1:
+        snap["device_traces"] = [[] for _ in range(device)] + traces
+    return snap
+
+
+def _nested(flat: Dict[str, int]) -> Dict[str, Any]:
+    """torch.accelerator's nested statistics ({"allocated_bytes": {"all": {"current": ...}}})
+    from memory_stats' flat keys; torch.accelerator.memory_stats flattens them back."""
+    out: Dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                break
+        else:
+            node[leaf] = value
+    return out
