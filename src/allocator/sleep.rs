@@ -11,8 +11,10 @@
 //! destroyed with the host memory.
 //!
 //! Invariants:
-//! - Sleep and wake hold every shard's lock from start to end (allocations on other threads
-//!   wait): a tag is wholly asleep or wholly awake, in every shard at once.
+//! - A tag is wholly asleep or wholly awake, in every shard at once: sleep and wake take every
+//!   shard's lock to mark it, to give its memory back and to map it again, and let go of them
+//!   across the pinning and the copies (other tags' allocations go on), while its mappings
+//!   cannot change (its allocations are refused, its frees deferred).
 //! - A sleep that fails before its memory is given back (the copies, the host memory) changes
 //!   nothing. Once the copies are complete the tag is asleep; a release or unmap that fails
 //!   then leaves that mapping's memory held (reported, counted in reserved), never lost.
