@@ -149,8 +149,9 @@ void *vram_ledger_malloc(ssize_t size, int device, void *stream);
 
 /* `vram_ledger_malloc` for PyTorch's pluggable allocator, which does not check for NULL:
  * when there is nothing to return it throws a C++ exception instead, which PyTorch turns into
- * a Python `RuntimeError` whose message starts with "CUDA out of memory." (out of memory) and
- * carries the breakdown. The process keeps its CUDA context and can go on.
+ * `torch.OutOfMemoryError` (out of memory, worded as PyTorch's own message, then the
+ * breakdown) or a `RuntimeError` (anything else). The process keeps its CUDA context and can
+ * go on.
  *
  * Safety:
  * As for `vram_ledger_malloc`; and the caller is C++ that lets exceptions pass (PyTorch).

@@ -82,6 +82,33 @@ impl fmt::Display for OomReport {
             Bytes(self.device_total),
             Bytes(self.device_free)
         )?;
+        self.details(f)
+    }
+}
+
+/// How [`OomReport::torch_message`] begins, as PyTorch's own message does after its "CUDA out
+/// of memory." (which the throwing hook puts first).
+pub const TORCH_OUT_OF_MEMORY: &str = "Tried to allocate ";
+
+impl OomReport {
+    /// The report as PyTorch words an out-of-memory on GPU `device` ("Tried to allocate X. GPU
+    /// N has a total capacity of Y of which Z is free."), then vram-ledger's breakdown.
+    pub fn torch_message(&self, device: i32) -> String {
+        let mut s = format!(
+            "{TORCH_OUT_OF_MEMORY}{}. GPU {device} has a total capacity of {} of which {} is free. \
+             vram-ledger needed {} more from the driver.",
+            Bytes(self.requested),
+            Bytes(self.device_total),
+            Bytes(self.device_free),
+            Bytes(self.needed)
+        );
+        let _ = self.details(&mut s);
+        s
+    }
+
+    /// Everything after the request and the device's figures: this process's usage, the
+    /// allocator's and each tag's bytes, the limit and the contract, the last failure.
+    fn details(&self, f: &mut impl fmt::Write) -> fmt::Result {
         if let Some(p) = self.process_usage {
             write!(f, " This process has {} in use.", Bytes(p))?;
         }

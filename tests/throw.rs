@@ -1,7 +1,8 @@
 //! The throwing allocation hook, called from C++ as PyTorch calls it: out of memory arrives as
-//! a `std::runtime_error` whose message starts with "CUDA out of memory." and carries the
-//! breakdown, other failures as one that says so, and the library keeps working afterwards.
-//! A C++ program (built here with g++) loads the library on simulated devices and calls it.
+//! PyTorch's `c10::OutOfMemoryError` when c10 is loaded (here a stand-in, tests/c), else as a
+//! `std::runtime_error`, with PyTorch's wording and then the breakdown; other failures as a
+//! `std::runtime_error` that says so; and the library keeps working afterwards. C++ programs
+//! (built here with g++) load the library on simulated devices and call it.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -47,15 +48,29 @@ fn library() -> PathBuf {
     lib
 }
 
-#[test]
-fn abi_throwing_hook_raises_out_of_memory_as_a_cpp_exception() {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    let (src, exe) = (dir.join("throw_hook.cpp"), dir.join("throw_hook"));
-    std::fs::write(&src, PROGRAM).unwrap();
+/// Where the programs are built: cargo's scratch folder for these tests, or (run from a bundle,
+/// on a machine where that folder does not exist) the system's.
+fn build_dir() -> PathBuf {
+    let cargo = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    if cargo.is_dir() {
+        return cargo;
+    }
+    let dir = std::env::temp_dir().join(format!("vram-ledger-throw-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Build `program` (C++) into `name` with `extra` arguments for g++ and run it on the library
+/// with one simulated device; returns its stdout and stderr.
+fn run(name: &str, program: &str, extra: &[&str]) -> (String, String) {
+    let dir = build_dir();
+    let (src, exe) = (dir.join(format!("{name}.cpp")), dir.join(name));
+    std::fs::write(&src, program).unwrap();
     let built = Command::new("g++")
         .args(["-std=c++17", "-O1", "-o"])
         .arg(&exe)
         .arg(&src)
+        .args(extra)
         .arg("-ldl")
         .output()
         .expect("g++ runs");
@@ -70,38 +85,121 @@ fn abi_throwing_hook_raises_out_of_memory_as_a_cpp_exception() {
         .env("VRAM_LEDGER_SIM_DEVICES", "1")
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
     );
-    let line = |tag: &str| {
-        stdout
-            .lines()
-            .find_map(|l| l.strip_prefix(tag))
-            .unwrap_or_else(|| panic!("no {tag} line in {stdout}"))
-            .to_string()
-    };
-    let oom = line("OOM|");
-    assert!(
-        oom.starts_with("CUDA out of memory. out of device memory."),
-        "{oom}"
-    );
-    assert!(oom.contains("Tried to allocate 1024.00 GiB"), "{oom}");
+    assert!(out.status.success(), "{stdout}{stderr}");
+    (stdout, stderr)
+}
+
+fn line(stdout: &str, tag: &str) -> String {
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(tag))
+        .unwrap_or_else(|| panic!("no {tag} line in {stdout}"))
+        .to_string()
+}
+
+/// How PyTorch's own out-of-memory message begins, for an 80 GiB device.
+const TORCH_BEGINNING: &str = "CUDA out of memory. Tried to allocate 1024.00 GiB. GPU 0 has a total capacity of 80.00 GiB of which ";
+
+#[test]
+fn abi_throwing_hook_raises_out_of_memory_as_a_cpp_exception() {
+    // No PyTorch in the process: a std::runtime_error with PyTorch's wording.
+    let (stdout, stderr) = run("throw_hook", PROGRAM, &[]);
+    let oom = line(&stdout, "OOM|");
+    assert!(oom.starts_with(TORCH_BEGINNING), "{oom}");
     assert!(oom.contains("Allocated by tag"), "{oom}");
-    let other = line("OTHER|");
+    let other = line(&stdout, "OTHER|");
     assert!(
         other.starts_with("vram-ledger could not allocate: "),
         "{other}"
     );
     assert!(other.contains("no device with ordinal 7"), "{other}");
-    assert_eq!(line("AFTER|"), "ok");
-    assert_eq!(line("ZERO|"), "null");
+    assert_eq!(line(&stdout, "AFTER|"), "ok");
+    assert_eq!(line(&stdout, "ZERO|"), "null");
     // One message per failure: the exception carries it, and nothing repeats it on stderr.
-    let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !stderr.contains("out of memory") && !stderr.contains("ordinal 7"),
         "the failures were also printed: {stderr}"
     );
+}
+
+/// A program linked with a stand-in for PyTorch's c10 (tests/c/c10_stand_in.*), catching as
+/// PyTorch's Python binding does: c10::OutOfMemoryError first.
+const WITH_C10: &str = r#"
+#include <dlfcn.h>
+#include <cstdio>
+#include <stdexcept>
+#include <sys/types.h>
+#include "c10_stand_in.h"
+typedef void* (*alloc_fn)(ssize_t, int, void*);
+int main(int, char** argv) {
+    void* lib = dlopen(argv[1], RTLD_NOW);
+    if (!lib) { std::printf("dlopen: %s\n", dlerror()); return 2; }
+    auto alloc = (alloc_fn)dlsym(lib, "vram_ledger_malloc_or_throw");
+    for (int i = 0; i < 2; i++) {
+        try { alloc(ssize_t(1) << 40, 0, nullptr); std::printf("no exception\n"); return 1; }
+        catch (const c10::OutOfMemoryError& e) { std::printf("TORCH_OOM|%s|%s\n", e.function().c_str(), e.what()); }
+        catch (const std::exception& e) { std::printf("OTHER|%s\n", e.what()); }
+    }
+    // Other failures stay std::runtime_error.
+    try { alloc(4096, 7, nullptr); }
+    catch (const c10::Error&) { std::printf("NOT_OOM|c10\n"); }
+    catch (const std::runtime_error&) { std::printf("NOT_OOM|runtime_error\n"); }
+    return 0;
+}
+"#;
+
+#[test]
+fn abi_throwing_hook_raises_pytorchs_out_of_memory_error_when_c10_is_loaded() {
+    let dir = build_dir();
+    // Relative to the working folder: the package's root under cargo, the bundle's under
+    // scripts/gpu-bundle.sh's run-all.sh (which carries tests/c).
+    let c = std::env::current_dir().unwrap().join("tests/c");
+    // As PyTorch's libraries are (the inherited constructor there), and naming the type only.
+    for (variant, flags) in [("full", vec![]), ("type_only", vec!["-DTYPE_ONLY"])] {
+        let libdir = dir.join(format!("c10_{variant}"));
+        std::fs::create_dir_all(&libdir).unwrap();
+        let built = Command::new("g++")
+            .args(["-std=c++17", "-shared", "-fPIC", "-Wl,-soname,libc10.so"])
+            .args(&flags)
+            .arg("-o")
+            .arg(libdir.join("libc10.so"))
+            .arg(c.join("c10_stand_in.cpp"))
+            .output()
+            .expect("g++ runs");
+        assert!(
+            built.status.success(),
+            "{}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+        let include = format!("-I{}", c.display());
+        let link = format!("-L{}", libdir.display());
+        let rpath = format!("-Wl,-rpath,{}", libdir.display());
+        let name = format!("throw_hook_c10_{variant}");
+        let (stdout, _) = run(&name, WITH_C10, &[&include, &link, "-lc10", &rpath]);
+        let hits: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.starts_with("TORCH_OOM|"))
+            .collect();
+        assert_eq!(
+            hits.len(),
+            2,
+            "{variant}: caught as c10::OutOfMemoryError, each time: {stdout}"
+        );
+        for h in hits {
+            let mut parts = h.splitn(3, '|').skip(1);
+            assert_eq!(
+                parts.next(),
+                Some("vram_ledger_malloc_or_throw"),
+                "{variant}: built by c10's constructor"
+            );
+            let msg = parts.next().unwrap();
+            assert!(msg.starts_with(TORCH_BEGINNING), "{variant}: {msg}");
+            assert!(msg.contains("Allocated by tag"), "{variant}: {msg}");
+        }
+        assert_eq!(line(&stdout, "NOT_OOM|"), "runtime_error", "{variant}");
+    }
 }

@@ -5,7 +5,7 @@
 //! - No panic crosses the boundary: every entry point runs under `catch_unwind`, and so does
 //!   recording its error message (a panic there leaves a static message instead). The one
 //!   exception that does cross is deliberate: `vram_ledger_malloc_or_throw` throws a C++
-//!   `std::runtime_error` (csrc/throw.cpp) for PyTorch to turn into a Python exception.
+//!   exception (csrc/throw.cpp) for PyTorch to turn into a Python exception.
 //! - Entry points that read or trust a caller's pointer (a C string, a stream) are `unsafe`,
 //!   with what the caller guarantees under `# Safety`; those taking only numbers are safe.
 //! - Device state comes from [`crate::devices`], the registry the Rust API uses too: a device
@@ -26,7 +26,7 @@
 //! and prints the full breakdown to stderr (and the log). PyTorch's pluggable allocator does not
 //! check for NULL (the first kernel touching a tensor at address 0 ends the CUDA context), so
 //! `install()` hands it `vram_ledger_malloc_or_throw`, whose "CUDA out of memory." exception
-//! reaches Python as a RuntimeError. A `torch.cuda.MemPool` backed by this library checks for
+//! reaches Python as torch.OutOfMemoryError (PyTorch's own c10 type, when PyTorch is loaded). A `torch.cuda.MemPool` backed by this library checks for
 //! NULL itself and raises `torch.OutOfMemoryError`.
 
 /// Run `$body` with `$d` bound to the device's `PerDevice`, whichever backend it is on.

@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_double, c_int, c_void, CStr};
 use super::boundary::*;
 use crate::devices::{self, Device};
 use crate::driver::StreamId;
-use crate::Limit;
+use crate::{Error, Limit};
 
 /// `void* alloc(ssize_t size, int device, cudaStream_t stream)`. Size 0 returns NULL (as
 /// PyTorch's own allocator does), which is not an error.
@@ -27,18 +27,24 @@ pub unsafe extern "C" fn vram_ledger_malloc(
 fn malloc(size: isize, device: c_int, stream: *mut c_void) -> Result<*mut c_void, String> {
     let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
     let r = on_device!(state(device)?, d => d.allocator().allocate(size, StreamId(stream as u64)));
-    r.map(|x| x.ptr as *mut c_void).map_err(|e| e.to_string())
+    r.map(|x| x.ptr as *mut c_void).map_err(|e| match e {
+        // Worded as PyTorch words it, for the tools that read PyTorch's message.
+        Error::OutOfMemory(report) => report.torch_message(device),
+        e => e.to_string(),
+    })
 }
 
 extern "C-unwind" {
-    /// Throws a C++ `std::runtime_error` (csrc/throw.cpp); never returns.
+    /// Throws PyTorch's `c10::OutOfMemoryError` for out of memory when PyTorch's libraries are
+    /// loaded, else a `std::runtime_error` (csrc/throw.cpp); never returns.
     fn vram_ledger_throw(out_of_memory: c_int, why: *const c_char) -> !;
 }
 
 /// [`vram_ledger_malloc`] for PyTorch's pluggable allocator, which does not check for NULL:
 /// when there is nothing to return it throws a C++ exception instead, which PyTorch turns into
-/// a Python `RuntimeError` whose message starts with "CUDA out of memory." (out of memory) and
-/// carries the breakdown. The process keeps its CUDA context and can go on.
+/// `torch.OutOfMemoryError` (out of memory, worded as PyTorch's own message, then the
+/// breakdown) or a `RuntimeError` (anything else). The process keeps its CUDA context and can
+/// go on.
 ///
 /// # Safety
 /// As for [`vram_ledger_malloc`]; and the caller is C++ that lets exceptions pass (PyTorch).
@@ -57,7 +63,7 @@ pub unsafe extern "C-unwind" fn vram_ledger_malloc_or_throw(
         // Out-of-memory messages have their own beginning, so the success path keeps no flag.
         let oom = unsafe { CStr::from_ptr(why) }
             .to_bytes()
-            .starts_with(crate::error::OUT_OF_MEMORY.as_bytes());
+            .starts_with(crate::error::TORCH_OUT_OF_MEMORY.as_bytes());
         // SAFETY: as above; the exception unwinds through no Rust frame that holds anything
         // to drop.
         unsafe { vram_ledger_throw(c_int::from(oom), why) }

@@ -5,8 +5,9 @@
 
 - capture: every segment mode; a transformers Llama's forward is captured into a CUDA graph
   and replayed with new inputs while eager tensors are alive; outputs compared with eager.
-- oom: out of memory under install() is an exception whose message starts with "CUDA out of
-  memory.", and the process goes on (a smaller allocation, a kernel).
+- oom: out of memory under install() is a torch.OutOfMemoryError whose message starts as
+  PyTorch's does ("CUDA out of memory. Tried to allocate X. GPU N has a total capacity of Y of
+  which Z is free."), and the process goes on (a smaller allocation, a kernel).
 - serve: every segment mode; profile a dummy forward at the largest shape with the decode
   graph captured inside the profile block, allocate the KV budget, then serve other shapes
   (never more tokens) and replay the graph, while a thread polls this process's NVML usage
@@ -14,13 +15,14 @@
 
 Every case checks its marks (`marks.py`; a missing reading misses) and the script exits 1 when
 any case misses one: capture, replays equal to eager (as with PyTorch's allocator, whose case
-sets the reference) and eager tensors intact; oom, an exception starting with "CUDA out of
-memory." that names the tags, and a kernel running after it; serve, NVML read, peak usage
+sets the reference) and eager tensors intact; oom, a torch.OutOfMemoryError worded as
+PyTorch's that names the tags, and a kernel running after it; serve, NVML read, peak usage
 within the request, and no forward refused.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -120,14 +122,19 @@ def case_oom():
         return
     except Exception as e:  # noqa: BLE001 - the type is part of what is measured
         kind, msg = type(e).__name__, str(e)
+        torch_oom = isinstance(e, torch.OutOfMemoryError)
     x = torch.ones(1 << 20, device="cuda")
     after = float(x.sum().item())
     m = Marks()
     m.true("raised", True)
     m.true("starts_with_cuda_oom", msg.startswith("CUDA out of memory."))
+    # What tools that retry with a smaller batch catch, worded as PyTorch words it.
+    m.true("torch_out_of_memory_error", torch_oom)
+    m.true("pytorch_wording", re.match(r"CUDA out of memory\. Tried to allocate [\d.]+ [KMGT]?i?B\. GPU \d+ has a total "
+                                       r"capacity of [\d.]+ [KMGT]?i?B of which [\d.]+ [KMGT]?i?B is free\.", msg) is not None)
     m.true("names_the_tags", "Allocated by tag" in msg)
     m.true("kernel_after", after == float(1 << 20))
-    emit(m, case="oom", raised=True, type=kind, starts_with_cuda_oom=msg.startswith("CUDA out of memory."),
+    emit(m, case="oom", raised=True, type=kind, torch_out_of_memory_error=torch_oom, starts_with_cuda_oom=msg.startswith("CUDA out of memory."),
          has_breakdown="Allocated by tag" in msg, message=msg[:300], kernel_after=after == float(1 << 20))
 
 
