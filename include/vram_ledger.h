@@ -29,6 +29,12 @@ extern "C" {
  */
 typedef void (*vram_ledger_log_callback)(int level, const char *message);
 
+/* An observer of out-of-memory failures, as PyTorch's caching allocator calls its own
+ * (`torch._C._cuda_attach_out_of_memory_observer`): the device, the bytes asked for, the
+ * bytes this allocator has handed out on that device, and the device's free bytes.
+ */
+typedef void (*vram_ledger_oom_observer)(int device, int64_t size, int64_t allocated, int64_t device_free);
+
 /* ---- src/ffi/boundary.rs ----------------------------------------------------
  * The boundary every C entry point goes through: errors and panics become return values and a
  * per-thread message, failures are logged, and arguments from C are checked.
@@ -111,6 +117,12 @@ int64_t vram_ledger_cap(int device);
 /* Start every peak figure of `device` over from its current value. */
 int vram_ledger_reset_peaks(int device);
 
+/* Count `device`'s accumulated statistics (the `allocated` and `freed` totals, retries,
+ * out-of-memory failures, device allocations and frees) from now on, as
+ * `torch.cuda.reset_accumulated_memory_stats` does; the ledger's own totals are kept.
+ */
+int vram_ledger_reset_accumulated(int device);
+
 /* Give `device`'s cached, unused memory back to the driver. */
 int vram_ledger_empty_cache(int device);
 
@@ -146,6 +158,13 @@ char *vram_ledger_metrics(void);
  * The simulated backend only compares it.
  */
 void *vram_ledger_malloc(ssize_t size, int device, void *stream);
+
+/* Call `observer` on every out of memory of an allocation through this ABI (NULL: no one),
+ * before the allocation's error is returned or thrown. It runs on the failing thread with no
+ * lock of the allocator held, so it may call the library (read statistics, give the cache
+ * back), and must not unwind.
+ */
+void vram_ledger_set_oom_observer(vram_ledger_oom_observer observer);
 
 /* `vram_ledger_malloc` for PyTorch's pluggable allocator, which does not check for NULL:
  * when there is nothing to return it throws a C++ exception instead, which PyTorch turns into

@@ -86,6 +86,8 @@ pub fn configured() -> Config {
 pub struct PerDevice<D: Driver> {
     alloc: &'static Arc<Allocator<D>>,
     profiler: std::result::Result<Profiler<'static, D>, String>,
+    /// Where PyTorch's accumulated statistics count from (`memory_stats` through the C ABI).
+    accumulated: Mutex<crate::stats::Accumulated>,
 }
 
 impl<D: Driver> PerDevice<D> {
@@ -100,11 +102,29 @@ impl<D: Driver> PerDevice<D> {
                 "no profiling baseline: {e}"
             );
         }
-        Ok(PerDevice { alloc, profiler })
+        Ok(PerDevice {
+            alloc,
+            profiler,
+            accumulated: Mutex::default(),
+        })
     }
 
     pub fn allocator(&self) -> &'static Arc<Allocator<D>> {
         self.alloc
+    }
+
+    /// `torch.cuda.memory_stats()`'s keys for this device, the accumulated ones counted since
+    /// [`PerDevice::reset_accumulated`].
+    pub fn memory_stats(&self) -> std::collections::BTreeMap<String, u64> {
+        let mut m = crate::stats::memory_stats(self.alloc);
+        self.accumulated.lock().apply(&mut m);
+        m
+    }
+
+    /// Count PyTorch's accumulated statistics from now on.
+    pub fn reset_accumulated(&self) {
+        let now = crate::stats::memory_stats(self.alloc);
+        self.accumulated.lock().reset(&now);
     }
 
     /// The device's profiler, or why its baseline could not be taken.

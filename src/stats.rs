@@ -105,11 +105,82 @@ pub fn memory_stats<D: Driver>(a: &Allocator<D>) -> BTreeMap<String, u64> {
     m
 }
 
+/// Whether `key` is one of PyTorch's accumulated statistics (what
+/// `torch.cuda.reset_accumulated_memory_stats` resets): the `allocated` and `freed` totals of
+/// each statistic, and the counts of retries, out-of-memory failures, synchronisations and
+/// device allocations and frees.
+pub fn is_accumulated(key: &str) -> bool {
+    key.ends_with(".allocated")
+        || key.ends_with(".freed")
+        || matches!(
+            key,
+            "num_alloc_retries"
+                | "num_ooms"
+                | "num_sync_all_streams"
+                | "num_device_alloc"
+                | "num_device_free"
+        )
+}
+
+/// The accumulated statistics at the last reset, so that they read as counted since then
+/// (the ledger's own totals are never reset: other readers, such as replay, keep them whole).
+#[derive(Debug, Default)]
+pub struct Accumulated(BTreeMap<String, u64>);
+
+impl Accumulated {
+    /// Count the accumulated statistics from their values in `now` on.
+    pub fn reset(&mut self, now: &BTreeMap<String, u64>) {
+        self.0 = now
+            .iter()
+            .filter(|(k, _)| is_accumulated(k))
+            .map(|(k, &v)| (k.clone(), v))
+            .collect();
+    }
+
+    /// `m` with its accumulated statistics counted since the last reset.
+    pub fn apply(&self, m: &mut BTreeMap<String, u64>) {
+        for (k, base) in &self.0 {
+            if let Some(v) = m.get_mut(k) {
+                *v = v.saturating_sub(*base);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::driver::sim::SimDriver;
     use crate::{Config, StreamId};
+
+    #[test]
+    fn accumulated_statistics_count_from_their_reset_and_nothing_else_moves() {
+        let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+        let x = a.allocate(3 << 20, StreamId::DEFAULT).unwrap();
+        a.free(x.ptr).unwrap();
+        let mut acc = Accumulated::default();
+        acc.reset(&memory_stats(&a));
+        let y = a.allocate(1000, StreamId::DEFAULT).unwrap();
+        let mut m = memory_stats(&a);
+        let whole = m.clone();
+        acc.apply(&mut m);
+        assert_eq!(
+            m["allocation.all.allocated"], 1,
+            "one allocation since the reset"
+        );
+        assert_eq!(m["allocation.all.freed"], 0);
+        assert_eq!(
+            whole["allocation.all.allocated"], 2,
+            "the ledger's own total stays whole"
+        );
+        for (k, v) in &m {
+            if !is_accumulated(k) {
+                assert_eq!(*v, whole[k], "{k} is not accumulated and does not move");
+            }
+        }
+        assert_eq!(m["allocation.all.current"], 1);
+        a.free(y.ptr).unwrap();
+    }
 
     #[test]
     fn pytorch_keys_are_all_there_and_add_up() {

@@ -59,6 +59,9 @@ torch._C = types.SimpleNamespace(
     _cuda_getMemoryFraction=unsupported("getMemoryFraction"),
     _accelerator_getDeviceStats=unsupported("getDeviceStats"),
     _accelerator_resetPeakStats=unsupported("resetPeakStats"),
+    _cuda_attach_out_of_memory_observer=unsupported("attachOutOfMemoryObserver"),
+    _cuda_resetAccumulatedMemoryStats=unsupported("resetAccumulatedStats"),
+    _accelerator_resetAccumulatedStats=unsupported("resetAccumulatedStats"),
 )
 sys.modules.update({"torch": torch, "torch.cuda": torch.cuda, "torch.cuda._utils": utils,
                     "torch._inductor": inductor, "torch._inductor.config": inductor.config})
@@ -167,3 +170,56 @@ def test_history_snapshots_fraction_and_accelerator_statistics_answer_under_inst
     assert r["stopped"] == [3 << 20], "recording stopped: the later allocation is not in the history"
     assert r["fraction"] == [0.5, 1.0], r
     assert r["set"] == ["set_fraction", 0.5, 0], "the setter still reaches PyTorch and the hook"
+
+
+def test_out_of_memory_observers_are_called_under_install():
+    r = run_on_sim(
+        STAND_IN
+        + textwrap.dedent(
+            """
+        vl.install(mode="remap")
+        state["initialized"] = True
+        seen = []
+        def failing(*args):
+            raise ValueError("an observer's own error")
+        torch._C._cuda_attach_out_of_memory_observer(failing)
+        torch._C._cuda_attach_out_of_memory_observer(lambda *args: seen.append(list(args)))
+        with vl.tag("weights"):
+            p = lib.vram_ledger_malloc(3 << 20, 0, None)
+        refused = lib.vram_ledger_malloc(1 << 50, 0, None)
+        total = vl.stats(0)["all"]["allocated_bytes"]["current"]
+        print(json.dumps({"seen": seen, "refused": refused, "allocated": total}))
+        """
+        )
+    )
+    assert r["refused"] is None, r
+    assert len(r["seen"]) == 1, "one call per out of memory, past an observer that failed"
+    device, size, allocated, free = r["seen"][0]
+    assert (device, size, allocated) == (0, 1 << 50, r["allocated"]), r
+    assert 0 < free < 1 << 50, r
+
+
+def test_accumulated_statistics_reset_under_install():
+    r = run_on_sim(
+        STAND_IN
+        + textwrap.dedent(
+            """
+        vl.install(mode="remap")
+        state["initialized"] = True
+        for _ in range(3):
+            lib.vram_ledger_free(lib.vram_ledger_malloc(1 << 20, 0, None), 1 << 20, 0, None)
+        lib.vram_ledger_malloc(1 << 50, 0, None)
+        before = torch.cuda.memory_stats(0)
+        torch._C._cuda_resetAccumulatedMemoryStats(0)
+        p = lib.vram_ledger_malloc(1 << 20, 0, None)
+        after = torch.cuda.memory_stats(0)
+        torch._C._accelerator_resetAccumulatedStats(0)
+        again = torch.cuda.memory_stats(0)
+        keys = ["allocation.all.allocated", "allocation.all.freed", "num_ooms", "allocation.all.current"]
+        print(json.dumps({n: {k: d[k] for k in keys} for n, d in [("before", before), ("after", after), ("again", again)]}))
+        """
+        )
+    )
+    assert r["before"] == {"allocation.all.allocated": 3, "allocation.all.freed": 3, "num_ooms": 1, "allocation.all.current": 0}, r
+    assert r["after"] == {"allocation.all.allocated": 1, "allocation.all.freed": 0, "num_ooms": 0, "allocation.all.current": 1}, r
+    assert r["again"]["allocation.all.allocated"] == 0 and r["again"]["allocation.all.current"] == 1, r

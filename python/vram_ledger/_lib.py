@@ -57,6 +57,7 @@ _CTYPES: Dict[str, Any] = {
     "char *": ctypes.c_void_p,
     "const char *": ctypes.c_char_p,
     "void (*)(int, const char *)": ctypes.c_void_p,
+    "void (*)(int, int64_t, int64_t, int64_t)": ctypes.c_void_p,
 }
 
 # Every entry point this package calls, or hands to PyTorch by name or by address: a library
@@ -92,6 +93,8 @@ USED = (
     "vram_ledger_reset",
     "vram_ledger_memory_fraction",
     "vram_ledger_record_stream",
+    "vram_ledger_set_oom_observer",
+    "vram_ledger_reset_accumulated",
     "vram_ledger_separate_tags",
     "vram_ledger_sleep",
     "vram_ledger_wake",

@@ -3,24 +3,46 @@ fraction under install(). PyTorch's pluggable allocator answers none of them ("d
 support ..."), so install() points the entry points they call at vram-ledger's figures:
 torch.cuda.memory_stats and reset_peak_memory_stats themselves, and the torch._C functions that
 torch.cuda.memory._record_memory_history, _snapshot, memory_snapshot, _dump_snapshot,
-get/set_per_process_memory_fraction and torch.accelerator's memory functions call. Patching at
+get/set_per_process_memory_fraction, reset_accumulated_memory_stats, out-of-memory observers
+and torch.accelerator's memory functions call. Patching at
 torch._C reaches every Python caller, whichever wrapper it went through. An entry point this
 torch does not have is left alone."""
 
 from __future__ import annotations
 
+import atexit
 import collections
+import ctypes
 import os
 import pickle
 import sys
 import tempfile
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
+from . import _args
 from ._args import INT64_MAX
+from ._lib import _LOG, _check, load
 from .metrics import dump_snapshot, memory_stats, record_history, reset_peak_memory_stats
 
 # The fraction set through torch per device; PyTorch's default is the whole device.
 _FRACTIONS: Dict[int, float] = {}
+
+# Out-of-memory observers attached through torch, called as PyTorch's allocator calls its own:
+# (device, bytes asked for, bytes allocated on the device, device's free bytes).
+_OBSERVERS: List[Callable[[int, int, int, int], Any]] = []
+
+
+def _notify(device: int, size: int, allocated: int, free: int) -> None:
+    # Called from the library on the failing thread; an observer's error must not unwind
+    # into it.
+    for observer in list(_OBSERVERS):
+        try:
+            observer(device, size, allocated, free)
+        except Exception:  # noqa: BLE001 - logged, as PyTorch's allocator would not stop either
+            _LOG.exception("an out-of-memory observer failed")
+
+
+_OBSERVER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(_notify)
 
 
 def patch(torch: Any) -> None:
@@ -70,11 +92,22 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
     def get_memory_fraction(device: int) -> float:
         return _FRACTIONS.get(int(device), 1.0)
 
+    def attach_oom_observer(observer: Callable[[int, int, int, int], Any]) -> None:
+        if not _OBSERVERS:
+            lib = load()
+            lib.vram_ledger_set_oom_observer(ctypes.cast(_OBSERVER, ctypes.c_void_p))
+            # Handed back before the interpreter shuts down, after which it could not run.
+            atexit.register(lib.vram_ledger_set_oom_observer, None)
+        _OBSERVERS.append(observer)
+
     def device_stats(device: Any) -> Dict[str, Any]:
         return _nested(memory_stats(index(device)))
 
     def reset_peaks(device: Any) -> None:
         reset_peak_memory_stats(index(device))
+
+    def reset_accumulated(device: Any) -> None:
+        _check(load().vram_ledger_reset_accumulated(_args.device(index(device))))
 
     for name, fn in [
         ("_cuda_record_memory_history", record),
@@ -82,8 +115,11 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
         ("_cuda_memorySnapshot", snapshot),
         ("_cuda_setMemoryFraction", set_memory_fraction if set_fraction else None),
         ("_cuda_getMemoryFraction", get_memory_fraction),
+        ("_cuda_attach_out_of_memory_observer", attach_oom_observer),
         ("_accelerator_getDeviceStats", device_stats),
         ("_accelerator_resetPeakStats", reset_peaks),
+        ("_cuda_resetAccumulatedMemoryStats", reset_accumulated),
+        ("_accelerator_resetAccumulatedStats", reset_accumulated),
     ]:
         if fn is not None and hasattr(C, name):
             setattr(C, name, fn)

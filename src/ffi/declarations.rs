@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::abi::LOG_CALLBACK;
+use super::abi::{LOG_CALLBACK, OOM_OBSERVER};
 
 /// An exported `vram_ledger_*` function, or a `pub type` naming an `extern "C" fn`.
 #[derive(Debug, PartialEq)]
@@ -31,6 +31,7 @@ pub(super) fn c_type(rust: &str) -> Option<&'static str> {
         "*const c_char" => "const char *",
         "*mut c_char" => "char *",
         "Option<LogCallback>" => LOG_CALLBACK,
+        "Option<OomObserver>" => OOM_OBSERVER,
         _ => return None,
     })
 }

@@ -4,7 +4,6 @@ use std::ffi::{c_char, c_int};
 
 use super::boundary::*;
 use crate::devices::{self, Device};
-use crate::stats::memory_stats;
 use crate::{Config, SegmentMode, Tag};
 
 /// Choose the segment mode ("native", "expandable", "compact" or "remap") of allocators not yet
@@ -106,7 +105,7 @@ pub extern "C" fn vram_ledger_stats_json(device: c_int) -> *mut c_char {
 #[no_mangle]
 pub extern "C" fn vram_ledger_memory_stats_json(device: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {
-        let stats = on_device!(state(device)?, d => memory_stats(d.allocator()));
+        let stats = on_device!(state(device)?, d => d.memory_stats());
         Ok(into_c_string(
             serde_json::to_string(&stats).map_err(|e| e.to_string())?,
         ))
@@ -140,6 +139,17 @@ pub extern "C" fn vram_ledger_cap(device: c_int) -> i64 {
 pub extern "C" fn vram_ledger_reset_peaks(device: c_int) -> c_int {
     guard(-1, || {
         on_device!(state(device)?, d => d.allocator().ledger().reset_peaks());
+        Ok(0)
+    })
+}
+
+/// Count `device`'s accumulated statistics (the `allocated` and `freed` totals, retries,
+/// out-of-memory failures, device allocations and frees) from now on, as
+/// `torch.cuda.reset_accumulated_memory_stats` does; the ledger's own totals are kept.
+#[no_mangle]
+pub extern "C" fn vram_ledger_reset_accumulated(device: c_int) -> c_int {
+    guard(-1, || {
+        on_device!(state(device)?, d => d.reset_accumulated());
         Ok(0)
     })
 }

@@ -1,6 +1,7 @@
 //! PyTorch's pluggable-allocator entry points and hooks.
 
 use std::ffi::{c_char, c_double, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::boundary::*;
 use crate::devices::{self, Device};
@@ -28,10 +29,42 @@ fn malloc(size: isize, device: c_int, stream: *mut c_void) -> Result<*mut c_void
     let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
     let r = on_device!(state(device)?, d => d.allocator().allocate(size, StreamId(stream as u64)));
     r.map(|x| x.ptr as *mut c_void).map_err(|e| match e {
-        // Worded as PyTorch words it, for the tools that read PyTorch's message.
-        Error::OutOfMemory(report) => report.torch_message(device),
+        Error::OutOfMemory(report) => {
+            notify_oom(device, &report);
+            // Worded as PyTorch words it, for the tools that read PyTorch's message.
+            report.torch_message(device)
+        }
         e => e.to_string(),
     })
+}
+
+/// An observer of out-of-memory failures, as PyTorch's caching allocator calls its own
+/// (`torch._C._cuda_attach_out_of_memory_observer`): the device, the bytes asked for, the
+/// bytes this allocator has handed out on that device, and the device's free bytes.
+pub type OomObserver =
+    unsafe extern "C" fn(device: c_int, size: i64, allocated: i64, device_free: i64);
+
+/// The observer, as an address (0: none).
+static OOM_OBSERVER: AtomicUsize = AtomicUsize::new(0);
+
+/// Call `observer` on every out of memory of an allocation through this ABI (NULL: no one),
+/// before the allocation's error is returned or thrown. It runs on the failing thread with no
+/// lock of the allocator held, so it may call the library (read statistics, give the cache
+/// back), and must not unwind.
+#[no_mangle]
+pub extern "C" fn vram_ledger_set_oom_observer(observer: Option<OomObserver>) {
+    OOM_OBSERVER.store(observer.map_or(0, |f| f as usize), Ordering::Release);
+}
+
+fn notify_oom(device: c_int, r: &crate::error::OomReport) {
+    let f = OOM_OBSERVER.load(Ordering::Acquire);
+    if f != 0 {
+        let n = |b: u64| i64::try_from(b).unwrap_or(i64::MAX);
+        // SAFETY: a non-zero value was stored from an `OomObserver` by the setter above.
+        let f: OomObserver = unsafe { std::mem::transmute::<usize, OomObserver>(f) };
+        // SAFETY: the host's observer, called as its contract says.
+        unsafe { f(device, n(r.requested), n(r.allocated), n(r.device_free)) };
+    }
 }
 
 extern "C-unwind" {
