@@ -163,7 +163,11 @@ pub enum Error {
     #[error("pointer {0:#x} was not allocated by this allocator, or was already freed")]
     UnknownPointer(DevicePtr),
 
-    #[error("a request of {0} bytes is absurd (at least 2^60 bytes); refused")]
+    // PyTorch's allocator words this refusal "Tried to allocate more than 1EB memory", which
+    // tools and PyTorch's own tests look for.
+    #[error(
+        "Tried to allocate more than 1EB memory: a request of {0} bytes (at least 2^60) is refused"
+    )]
     SizeTooLarge(u64),
 
     #[error("invalid memory limit: {0}")]
