@@ -119,7 +119,25 @@ impl TagStats {
             allocations: self.allocations.plus(o.allocations),
             total_allocations: self.total_allocations + o.total_allocations,
             total_frees: self.total_frees + o.total_frees,
+            total_allocated_bytes: self.total_allocated_bytes + o.total_allocated_bytes,
+            total_requested_bytes: self.total_requested_bytes + o.total_requested_bytes,
         }
+    }
+}
+
+/// What a tag allocated ever: allocations, bytes handed out, bytes asked for.
+#[derive(Clone, Copy, Debug, Default)]
+struct Totals {
+    allocations: u64,
+    bytes: u64,
+    requested: u64,
+}
+
+impl std::ops::AddAssign for Totals {
+    fn add_assign(&mut self, o: Totals) {
+        self.allocations += o.allocations;
+        self.bytes += o.bytes;
+        self.requested += o.requested;
     }
 }
 
@@ -128,8 +146,11 @@ struct TagCells {
     allocated: LocalGauge,
     requested: LocalGauge,
     count: LocalGauge,
-    /// Allocations ever made; kept per tag only (the total is their sum).
+    /// Allocations ever made, and their bytes and requested bytes; kept per tag only (the
+    /// totals are their sums).
     total_allocs: AtomicU64,
+    total_bytes: AtomicU64,
+    total_requested: AtomicU64,
 }
 
 impl TagCells {
@@ -141,9 +162,20 @@ impl TagCells {
     }
 
     #[inline]
-    fn count_alloc(&self) {
-        self.total_allocs
-            .store(self.total_allocs.load(Relaxed) + 1, Relaxed);
+    fn count_alloc(&self, bytes: u64, requested: u64) {
+        // One writer at a time (the shard's lock): plain loads and stores.
+        let bump = |c: &AtomicU64, n: u64| c.store(c.load(Relaxed) + n, Relaxed);
+        bump(&self.total_allocs, 1);
+        bump(&self.total_bytes, bytes);
+        bump(&self.total_requested, requested);
+    }
+
+    fn totals(&self) -> Totals {
+        Totals {
+            allocations: self.total_allocs.load(Relaxed),
+            bytes: self.total_bytes.load(Relaxed),
+            requested: self.total_requested.load(Relaxed),
+        }
     }
 
     #[inline]
@@ -153,14 +185,16 @@ impl TagCells {
         self.count.sub(1);
     }
 
-    fn read(&self, total: u64) -> TagStats {
+    fn read(&self, total: Totals) -> TagStats {
         let count = self.count.read();
         TagStats {
             allocated_bytes: self.allocated.read(),
             requested_bytes: self.requested.read(),
             allocations: count,
-            total_allocations: total,
-            total_frees: total.saturating_sub(count.current),
+            total_allocations: total.allocations,
+            total_frees: total.allocations.saturating_sub(count.current),
+            total_allocated_bytes: total.bytes,
+            total_requested_bytes: total.requested,
         }
     }
 
@@ -186,7 +220,7 @@ impl ShardCells {
     pub(crate) fn on_alloc(&self, tag: Tag, bytes: u64, requested: u64) {
         let t = &self.tags[tag.index()];
         t.alloc(bytes, requested);
-        t.count_alloc();
+        t.count_alloc(bytes, requested);
         self.all.alloc(bytes, requested);
         self.active.add(bytes);
     }
@@ -351,10 +385,10 @@ impl Ledger {
         let mut all = TagStats::default();
         let mut active = Counter::default();
         for s in self.shards.iter() {
-            let mut total = 0;
+            let mut total = Totals::default();
             for t in Tag::ALL {
                 let cells = &s.tags[t.index()];
-                let n = cells.total_allocs.load(Relaxed);
+                let n = cells.totals();
                 total += n;
                 per_tag[t] = per_tag[t].plus(cells.read(n));
             }
@@ -374,6 +408,8 @@ impl Ledger {
                 },
                 total_allocations: 0,
                 total_frees: 0,
+                total_allocated_bytes: 0,
+                total_requested_bytes: 0,
             };
             per_tag[Tag::KvCache] = per_tag[Tag::KvCache].plus(region);
             all = all.plus(region);
@@ -426,6 +462,11 @@ pub struct TagStats {
     pub allocations: Counter,
     pub total_allocations: u64,
     pub total_frees: u64,
+    /// Bytes ever handed out and asked for.
+    #[serde(default)]
+    pub total_allocated_bytes: u64,
+    #[serde(default)]
+    pub total_requested_bytes: u64,
 }
 
 /// One value per tag, serialised as a map keyed by tag name.

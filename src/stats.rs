@@ -2,7 +2,8 @@
 //! `torch.cuda.memory_stats()` keep working under vram-ledger, plus per-tag keys.
 //!
 //! The `.all` keys come from the ledger (current, peak, allocated = total count or bytes ever
-//! allocated, freed). The `small_pool`/`large_pool` keys come from [`Allocator::pool_stats`],
+//! allocated, freed; the KV cache's region, which is mapped rather than allocated, is not in
+//! the byte totals, and neither are reserved bytes). The `small_pool`/`large_pool` keys come from [`Allocator::pool_stats`],
 //! a walk of the blocks when asked: current values only (their peak is reported as the
 //! current value, and their allocated/freed totals as 0), since the ledger does not split by
 //! pool. Device allocations and frees are the driver calls that obtain or return memory.
@@ -25,6 +26,8 @@ pub fn memory_stats<D: Driver>(a: &Allocator<D>) -> BTreeMap<String, u64> {
         m.insert(format!("{stat}.{pool}.freed"), freed);
     };
     let all = &s.all;
+    // Every block handed out was active once; it stops being active when it can be reused.
+    let (bytes, requested) = (all.total_allocated_bytes, all.total_requested_bytes);
     // (stat, current and peak, total allocated, total freed); totals PyTorch keeps and the
     // ledger does not are 0.
     let totals = [
@@ -34,9 +37,24 @@ pub fn memory_stats<D: Driver>(a: &Allocator<D>) -> BTreeMap<String, u64> {
             all.total_allocations,
             all.total_frees,
         ),
-        ("allocated_bytes", all.allocated_bytes, 0, 0),
-        ("requested_bytes", all.requested_bytes, 0, 0),
-        ("active_bytes", s.active_bytes, 0, 0),
+        (
+            "allocated_bytes",
+            all.allocated_bytes,
+            bytes,
+            bytes - all.allocated_bytes.current.min(bytes),
+        ),
+        (
+            "requested_bytes",
+            all.requested_bytes,
+            requested,
+            requested - all.requested_bytes.current.min(requested),
+        ),
+        (
+            "active_bytes",
+            s.active_bytes,
+            bytes,
+            bytes - s.active_bytes.current.min(bytes),
+        ),
         ("reserved_bytes", s.reserved_bytes, 0, 0),
         (
             "segment",
@@ -180,6 +198,26 @@ mod tests {
         }
         assert_eq!(m["allocation.all.current"], 1);
         a.free(y.ptr).unwrap();
+    }
+
+    #[test]
+    fn byte_totals_count_what_was_handed_out_and_given_back() {
+        let a = Allocator::new(SimDriver::new(), Config::default()).unwrap();
+        let x = a.allocate(1000, StreamId::DEFAULT).unwrap();
+        let y = a.allocate(3 << 20, StreamId::DEFAULT).unwrap();
+        a.free(x.ptr).unwrap();
+        let m = memory_stats(&a);
+        let handed = x.size + y.size;
+        assert_eq!(m["allocated_bytes.all.allocated"], handed);
+        assert_eq!(m["allocated_bytes.all.freed"], x.size);
+        assert_eq!(m["active_bytes.all.allocated"], handed);
+        assert_eq!(m["active_bytes.all.freed"], x.size);
+        assert_eq!(m["requested_bytes.all.allocated"], 1000 + (3 << 20));
+        assert_eq!(m["requested_bytes.all.freed"], 1000);
+        a.free(y.ptr).unwrap();
+        let m = memory_stats(&a);
+        assert_eq!(m["allocated_bytes.all.freed"], handed);
+        assert_eq!(m["allocated_bytes.all.current"], 0);
     }
 
     #[test]
