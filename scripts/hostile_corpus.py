@@ -118,6 +118,12 @@ def files():
     yield "too-many-streams.pickle.gz", gz(snapshot(
         [event(addr=0x7F00_0000_0000 + (i << 21), stream=0x7F00_0000_0000 + (i << 8))
          for i in range(1024)]))
+    # The decoder sorts set members and dict keys; a NaN among them made its sort panic.
+    nan = float("nan")
+    yield "nan-set-member.pickle", pickle.dumps({nan, *range(1, 30)}, protocol=4)
+    yield "nan-dict-key.pickle", pickle.dumps({nan: 0, **{i: 0 for i in range(1, 30)}}, protocol=4)
+    yield "nan-text-float.pickle", b"\x80\x02(dp0\nFnan\nI0\ns" + b"".join(
+        b"I%d\nI0\ns" % i for i in range(1, 30)) + b"."
     yield "pointer-stream.pickle", on_streams([0x7F12_3456_7000])
     yield "high-bit-streams.pickle", on_streams(
         [0, 1 << 59, (1 << 63) | 0x10, (1 << 64) - 1, -8, 0x7000_0000_0000, 0x7F12_3456_7000])

@@ -49,6 +49,9 @@ const REFUSED: &[(&str, &str)] = &[
     ("truncated.pickle", "not a pickle: eval error at offset 97: EOF while parsing"),
     ("truncated.pickle.gz", "the gzip stream is corrupt"),
     ("gzip-of-gzip.pickle.gz", "not a pickle: it does not start with a pickle protocol header"),
+    ("nan-set-member.pickle", "refused: it holds a float that is not a number (NaN)"),
+    ("nan-dict-key.pickle", "refused: it holds a float that is not a number (NaN)"),
+    ("nan-text-float.pickle", "refused: it holds a float that is not a number (NaN)"),
 ];
 
 /// Files of the corpus that replay.
@@ -142,6 +145,16 @@ fn the_reader_gives_the_typed_error_behind_each_refusal() {
         read("deep-marks.pickle.gz"),
         TraceError::Refused(Refusal::TooManyMarks)
     ));
+    for name in [
+        "nan-set-member.pickle",
+        "nan-dict-key.pickle",
+        "nan-text-float.pickle",
+    ] {
+        assert!(
+            matches!(read(name), TraceError::Refused(Refusal::NotANumber)),
+            "{name}"
+        );
+    }
     for name in ["changed-after-fetch.pickle", "recursive-list.pickle"] {
         let e = read(name);
         assert!(

@@ -65,6 +65,10 @@ pub enum Refusal {
     ChangedAfterFetch(u32),
     #[error("it writes memo entry {0} twice")]
     MemoRewritten(u32),
+    /// The decoder sorts set members and dict keys, and a NaN has no order: its sort panics on
+    /// one. No memory snapshot holds a NaN.
+    #[error("it holds a float that is not a number (NaN)")]
+    NotANumber,
 }
 
 /// `Err` when decoding `data` would build too many values, or values too deep, or values whose
@@ -165,7 +169,16 @@ impl<'a> Opcodes<'a> {
             b'K' | 0x80 => self.uint(1).map(|_| 0),
             b'M' => self.uint(2).map(|_| 0),
             b'J' => self.uint(4).map(|_| 0),
-            b'G' | 0x95 => self.uint(8).map(|_| 0),
+            // A binary float, big-endian.
+            b'G' => {
+                let b = self.bytes(8)?;
+                let f = f64::from_bits(u64::from_be_bytes(b.try_into().expect("8 bytes")));
+                if f.is_nan() {
+                    return Err(Refusal::NotANumber.into());
+                }
+                Ok(0)
+            }
+            0x95 => self.uint(8).map(|_| 0),
             b'U' | 0x8c | b'C' | 0x8a => self.counted(1).map(|()| 0),
             b'T' | b'X' | b'B' => self.counted(4).map(|()| 0),
             0x8b => {
@@ -188,7 +201,15 @@ impl<'a> Opcodes<'a> {
                 Ok(0)
             }
             0x8d | 0x8e | 0x96 => self.counted(8).map(|()| 0),
-            b'I' | b'F' | b'S' | b'V' => self.line().map(|_| 0),
+            b'F' => {
+                let line = self.line()?;
+                let text = std::str::from_utf8(line).unwrap_or("").trim();
+                if text.parse::<f64>().is_ok_and(f64::is_nan) {
+                    return Err(Refusal::NotANumber.into());
+                }
+                Ok(0)
+            }
+            b'I' | b'S' | b'V' => self.line().map(|_| 0),
             b'c' | b'i' => self.line().and_then(|_| self.line()).map(|_| 0),
             _ => Ok(0),
         }
