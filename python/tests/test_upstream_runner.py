@@ -1,0 +1,67 @@
+"""tests/python/upstream_tests.py, the runner of PyTorch's own tests under install(), on a test
+file of its own here (no PyTorch): it reads pytest's results, and a mode that loses a test
+PyTorch's allocator passes fails it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RUNNER = Path(__file__).resolve().parents[2] / "tests" / "python"
+sys.path.insert(0, str(RUNNER))
+
+import upstream_tests  # noqa: E402
+
+TESTS = """
+import unittest
+
+class TestThings(unittest.TestCase):
+    def test_passes(self):
+        pass
+
+    def test_fails(self):
+        self.fail("as it should")
+
+    @unittest.skip("not here")
+    def test_skipped(self):
+        pass
+"""
+
+
+def test_a_run_is_read_from_pytests_results(tmp_path):
+    f = tmp_path / "test_things.py"
+    f.write_text(TESTS)
+    env = {**os.environ, "UPSTREAM_RESULTS": str(tmp_path / "results")}
+    r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), str(f), "torch"],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = json.loads(r.stdout.splitlines()[0])
+    assert first == {"config": "torch", "counts": {"passed": 1, "failed": 1, "skipped": 1}}, first
+    saved = json.loads((tmp_path / "results" / "torch.json").read_text())
+    assert saved["outcomes"]["test_things.TestThings::test_passes"] == "passed"
+
+
+def outcome(**tests):
+    return {"outcomes": {f"m.T::{k}": v for k, v in tests.items()}}
+
+
+def test_a_mode_that_loses_a_passing_test_misses():
+    torch = outcome(a="passed", b="passed", c="failed", d="skipped")
+    same = dict(outcome(a="passed", b="passed", c="failed", d="skipped"), config="remap")
+    r = upstream_tests.compare(torch, same)
+    assert r["ok"] and r["lost"] == [], r
+    worse = dict(outcome(a="passed", b="failed", c="passed", d="skipped"), config="native")
+    r = upstream_tests.compare(torch, worse)
+    assert not r["ok"] and r["lost"] == ["m.T::b"] and r["missed"] == ["passes_what_torch_passes"], r
+    missing = dict(outcome(a="passed"), config="compact")
+    assert upstream_tests.compare(torch, missing)["lost"] == ["m.T::b"], "a test that did not run is lost"
+    none = dict(outcome(), config="expandable")
+    assert upstream_tests.compare(torch, none)["missed"] == ["passes_what_torch_passes", "results_read"]
+
+
+def test_a_listed_layout_test_is_reported_not_counted(monkeypatch):
+    monkeypatch.setitem(upstream_tests.EXPECTED, "b", "asserts PyTorch's segment count")
+    torch = outcome(a="passed", b="passed")
+    r = upstream_tests.compare(torch, dict(outcome(a="passed", b="failed"), config="remap"))
+    assert r["ok"] and r["lost"] == ["m.T::b"] and r["lost_unexpected"] == [], r

@@ -1,0 +1,123 @@
+"""PyTorch's own tests (such as its test/test_cuda.py, carried to the GPU machine: PyTorch's
+wheel does not ship them) run unchanged, once with PyTorch's allocator and once per segment
+mode after `vram_ledger.install(mode)`, one pytest process per run. Every test that passes
+with PyTorch's allocator must pass under install() in every mode, except the tests listed in
+EXPECTED with their reason (they assert PyTorch's own segment layout). Prints one JSON object
+per run and a summary; exits 1 when any mode fails a test PyTorch's allocator passes and that
+is not listed, or when a run produced no results.
+
+    python3 tests/python/upstream_tests.py TEST_FILE [torch|native|expandable|compact|remap ...]
+        [-- PYTEST_ARGS...]
+
+Runs may be split over several sessions (a run of the whole file takes minutes): a mode run
+alone is compared with the `torch` run of an earlier session kept in UPSTREAM_RESULTS (a folder
+of the runs' JSON results, default ./upstream-results).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+from marks import Marks
+
+MODES = ["native", "expandable", "compact", "remap"]
+
+# Tests that assert PyTorch's own segment layout or its own allocator's internals, with the
+# reason; a failure of one of these under install() is reported, not counted.
+EXPECTED = {}
+
+# Installs vram-ledger before the test file imports torch's CUDA state: pytest loads it as a
+# plugin (`-p`) from this folder.
+PLUGIN = "vram_ledger_upstream_plugin"
+
+
+def results_dir():
+    d = os.environ.get("UPSTREAM_RESULTS", "upstream-results")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def outcomes(junit_path):
+    """test id -> "passed" | "failed" | "skipped", from pytest's JUnit XML."""
+    out = {}
+    for case in ET.parse(junit_path).getroot().iter("testcase"):
+        test = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            out[test] = "failed"
+        elif case.find("skipped") is not None:
+            out[test] = "skipped"
+        else:
+            out[test] = "passed"
+    return out
+
+
+def run(config, test_file, pytest_args):
+    """One pytest process for `config` ("torch", or a segment mode under install())."""
+    junit = os.path.join(results_dir(), f"{config}.xml")
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    if config != "torch":
+        env["VRAM_LEDGER_UPSTREAM_MODE"] = config
+        cmd += ["-p", PLUGIN]
+    r = subprocess.run(cmd + pytest_args, env=env, capture_output=True, text=True)
+    found = outcomes(junit) if os.path.exists(junit) else {}
+    result = {"config": config, "returncode": r.returncode, "outcomes": found, "tail": r.stdout[-2000:] + r.stderr[-2000:]}
+    with open(os.path.join(results_dir(), f"{config}.json"), "w") as f:
+        json.dump(result, f)
+    return result
+
+
+def compare(torch_run, mode_run):
+    """What a mode's run lost against PyTorch's allocator, and its marks."""
+    passed = {t for t, o in torch_run["outcomes"].items() if o == "passed"}
+    lost = sorted(t for t in passed if mode_run["outcomes"].get(t) != "passed")
+    unexpected = [t for t in lost if t.split("::")[-1] not in EXPECTED]
+    m = Marks()
+    m.true("results_read", bool(mode_run["outcomes"]) and bool(torch_run["outcomes"]))
+    m.true("passes_what_torch_passes", not unexpected)
+    counts = {o: sum(1 for v in mode_run["outcomes"].values() if v == o) for o in ("passed", "failed", "skipped")}
+    return {"mode": mode_run["config"], "torch_passed": len(passed), "counts": counts, "lost": lost,
+            "lost_unexpected": unexpected, "marks": m.met, "ok": m.ok, "missed": m.missed()}
+
+
+def main(argv):
+    if "--" in argv:
+        i = argv.index("--")
+        argv, pytest_args = argv[:i], argv[i + 1:]
+    else:
+        pytest_args = []
+    if not argv:
+        print(__doc__)
+        return 2
+    test_file, configs = argv[0], argv[1:] or ["torch", *MODES]
+    unknown = [c for c in configs if c != "torch" and c not in MODES]
+    if unknown:
+        print(f"unknown configuration {unknown}: torch or one of {MODES}", file=sys.stderr)
+        return 2
+    runs = {c: run(c, test_file, pytest_args) for c in configs}
+    saved = os.path.join(results_dir(), "torch.json")
+    if "torch" not in runs and os.path.exists(saved):
+        with open(saved) as f:
+            runs["torch"] = json.load(f)
+    if "torch" not in runs:
+        print("no run with PyTorch's allocator to compare with (run `torch` first)", file=sys.stderr)
+        return 1
+    ok = bool(runs["torch"]["outcomes"])
+    for c in configs:
+        if c == "torch":
+            print(json.dumps({"config": "torch", "counts": {o: sum(1 for v in runs[c]["outcomes"].values() if v == o)
+                                                               for o in ("passed", "failed", "skipped")}}))
+            continue
+        r = compare(runs["torch"], runs[c])
+        print(json.dumps(r))
+        ok = ok and r["ok"]
+    print(json.dumps({"summary": True, "ok": ok}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
