@@ -223,3 +223,21 @@ def test_accumulated_statistics_reset_under_install():
     assert r["before"] == {"allocation.all.allocated": 3, "allocation.all.freed": 3, "num_ooms": 1, "allocation.all.current": 0}, r
     assert r["after"] == {"allocation.all.allocated": 1, "allocation.all.freed": 0, "num_ooms": 0, "allocation.all.current": 1}, r
     assert r["again"]["allocation.all.allocated"] == 0 and r["again"]["allocation.all.current"] == 1, r
+
+
+def test_mempool_under_install_names_the_alternatives():
+    r = run_on_sim(
+        STAND_IN
+        + textwrap.dedent(
+            """
+        vl.install(mode="remap")
+        try:
+            vl.mempool("kv")
+            print(json.dumps({"error": None}))
+        except vl.VramLedgerError as e:
+            print(json.dumps({"error": str(e), "pools": [c for c in calls if c[0] == "use_mem_pool"]}))
+        """
+        )
+    )
+    assert r["error"] and "tag()" in r["error"] and "install()" in r["error"], r
+    assert r["pools"] == [], "no pool was made"

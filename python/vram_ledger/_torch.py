@@ -174,6 +174,14 @@ class TaggedPool:
 
     def __init__(self, tag_name: Optional[str]):
         self.tag = _args.pool_tag(tag_name)
+        if "allocator" in _INSTALLED:
+            # PyTorch would refuse the pool itself, with a message that names no way out.
+            raise VramLedgerError(
+                "mempool() is for use without install(): under install() PyTorch cannot create a "
+                "torch.cuda.MemPool (its pluggable allocator has no createOrIncrefPool). Use "
+                "tag() to attribute memory (it nests and is per thread) and empty_cache() or "
+                "sleep() to give it back"
+            )
         import torch
 
         self._plug = _INSTALLED.get("pool_allocator")
