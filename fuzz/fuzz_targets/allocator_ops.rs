@@ -5,28 +5,58 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
-use vram_ledger::units::{GIB, MIB};
 use vram_ledger::driver::{DriverCall, StreamId};
-use vram_ledger::{invariants, Allocator, Config, Limit, SegmentMode, Tag};
+use vram_ledger::units::{GIB, MIB};
+use vram_ledger::{invariants, Allocation, Allocator, Config, Limit, SegmentMode, Tag};
 
 #[derive(Arbitrary, Debug)]
 enum Op {
-    Alloc { size: u32, shift: u8, stream: u8, tag: u8 },
-    Free { pick: u16, hinted: bool },
-    FreeRaw { ptr: u64 },
-    RecordStream { pick: u16, stream: u8 },
-    Submit { stream: u8 },
-    Complete { stream: u8 },
+    Alloc {
+        size: u32,
+        shift: u8,
+        stream: u8,
+        tag: u8,
+    },
+    Free {
+        pick: u16,
+        hinted: bool,
+    },
+    FreeRaw {
+        ptr: u64,
+    },
+    RecordStream {
+        pick: u16,
+        stream: u8,
+    },
+    Submit {
+        stream: u8,
+    },
+    Complete {
+        stream: u8,
+    },
     EmptyCache,
-    Limit { mib: Option<u16> },
+    Limit {
+        mib: Option<u16>,
+    },
     ResetPeaks,
-    Fault { call: u8, nth: u8 },
-    Sleep { offload: u8, discard: u8 },
-    Wake { mask: u8 },
+    Fault {
+        call: u8,
+        nth: u8,
+    },
+    Sleep {
+        offload: u8,
+        discard: u8,
+    },
+    Wake {
+        mask: u8,
+    },
 }
 
 fn tags(mask: u8) -> Vec<Tag> {
-    Tag::ALL.into_iter().filter(|t| mask & (1 << t.index()) != 0).collect()
+    Tag::ALL
+        .into_iter()
+        .filter(|t| mask & (1 << t.index()) != 0)
+        .collect()
 }
 
 #[derive(Arbitrary, Debug)]
@@ -46,33 +76,63 @@ fn check(a: &Allocator<SimDriver>) {
 }
 
 fuzz_target!(|input: Input| {
-    let mode = [SegmentMode::Native, SegmentMode::Expandable, SegmentMode::Compact, SegmentMode::Remap][input.mode as usize % 4];
-    let drv = SimDriver::with_config(SimConfig { capacity: 2 * GIB, context_overhead: 64 * MIB, ..Default::default() });
-    let config = Config { mode, move_across_streams: input.mode & 4 != 0, separate_tags: input.mode & 8 != 0, ..Default::default() };
+    let mode = [
+        SegmentMode::Native,
+        SegmentMode::Expandable,
+        SegmentMode::Compact,
+        SegmentMode::Remap,
+    ][input.mode as usize % 4];
+    let drv = SimDriver::with_config(SimConfig {
+        capacity: 2 * GIB,
+        context_overhead: 64 * MIB,
+        ..Default::default()
+    });
+    let config = Config {
+        mode,
+        move_across_streams: input.mode & 4 != 0,
+        separate_tags: input.mode & 8 != 0,
+        ..Default::default()
+    };
     let a = Allocator::new(drv, config).unwrap();
     let dev = a.driver().device().clone();
-    let mut live = Vec::new();
+    let mut live: Vec<Allocation> = Vec::new();
     // Small inputs: 64 steps, each checked, reach every entry point and its failures; a longer
     // sequence costs a check per step more and finds little that a shorter one does not.
     for op in input.ops.into_iter().take(64) {
         // The invariants read the allocator's state (and what the driver holds for it): an
         // operation that does not call the allocator leaves them as the last check saw them.
+        // Planting a fault only arms the simulated driver, and a raw free of a pointer that is
+        // live (or NULL) is skipped below: neither calls the allocator either.
         let touched = match op {
-            Op::Submit { .. } | Op::Complete { .. } => false,
+            Op::Submit { .. } | Op::Complete { .. } | Op::Fault { .. } => false,
             Op::Free { .. } | Op::RecordStream { .. } => !live.is_empty(),
+            Op::FreeRaw { ptr } => ptr != 0 && !live.iter().any(|x| x.ptr == ptr),
             _ => true,
         };
         match op {
-            Op::Alloc { size, shift, stream, tag } => {
+            Op::Alloc {
+                size,
+                shift,
+                stream,
+                tag,
+            } => {
                 let size = u64::from(size) << (shift % 12);
-                if let Ok(x) = a.allocate_tagged(size, StreamId(u64::from(stream % 4) * 0x100), Tag::ALL[tag as usize % 4]) {
+                if let Ok(x) = a.allocate_tagged(
+                    size,
+                    StreamId(u64::from(stream % 4) * 0x100),
+                    Tag::ALL[tag as usize % 4],
+                ) {
                     live.push(x);
                 }
             }
             Op::Free { pick, hinted } if !live.is_empty() => {
                 let i = pick as usize % live.len();
                 let x = live[i];
-                let r = if hinted { a.free_on(x.ptr, x.stream) } else { a.free(x.ptr) };
+                let r = if hinted {
+                    a.free_on(x.ptr, x.stream)
+                } else {
+                    a.free(x.ptr)
+                };
                 if r.is_ok() {
                     live.swap_remove(i);
                 }
@@ -85,7 +145,8 @@ fuzz_target!(|input: Input| {
             Op::RecordStream { pick, stream } if !live.is_empty() => {
                 let x = live[pick as usize % live.len()];
                 if x.ptr != 0 {
-                    a.record_stream(x.ptr, StreamId(u64::from(stream % 4) * 0x100)).unwrap();
+                    a.record_stream(x.ptr, StreamId(u64::from(stream % 4) * 0x100))
+                        .unwrap();
                 }
             }
             Op::Submit { stream } => dev.submit(StreamId(u64::from(stream % 4) * 0x100)),
@@ -93,11 +154,14 @@ fuzz_target!(|input: Input| {
             Op::EmptyCache => {
                 let _ = a.empty_cache();
             }
-            Op::Limit { mib } => a.set_limit(mib.map(|m| Limit::Bytes(u64::from(m) * MIB))).unwrap(),
+            Op::Limit { mib } => a
+                .set_limit(mib.map(|m| Limit::Bytes(u64::from(m) * MIB)))
+                .unwrap(),
             Op::ResetPeaks => a.ledger().reset_peaks(),
             Op::Fault { call, nth } => {
                 a.driver().clear_faults();
-                a.driver().fail_nth(CALLS[call as usize % CALLS.len()], u64::from(nth % 4) + 1);
+                a.driver()
+                    .fail_nth(CALLS[call as usize % CALLS.len()], u64::from(nth % 4) + 1);
             }
             Op::Sleep { offload, discard } => {
                 let _ = a.sleep(&tags(offload), &tags(discard));

@@ -265,39 +265,44 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// Wake sleeping tags (all of them when `tags` is empty): fresh memory is mapped at their
-    /// addresses and the offloaded contents are copied back. Tags are woken one at a time; the
-    /// first that cannot be woken (the device lacks room, a driver call fails) stays asleep,
-    /// with nothing lost, and its error is returned; wake can be retried.
+    /// addresses and the offloaded contents are copied back. Tags are woken one at a time; one
+    /// that cannot be woken (the device lacks room, a driver call fails) stays asleep, with
+    /// nothing lost, and the others are still tried. Waking a tag applies the frees deferred
+    /// while it slept, which may make room for another: the tags left asleep are tried again
+    /// as long as a round wakes any. The first error of the last round is returned; wake can be
+    /// retried.
     pub fn wake(&self, tags: &[Tag]) -> Result<WakeReport> {
         let t0 = Instant::now();
         let mut st = self.sleep.lock();
         let mut shards = self.lock_all()?;
         self.check_sleepable(&shards, "wake")?;
         let mut report = WakeReport::default();
-        let mut failed = None;
-        for t in Tag::ALL {
-            if (tags.is_empty() || tags.contains(&t)) && shards[0].tag_asleep(t) {
-                let mut woke = self.wake_tag(&mut st, &mut shards, t, &mut report);
-                if woke.as_ref().is_err_and(is_out_of_memory) {
-                    // What the awake tags cached since the sleep may be what is missing: give
-                    // it back and try once more, as an allocation would.
-                    for sh in shards.iter_mut() {
-                        if let Err(e) = sh.release_cached(&self.core, SyncFirst::Owner) {
-                            tracing::warn!(error = %e, "releasing the cache before retrying a wake failed");
-                        }
+        let mut left: Vec<Tag> = Tag::ALL
+            .into_iter()
+            .filter(|&t| (tags.is_empty() || tags.contains(&t)) && shards[0].tag_asleep(t))
+            .collect();
+        let failed = loop {
+            let mut first = None;
+            let before = left.len();
+            left.retain(
+                |&t| match self.wake_retrying(&mut st, &mut shards, t, &mut report) {
+                    Ok(()) => {
+                        report.tags.push(t);
+                        false
                     }
-                    woke = self.wake_tag(&mut st, &mut shards, t, &mut report);
-                }
-                if let Err(e) = woke {
-                    failed = Some(Error::Wake {
-                        tag: t,
-                        source: Box::new(e),
-                    });
-                    break;
-                }
-                report.tags.push(t);
+                    Err(e) => {
+                        first.get_or_insert(Error::Wake {
+                            tag: t,
+                            source: Box::new(e),
+                        });
+                        true
+                    }
+                },
+            );
+            if left.is_empty() || left.len() == before {
+                break first;
             }
-        }
+        };
         // Unpinning takes time too: the host memory of awake tags (this wake's, and any an
         // earlier one could not free) goes with no shard locked.
         let awake: Vec<Tag> = match shards.first() {
@@ -319,6 +324,28 @@ impl<D: Driver> Allocator<D> {
         report.host_bytes_after = st.host_bytes();
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
+    }
+
+    /// [`Allocator::wake_tag`], and once more after giving the cache back when the device lacked
+    /// room: what the awake tags cached since the sleep may be what is missing, as for an
+    /// allocation.
+    fn wake_retrying<'a>(
+        &'a self,
+        st: &mut SleepState,
+        shards: &mut Vec<SpinGuard<'a, Shard>>,
+        t: Tag,
+        report: &mut WakeReport,
+    ) -> Result<()> {
+        let woke = self.wake_tag(st, shards, t, report);
+        if !woke.as_ref().is_err_and(is_out_of_memory) {
+            return woke;
+        }
+        for sh in shards.iter_mut() {
+            if let Err(e) = sh.release_cached(&self.core, SyncFirst::Owner) {
+                tracing::warn!(error = %e, "releasing the cache before retrying a wake failed");
+            }
+        }
+        self.wake_tag(st, shards, t, report)
     }
 
     /// Wake `tag`: fresh memory mapped under its mappings with every shard locked, its contents
