@@ -277,7 +277,11 @@ fn sleep_wake_of_every_tag_goes_on_past_one_that_lacks_room() {
         a.driver().clear_faults();
         a.free(big.ptr).unwrap();
         let woke = a.wake(&[]).unwrap();
-        assert_eq!(woke.tags, vec![Tag::Untracked, Tag::Activation], "{mode}");
+        assert_eq!(
+            woke.tags,
+            vec![Tag::Activation, Tag::Untracked],
+            "{mode}: in tag order"
+        );
         assert!(a.asleep_tags().is_empty(), "{mode}");
         a.free(act.ptr).unwrap();
         check(&a);

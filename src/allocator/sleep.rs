@@ -303,6 +303,8 @@ impl<D: Driver> Allocator<D> {
                 break first;
             }
         };
+        // Reported in tag order, whichever round woke each.
+        report.tags.sort_by_key(|t| t.index());
         // Unpinning takes time too: the host memory of awake tags (this wake's, and any an
         // earlier one could not free) goes with no shard locked.
         let awake: Vec<Tag> = match shards.first() {
