@@ -129,6 +129,20 @@ fn reserved_and_captured(e: &Engine) -> KvCache {
     kv
 }
 
+/// Serving's `peak` usage is within what was requested less the margin (`below_margin`), and
+/// short of it by less than one block and one page of rounding (an expandable page is 20 MiB).
+fn fills_the_request(mode: SegmentMode, below_margin: u64, peak: u64) {
+    assert!(
+        peak <= below_margin,
+        "{mode}: serving uses {peak} of {below_margin}"
+    );
+    assert!(
+        below_margin - peak < BLOCK + 20 * MIB,
+        "{mode}: {} bytes left unused below the margin",
+        below_margin - peak
+    );
+}
+
 #[test]
 fn kv_commit_fills_what_the_contract_leaves_after_the_graphs_exactly() {
     for mode in VIRTUAL {
@@ -143,16 +157,7 @@ fn kv_commit_fills_what_the_contract_leaves_after_the_graphs_exactly() {
         // process then uses what it requested, less the margin and less than one block and one
         // page of rounding (an expandable page is 20 MiB).
         let peak = e.forward().unwrap();
-        let below_margin = e.requested - c.room.margin;
-        assert!(
-            peak <= below_margin,
-            "{mode}: serving uses {peak} of {below_margin}"
-        );
-        assert!(
-            below_margin - peak < BLOCK + 20 * MIB,
-            "{mode}: {} bytes left unused below the margin",
-            below_margin - peak
-        );
+        fills_the_request(mode, e.requested - c.room.margin, peak);
         // The ledger shows the KV cache; the invariants hold with it.
         let s = e.alloc.snapshot();
         assert_eq!(s.kv_cache.mapped.current, c.kv.mapped_bytes);
@@ -437,15 +442,6 @@ fn kv_commit_counts_memory_the_profiled_pass_held_once() {
     // the rounding.
     for mode in VIRTUAL {
         let (e, margin, peak) = converted_weights_then_served(mode);
-        let below_margin = e.requested - margin;
-        assert!(
-            peak <= below_margin,
-            "{mode}: serving uses {peak} of {below_margin}"
-        );
-        assert!(
-            below_margin - peak < BLOCK + 20 * MIB,
-            "{mode}: {} bytes left unused below the margin",
-            below_margin - peak
-        );
+        fills_the_request(mode, e.requested - margin, peak);
     }
 }
