@@ -129,12 +129,14 @@ def test_mempool_allocates_under_its_tag():
     assert r["calls"][1] == ["use_mem_pool", ["pool"]] and r["tag"] == "kv", r
 
 
+def installed(code: str) -> dict:
+    """`code` run on the simulated device after install(mode="remap"), against the stand-in."""
+    return run_on_sim(STAND_IN + 'vl.install(mode="remap")\n' + textwrap.dedent(code))
+
+
 def test_history_snapshots_fraction_and_accelerator_statistics_answer_under_install():
-    r = run_on_sim(
-        STAND_IN
-        + textwrap.dedent(
-            """
-        vl.install(mode="remap")
+    r = installed(
+        """
         state["initialized"] = True
         C = torch._C
         C._cuda_record_memory_history("all", "all", "all", sys.maxsize, False, False, False, [])
@@ -161,7 +163,6 @@ def test_history_snapshots_fraction_and_accelerator_statistics_answer_under_inst
         seen["set"] = calls[-1]
         print(json.dumps(seen))
         """
-        )
     )
     assert r["segments"] >= 1, r
     assert r["allocs"] == [[3 << 20, "weights"]], "the history, each allocation with its tag"
@@ -173,11 +174,8 @@ def test_history_snapshots_fraction_and_accelerator_statistics_answer_under_inst
 
 
 def test_out_of_memory_observers_are_called_under_install():
-    r = run_on_sim(
-        STAND_IN
-        + textwrap.dedent(
-            """
-        vl.install(mode="remap")
+    r = installed(
+        """
         state["initialized"] = True
         seen = []
         def failing(*args):
@@ -190,7 +188,6 @@ def test_out_of_memory_observers_are_called_under_install():
         total = vl.stats(0)["all"]["allocated_bytes"]["current"]
         print(json.dumps({"seen": seen, "refused": refused, "allocated": total}))
         """
-        )
     )
     assert r["refused"] is None, r
     assert len(r["seen"]) == 1, "one call per out of memory, past an observer that failed"
@@ -200,11 +197,8 @@ def test_out_of_memory_observers_are_called_under_install():
 
 
 def test_accumulated_statistics_reset_under_install():
-    r = run_on_sim(
-        STAND_IN
-        + textwrap.dedent(
-            """
-        vl.install(mode="remap")
+    r = installed(
+        """
         state["initialized"] = True
         for _ in range(3):
             lib.vram_ledger_free(lib.vram_ledger_malloc(1 << 20, 0, None), 1 << 20, 0, None)
@@ -218,7 +212,6 @@ def test_accumulated_statistics_reset_under_install():
         keys = ["allocation.all.allocated", "allocation.all.freed", "num_ooms", "allocation.all.current"]
         print(json.dumps({n: {k: d[k] for k in keys} for n, d in [("before", before), ("after", after), ("again", again)]}))
         """
-        )
     )
     assert r["before"] == {"allocation.all.allocated": 3, "allocation.all.freed": 3, "num_ooms": 1, "allocation.all.current": 0}, r
     assert r["after"] == {"allocation.all.allocated": 1, "allocation.all.freed": 0, "num_ooms": 0, "allocation.all.current": 1}, r
@@ -226,18 +219,14 @@ def test_accumulated_statistics_reset_under_install():
 
 
 def test_mempool_under_install_names_the_alternatives():
-    r = run_on_sim(
-        STAND_IN
-        + textwrap.dedent(
-            """
-        vl.install(mode="remap")
+    r = installed(
+        """
         try:
             vl.mempool("kv")
             print(json.dumps({"error": None}))
         except vl.VramLedgerError as e:
             print(json.dumps({"error": str(e), "pools": [c for c in calls if c[0] == "use_mem_pool"]}))
         """
-        )
     )
     assert r["error"] and "tag()" in r["error"] and "install()" in r["error"], r
     assert r["pools"] == [], "no pool was made"
