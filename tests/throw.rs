@@ -60,18 +60,11 @@ fn build_dir() -> PathBuf {
     dir
 }
 
-/// Build `program` (C++) into `name` with `extra` arguments for g++ and run it on the library
-/// with one simulated device; returns its stdout and stderr.
-fn run(name: &str, program: &str, extra: &[&str]) -> (String, String) {
-    let dir = build_dir();
-    let (src, exe) = (dir.join(format!("{name}.cpp")), dir.join(name));
-    std::fs::write(&src, program).unwrap();
+/// Run g++ (C++17) with `args`; its errors are the failure's message.
+fn gxx(args: &[std::ffi::OsString]) {
     let built = Command::new("g++")
-        .args(["-std=c++17", "-O1", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .args(extra)
-        .arg("-ldl")
+        .arg("-std=c++17")
+        .args(args)
         .output()
         .expect("g++ runs");
     assert!(
@@ -79,6 +72,23 @@ fn run(name: &str, program: &str, extra: &[&str]) -> (String, String) {
         "{}",
         String::from_utf8_lossy(&built.stderr)
     );
+}
+
+/// Build `program` (C++) into `name` with `extra` arguments for g++ and run it on the library
+/// with one simulated device; returns its stdout and stderr.
+fn run(name: &str, program: &str, extra: &[&str]) -> (String, String) {
+    let dir = build_dir();
+    let (src, exe) = (dir.join(format!("{name}.cpp")), dir.join(name));
+    std::fs::write(&src, program).unwrap();
+    let mut args = vec![
+        "-O1".into(),
+        "-o".into(),
+        exe.clone().into_os_string(),
+        src.into(),
+    ];
+    args.extend(extra.iter().map(Into::into));
+    args.push("-ldl".into());
+    gxx(&args);
     let out = Command::new(&exe)
         .arg(library())
         .env("VRAM_LEDGER_DRIVER", "sim")
@@ -162,19 +172,16 @@ fn abi_throwing_hook_raises_pytorchs_out_of_memory_error_when_c10_is_loaded() {
     for (variant, flags) in [("full", vec![]), ("type_only", vec!["-DTYPE_ONLY"])] {
         let libdir = dir.join(format!("c10_{variant}"));
         std::fs::create_dir_all(&libdir).unwrap();
-        let built = Command::new("g++")
-            .args(["-std=c++17", "-shared", "-fPIC", "-Wl,-soname,libc10.so"])
-            .args(&flags)
-            .arg("-o")
-            .arg(libdir.join("libc10.so"))
-            .arg(c.join("c10_stand_in.cpp"))
-            .output()
-            .expect("g++ runs");
-        assert!(
-            built.status.success(),
-            "{}",
-            String::from_utf8_lossy(&built.stderr)
-        );
+        let mut args: Vec<std::ffi::OsString> = ["-shared", "-fPIC", "-Wl,-soname,libc10.so"]
+            .map(Into::into)
+            .into();
+        args.extend(flags.iter().map(Into::into));
+        args.extend([
+            "-o".into(),
+            libdir.join("libc10.so").into(),
+            c.join("c10_stand_in.cpp").into(),
+        ]);
+        gxx(&args);
         let include = format!("-I{}", c.display());
         let link = format!("-L{}", libdir.display());
         let rpath = format!("-Wl,-rpath,{}", libdir.display());
