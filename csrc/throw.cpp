@@ -8,8 +8,9 @@
 // loaded in the process, so that Python sees torch.OutOfMemoryError (what tools that retry
 // with a smaller batch catch) with PyTorch's message. This library does not link PyTorch: it
 // finds c10's symbols at run time and builds the exception with c10's own constructor, so the
-// object is laid out by the c10 that catches it. When any symbol is missing (no PyTorch, or one
-// whose c10::Error has another constructor), a std::runtime_error carries the same message.
+// object is laid out by the c10 that catches it. When the type or the constructor is missing
+// (no PyTorch, or one whose c10::Error has another constructor), a std::runtime_error carries
+// the same message.
 #include <cxxabi.h>
 #include <dlfcn.h>
 
@@ -55,7 +56,7 @@ struct TorchOom {
     Dtor dtor = nullptr;
     void** vtable = nullptr;  // OutOfMemoryError's, or null to keep c10::Error's
     bool inherited = false;   // `ctor` is OutOfMemoryError's own
-    bool ready() const { return type && ctor && dtor; }
+    bool ready() const { return type && ctor; }
 };
 
 const TorchOom& torch_oom() {
@@ -79,6 +80,8 @@ const TorchOom& torch_oom() {
             t.ctor = reinterpret_cast<ErrorCtor>(
                 find("_ZN3c105ErrorC2ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_"
                      "traitsIcESaIcEEE"));
+        // An exported destructor where there is one; PyTorch's libraries keep c10::Error's
+        // implicit destructor hidden, and then the object's own vtable gives it (below).
         t.dtor = reinterpret_cast<Dtor>(find("_ZN3c1016OutOfMemoryErrorD1Ev"));
         if (!t.dtor) t.dtor = reinterpret_cast<Dtor>(find("_ZN3c105ErrorD1Ev"));
         t.vtable = static_cast<void**>(find("_ZTVN3c1016OutOfMemoryErrorE"));
@@ -100,7 +103,11 @@ constexpr std::size_t kErrorRoom = 1024;
         // vtable (past the offset to top and the type_info pointer).
         *static_cast<void**>(obj) = t.vtable + 2;
     }
-    __cxxabiv1::__cxa_throw(obj, t.type, t.dtor);
+    // The Itanium ABI puts a class's complete-object destructor first among its virtual
+    // functions when the first virtual function it inherits is a destructor, as
+    // std::exception's is: the object's own vtable then holds the destructor of its type.
+    Dtor dtor = t.dtor ? t.dtor : reinterpret_cast<Dtor>((*static_cast<void***>(obj))[0]);
+    __cxxabiv1::__cxa_throw(obj, t.type, dtor);
 }
 
 }  // namespace

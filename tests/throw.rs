@@ -168,8 +168,15 @@ fn abi_throwing_hook_raises_pytorchs_out_of_memory_error_when_c10_is_loaded() {
     // Relative to the working folder: the package's root under cargo, the bundle's under
     // scripts/gpu-bundle.sh's run-all.sh (which carries tests/c).
     let c = std::env::current_dir().unwrap().join("tests/c");
-    // As PyTorch's libraries are (the inherited constructor there), and naming the type only.
-    for (variant, flags) in [("full", vec![]), ("type_only", vec!["-DTYPE_ONLY"])] {
+    // With every symbol exported (the inherited constructor and the destructors too); as
+    // PyTorch's libraries are (inline functions hidden: neither the inherited constructor nor
+    // any destructor to find, only c10::Error's constructor, the type and the vtable); and
+    // naming the type only.
+    for (variant, flags) in [
+        ("full", vec![]),
+        ("inlines_hidden", vec!["-fvisibility-inlines-hidden"]),
+        ("type_only", vec!["-DTYPE_ONLY"]),
+    ] {
         let libdir = dir.join(format!("c10_{variant}"));
         std::fs::create_dir_all(&libdir).unwrap();
         let mut args: Vec<std::ffi::OsString> = ["-shared", "-fPIC", "-Wl,-soname,libc10.so"]

@@ -5,7 +5,6 @@
 namespace c10 {
 Error::Error(SourceLocation where, std::string msg)
     : msg_(std::move(msg)), function_(where.function) {}
-Error::~Error() = default;
 const char* Error::what() const noexcept { return msg_.c_str(); }
 
 #ifndef TYPE_ONLY

@@ -18,7 +18,8 @@ class __attribute__((visibility("default"))) Error : public std::exception {
 
   public:
     Error(SourceLocation where, std::string msg);
-    ~Error() override;
+    // The destructor is implicit, as c10's is: inline, so a library built with
+    // -fvisibility-inlines-hidden (as PyTorch's are) exports none.
     const char* what() const noexcept override;
     const std::string& function() const { return function_; }
 };
