@@ -204,6 +204,11 @@ pub struct ProfileResult {
     /// (the CUDA context and whatever else came before).
     pub non_allocator: u64,
     pub non_allocator_baseline: u64,
+    /// Memory outside the allocator when the profiling scope opened. What appeared after it
+    /// (`non_allocator` − this) is the pass's own: memory taken outside the allocator, and the
+    /// libraries and kernels the pass was the first to use (cuBLAS's, when its first matmul runs
+    /// in the pass).
+    pub non_allocator_at_begin: u64,
     /// CUDA graph pools at the end: the memory allocations made during captures got (part of
     /// the allocator's figures above).
     pub graph_pools: u64,
@@ -233,7 +238,8 @@ impl ProfileResult {
         let mut v = vec![format!(
             "Memory profiling takes {:.2} seconds ({}). Total non KV cache memory: {}; weights memory: {}; \
              activation peak: {}; untracked peak: {}; cached by the allocator: {}; outside the allocator: {} \
-             ({} of it before profiling).",
+             ({} at the first allocation, {} when profiling began; {} appeared during the pass: memory \
+             taken outside the allocator, and libraries and kernels the pass was the first to use).",
             self.seconds,
             match self.source {
                 UsageSource::Process => "this process's usage from the driver",
@@ -246,6 +252,8 @@ impl ProfileResult {
             g(self.cached),
             g(self.non_allocator),
             g(self.non_allocator_baseline),
+            g(self.non_allocator_at_begin),
+            g(self.non_allocator.saturating_sub(self.non_allocator_at_begin)),
         )];
         v.push(format!(
             "Requested memory: {} (utilization {}); other processes: {} (not charged); safety margin: {}.",
@@ -423,6 +431,7 @@ impl AllocatorPeak {
 struct Outside {
     now: u64,
     baseline: u64,
+    at_begin: u64,
     other_processes: Option<u64>,
     warnings: Vec<String>,
 }
@@ -478,6 +487,7 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
             return Ok(Outside {
                 now,
                 baseline: before,
+                at_begin: self.entry.non_allocator().unwrap_or(before),
                 other_processes: Some(
                     exit.device_used()
                         .saturating_sub(exit.process_usage.unwrap_or(0)),
@@ -508,9 +518,11 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
              not counted."
                 .to_string(),
         );
+        let at_begin = self.entry.device_wide_non_allocator() - base.device_wide_non_allocator();
         Ok(Outside {
             now: delta.max(0) as u64,
             baseline: 0,
+            at_begin: at_begin.clamp(0, delta.max(0)) as u64,
             other_processes: None,
             warnings,
         })
@@ -561,6 +573,7 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
             cached: peak.cached,
             non_allocator: outside.now,
             non_allocator_baseline: outside.baseline,
+            non_allocator_at_begin: outside.at_begin,
             graph_pools: peak.graph_pools,
             graph_outside: exit
                 .ledger

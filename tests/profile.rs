@@ -65,6 +65,32 @@ fn budget(requested: u64, non_kv: u64) -> u64 {
     (requested - non_kv - margin) / ALIGN * ALIGN
 }
 
+/// What appears outside the allocator before the profiling scope opens (a library the weights'
+/// loading started) is told apart from what the pass itself brought: the report says which.
+#[test]
+fn profile_report_tells_memory_outside_from_before_the_pass_and_during_it() {
+    let dev = SimDevice::new(SimConfig::default());
+    let context = SimConfig::default().context_overhead;
+    let a = Allocator::new(dev.spawn_process().unwrap(), Config::default()).unwrap();
+    let p = Profiler::new(&a).unwrap();
+    let w = a.allocate_tagged(512 * MIB, S, Tag::Weights).unwrap();
+    a.driver().alloc_external(64 * MIB).unwrap();
+    let r = p
+        .profile(opts(0.9), || {
+            a.driver().alloc_external(66 * MIB).unwrap();
+        })
+        .unwrap();
+    assert_eq!(r.non_allocator_baseline, context);
+    assert_eq!(r.non_allocator_at_begin, context + 64 * MIB);
+    assert_eq!(r.non_allocator, context + 130 * MIB);
+    let line = &r.report_lines()[0];
+    assert!(
+        line.contains("when profiling began; 66.00 MiB appeared during the pass"),
+        "{line}"
+    );
+    a.free(w.ptr).unwrap();
+}
+
 #[test]
 fn profile_vllm_unit_scenario() {
     let config = SimConfig::default();
@@ -98,6 +124,10 @@ fn profile_vllm_unit_scenario() {
         r.other_processes,
         others + context,
         "its 512 MiB and its own context"
+    );
+    assert_eq!(
+        r.non_allocator_at_begin, context,
+        "nothing outside before the pass"
     );
     // Both segments are exactly their requests' sizes: nothing cached around them.
     assert_eq!(segment(weights) + segment(spike), weights + spike);
