@@ -31,6 +31,8 @@ EXPECTED = {}
 # Installs vram-ledger before the test file imports torch's CUDA state: pytest loads it as a
 # plugin (`-p`) from this folder.
 PLUGIN = "vram_ledger_upstream_plugin"
+# Bridges testing helpers the file imports from where this torch keeps them (every run).
+COMPAT = "vram_ledger_upstream_compat"
 
 
 def results_dir():
@@ -59,7 +61,7 @@ def run(config, test_file, pytest_args):
     env = dict(os.environ)
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-p", COMPAT, f"--junitxml={junit}"]
     if config != "torch":
         env["VRAM_LEDGER_UPSTREAM_MODE"] = config
         cmd += ["-p", PLUGIN]
