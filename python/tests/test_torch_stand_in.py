@@ -62,6 +62,9 @@ torch._C = types.SimpleNamespace(
     _cuda_attach_out_of_memory_observer=unsupported("attachOutOfMemoryObserver"),
     _cuda_resetAccumulatedMemoryStats=unsupported("resetAccumulatedStats"),
     _accelerator_resetAccumulatedStats=unsupported("resetAccumulatedStats"),
+    # What torch.accelerator asks: PyTorch's own caching allocator, never initialised.
+    _accelerator_isAllocatorInitialized=lambda: False,
+    _accelerator_emptyCache=lambda: calls.append(["native_empty_cache"]),
 )
 sys.modules.update({"torch": torch, "torch.cuda": torch.cuda, "torch.cuda._utils": utils,
                     "torch._inductor": inductor, "torch._inductor.config": inductor.config})
@@ -152,6 +155,11 @@ def test_history_snapshots_fraction_and_accelerator_statistics_answer_under_inst
         lib.vram_ledger_free(p, 3 << 20, 0, None)
         C._accelerator_resetPeakStats(0)
         seen["after_reset"] = C._accelerator_getDeviceStats(0)["allocated_bytes"]["all"]
+        seen["accelerator_initialized"] = C._accelerator_isAllocatorInitialized()
+        seen["cached_before"] = vl.stats(0)["cached_bytes"]
+        C._accelerator_emptyCache()
+        seen["cached_after"] = vl.stats(0)["cached_bytes"]
+        seen["native_empty_cache"] = ["native_empty_cache"] in calls
         C._cuda_record_memory_history_legacy(False)
         q = lib.vram_ledger_malloc(1 << 20, 0, None)
         later = C._cuda_memorySnapshot(None)["device_traces"][0]
@@ -168,6 +176,9 @@ def test_history_snapshots_fraction_and_accelerator_statistics_answer_under_inst
     assert r["allocs"] == [[3 << 20, "weights"]], "the history, each allocation with its tag"
     assert r["stats"]["current"] == 3 << 20 and r["stats"]["peak"] == 3 << 20, r
     assert r["after_reset"]["current"] == 0 and r["after_reset"]["peak"] == 0, r
+    assert r["accelerator_initialized"] is True, "torch.accelerator.memory_stats is not empty"
+    assert r["cached_before"] > 0 and r["cached_after"] == 0, "torch.accelerator.empty_cache: ours"
+    assert r["native_empty_cache"] is False, r
     assert r["stopped"] == [3 << 20], "recording stopped: the later allocation is not in the history"
     assert r["fraction"] == [0.5, 1.0], r
     assert r["set"] == ["set_fraction", 0.5, 0], "the setter still reaches PyTorch and the hook"

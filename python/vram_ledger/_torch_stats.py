@@ -4,7 +4,7 @@ support ..."), so install() points the entry points they call at vram-ledger's f
 torch.cuda.memory_stats and reset_peak_memory_stats themselves, and the torch._C functions that
 torch.cuda.memory._record_memory_history, _snapshot, memory_snapshot, _dump_snapshot,
 get/set_per_process_memory_fraction, reset_accumulated_memory_stats, out-of-memory observers
-and torch.accelerator's memory functions call. Patching at
+and torch.accelerator's memory functions (memory_stats, empty_cache and the resets) call. Patching at
 torch._C reaches every Python caller, whichever wrapper it went through. An entry point this
 torch does not have is left alone."""
 
@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 from . import _args
 from ._args import INT64_MAX
 from ._lib import _LOG, _check, load
-from .metrics import dump_snapshot, memory_stats, record_history, reset_peak_memory_stats
+from .metrics import dump_snapshot, empty_cache, memory_stats, record_history, reset_peak_memory_stats
 
 # The fraction set through torch per device; PyTorch's default is the whole device.
 _FRACTIONS: Dict[int, float] = {}
@@ -109,6 +109,16 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
     def reset_accumulated(device: Any) -> None:
         _check(load().vram_ledger_reset_accumulated(_args.device(index(device))))
 
+    # torch.accelerator asks the device allocator PyTorch registered for CUDA, which is its own
+    # caching allocator, never initialised under install(): without these, memory_stats is empty
+    # and empty_cache gives back nothing of the library's.
+    def allocator_initialized() -> bool:
+        return bool(torch.cuda.is_initialized())
+
+    def empty_cache_() -> None:
+        if torch.cuda.is_initialized():
+            empty_cache(torch.cuda.current_device())
+
     for name, fn in [
         ("_cuda_record_memory_history", record),
         ("_cuda_record_memory_history_legacy", record_legacy),
@@ -120,6 +130,8 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
         ("_accelerator_resetPeakStats", reset_peaks),
         ("_cuda_resetAccumulatedMemoryStats", reset_accumulated),
         ("_accelerator_resetAccumulatedStats", reset_accumulated),
+        ("_accelerator_isAllocatorInitialized", allocator_initialized),
+        ("_accelerator_emptyCache", empty_cache_),
     ]:
         if fn is not None and hasattr(C, name):
             setattr(C, name, fn)
