@@ -29,6 +29,13 @@ extern "C" {
  */
 typedef void (*vram_ledger_log_callback)(int level, const char *message);
 
+/* A host function naming the context of an allocation (`kind` 0) or a free (`kind` 1) this
+ * thread is about to make: an identifier the host resolves later
+ * (the Python package's stack frames), or 0 for none. The history's entry for the operation
+ * carries it.
+ */
+typedef uint64_t (*vram_ledger_context_source)(int kind);
+
 /* An observer of out-of-memory failures, as PyTorch's caching allocator calls its own
  * (`torch._C._cuda_attach_out_of_memory_observer`): the device, the bytes asked for, the
  * bytes this allocator has handed out on that device, and the device's free bytes.
@@ -158,6 +165,13 @@ char *vram_ledger_metrics(void);
  * The simulated backend only compares it.
  */
 void *vram_ledger_malloc(ssize_t size, int device, void *stream);
+
+/* Name a context for every allocation and free through this ABI (NULL: none, the default).
+ * The source runs on the allocating or freeing thread before the allocator takes any lock, so
+ * it may wait on the host's own locks (such as Python's) and call the library; it must not
+ * unwind.
+ */
+void vram_ledger_set_context_source(vram_ledger_context_source source);
 
 /* Call `observer` on every out of memory of an allocation through this ABI (NULL: no one),
  * before the allocation's error is returned or thrown. It runs on the failing thread with no

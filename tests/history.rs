@@ -63,3 +63,50 @@ fn history_is_bounded_and_off_by_default() {
     a.free(x.ptr).unwrap();
     assert_eq!(a.history().0, entries, "stopping keeps what was recorded");
 }
+
+/// An allocation's and a free's entries carry the host's context for them (what the Python
+/// package resolves to stack frames), written into the snapshot under its own key, which the
+/// replay's reader passes over; entries made outside a context carry none.
+#[test]
+fn history_entries_carry_the_hosts_context_into_the_snapshot() {
+    use vram_ledger::allocator::history::with_context;
+    let a = sim(SegmentMode::Native);
+    let s = StreamId::DEFAULT;
+    a.record_history(true, 100).unwrap();
+    let x = with_context(7, || a.allocate_tagged(4096, s, Tag::Weights)).unwrap();
+    let y = a.allocate_tagged(8192, s, Tag::Weights).unwrap();
+    with_context(9, || a.free(x.ptr)).unwrap();
+    a.free(y.ptr).unwrap();
+    let contexts: Vec<(&str, u64, u64)> = a
+        .history()
+        .0
+        .iter()
+        .map(|e| (e.action.name(), e.size, e.context))
+        .collect();
+    assert!(contexts.contains(&("alloc", 4096, 7)), "{contexts:?}");
+    assert!(contexts.contains(&("alloc", 8192, 0)), "{contexts:?}");
+    assert!(
+        contexts.contains(&("free_requested", 4096, 9)),
+        "{contexts:?}"
+    );
+    assert!(
+        contexts.contains(&("free_requested", 8192, 0)),
+        "{contexts:?}"
+    );
+    // Segment events and completed frees are the allocator's own: no context.
+    assert!(contexts
+        .iter()
+        .all(|&(action, _, c)| c == 0 || action == "alloc" || action == "free_requested"));
+    let bytes = replay::snapshot::write(&a, 0);
+    let text = format!(
+        "{:?}",
+        serde_pickle::value_from_slice(&bytes, Default::default()).unwrap()
+    );
+    assert_eq!(
+        text.matches(replay::snapshot::CONTEXT_KEY).count(),
+        2,
+        "one key per entry with a context"
+    );
+    let back = replay::trace::read_bytes(&bytes, Some(0)).unwrap();
+    assert_eq!(back.events.len(), contexts.len(), "every entry read back");
+}

@@ -58,6 +58,7 @@ _CTYPES: Dict[str, Any] = {
     "const char *": ctypes.c_char_p,
     "void (*)(int, const char *)": ctypes.c_void_p,
     "void (*)(int, int64_t, int64_t, int64_t)": ctypes.c_void_p,
+    "uint64_t (*)(int)": ctypes.c_void_p,
 }
 
 # Every entry point this package calls, or hands to PyTorch by name or by address: a library
@@ -94,6 +95,7 @@ USED = (
     "vram_ledger_memory_fraction",
     "vram_ledger_record_stream",
     "vram_ledger_set_oom_observer",
+    "vram_ledger_set_context_source",
     "vram_ledger_reset_accumulated",
     "vram_ledger_separate_tags",
     "vram_ledger_sleep",

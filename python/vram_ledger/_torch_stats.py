@@ -19,13 +19,16 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
-from . import _args
+from . import _args, _frames
 from ._args import INT64_MAX
 from ._lib import _LOG, _check, load
 from .metrics import dump_snapshot, empty_cache, memory_stats, record_history, reset_peak_memory_stats
 
 # The fraction set through torch per device; PyTorch's default is the whole device.
 _FRACTIONS: Dict[int, float] = {}
+
+# The key of a trace entry's stack identifier in the library's snapshot (src/replay/snapshot.rs).
+CONTEXT_KEY = "vram-ledger:context"
 
 # Out-of-memory observers attached through torch, called as PyTorch's allocator calls its own:
 # (device, bytes asked for, bytes allocated on the device, device's free bytes).
@@ -73,12 +76,23 @@ def patch(torch: Any) -> None:
 
 
 def _patch_c(torch: Any, C: Any, index: Any) -> None:
-    def record(enabled: Optional[str] = "all", context: Any = "all", stacks: str = "all", max_entries: int = sys.maxsize, *_: Any) -> None:
-        # "state" and "all" both need what the ring keeps; None stops recording.
-        record_history(enabled is not None, min(max(int(max_entries), 1), INT64_MAX), torch.cuda.current_device())
+    def record(
+        enabled: Optional[str] = "all",
+        context: Any = "all",
+        stacks: str = "all",
+        max_entries: int = sys.maxsize,
+        clear_history: bool = False,
+        _compile_context: bool = False,
+        _global_record_annotations: bool = False,
+        skip_actions: Optional[List[str]] = None,
+    ) -> None:
+        # "state" and "all" both need what the ring keeps; None stops recording. Called again
+        # while recording, it goes on (with the new context) unless told to clear, as
+        # PyTorch's does.
+        _record(torch.cuda.current_device(), enabled is not None, max_entries, clear_history, context, stacks, skip_actions)
 
     def record_legacy(enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1, *_: Any) -> None:
-        record_history(bool(enabled), max(int(trace_alloc_max_entries), 1), torch.cuda.current_device())
+        _record(torch.cuda.current_device(), bool(enabled), trace_alloc_max_entries, False, "all" if record_context else None, "python", None)
 
     def snapshot(*_: Any) -> Dict[str, Any]:
         return _snapshot(torch.cuda.current_device())
@@ -137,6 +151,31 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
             setattr(C, name, fn)
 
 
+# Devices recording their history through torch, and the actions their snapshots leave out.
+_RECORDING: Dict[int, List[str]] = {}
+_SOURCE_SET: List[bool] = []
+
+
+def _record(device: int, enabled: bool, max_entries: int, clear: bool, context: Any, stacks: str, skip: Optional[List[str]]) -> None:
+    lib = load()
+    if not enabled:
+        record_history(False, 1, device)
+        _RECORDING.pop(device, None)
+        if not _RECORDING:
+            lib.vram_ledger_set_context_source(None)
+            _frames.configure(None, stacks)
+        return
+    _frames.configure(context, stacks)
+    if device not in _RECORDING or clear:
+        record_history(True, min(max(int(max_entries), 1), INT64_MAX), device)
+    _RECORDING[device] = list(skip or [])
+    if context is not None and not _SOURCE_SET:
+        # Handed back before the interpreter shuts down, after which it could not run.
+        atexit.register(lib.vram_ledger_set_context_source, None)
+        _SOURCE_SET.append(True)
+    lib.vram_ledger_set_context_source(ctypes.cast(_frames.SOURCE, ctypes.c_void_p) if context is not None else None)
+
+
 def _snapshot(device: int) -> Dict[str, Any]:
     """The device's segments and recorded history, as torch.cuda.memory._snapshot returns them:
     the library writes PyTorch's pickle, read back here; `device_traces` is indexed by device."""
@@ -151,6 +190,7 @@ def _snapshot(device: int) -> Dict[str, Any]:
     traces = snap.get("device_traces", [])
     if device > 0 and len(traces) == 1:
         snap["device_traces"] = [[] for _ in range(device)] + traces
+    _frames.resolve(snap, CONTEXT_KEY, _RECORDING.get(device))
     return snap
 
 

@@ -14,7 +14,12 @@
 //!   `dropped`.
 //! - Entries are written after the operation they describe succeeded, under the lock that
 //!   made it, so a shard's entries are in the order its operations happened.
+//! - An allocation's or a free's entry carries the host's context for it (an identifier the
+//!   host resolves to stack frames, [`with_context`]); the host gathers it before the
+//!   operation takes any lock of the allocator, so gathering it may wait on the host's own
+//!   locks (Python's) without holding ours.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Instant;
@@ -75,6 +80,25 @@ impl Action {
 pub const SLEEP: &str = "sleep";
 pub const WAKE: &str = "wake";
 
+thread_local! {
+    /// The host's context for the operation this thread is making, 0 for none.
+    static CONTEXT: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Run `f` with `context` as this thread's context: the allocation and free entries it
+/// records carry it (0: none). The C ABI sets it around one allocation or free when the host
+/// names contexts (PyTorch's stack frames, `vram_ledger_set_context_source`).
+pub fn with_context<R>(context: u64, f: impl FnOnce() -> R) -> R {
+    struct Restore(u64);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CONTEXT.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(CONTEXT.with(|c| c.replace(context)));
+    f()
+}
+
 /// One trace entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HistoryEntry {
@@ -88,6 +112,8 @@ pub struct HistoryEntry {
     pub sleep: bool,
     /// Microseconds since recording started.
     pub time_us: u64,
+    /// The host's context of an allocation or a free ([`with_context`]), 0 for none.
+    pub context: u64,
 }
 
 struct Ring {
@@ -165,6 +191,10 @@ impl History {
             r.dropped += 1;
         }
         let time_us = r.start.elapsed().as_micros() as u64;
+        let context = match action {
+            Action::Alloc | Action::FreeRequested => CONTEXT.with(Cell::get),
+            _ => 0,
+        };
         r.entries.push_back(HistoryEntry {
             action,
             addr,
@@ -173,6 +203,7 @@ impl History {
             tag,
             sleep,
             time_us,
+            context,
         });
     }
 

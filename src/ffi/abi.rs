@@ -38,6 +38,9 @@ pub(super) const LOG_CALLBACK: &str = "void (*)(int, const char *)";
 /// What the out-of-memory observer's parameter is in C (`OomObserver`, or NULL).
 pub(super) const OOM_OBSERVER: &str = "void (*)(int, int64_t, int64_t, int64_t)";
 
+/// What the context source's parameter is in C (`ContextSource`, or NULL).
+pub(super) const CONTEXT_SOURCE: &str = "uint64_t (*)(int)";
+
 /// Every `vram_ledger_*` function the library exports. A `char *` result is the caller's, to
 /// free with `vram_ledger_string_free`; a `const char *` one stays the library's. The test
 /// below holds this table to the declarations in src/ffi.
@@ -107,6 +110,7 @@ pub(super) const SIGNATURES: &[Signature] = &[
     sig("vram_ledger_memory_fraction", "void", &["double", "int"]),
     sig("vram_ledger_record_stream", "void", &["void *", "void *"]),
     sig("vram_ledger_set_oom_observer", "void", &[OOM_OBSERVER]),
+    sig("vram_ledger_set_context_source", "void", &[CONTEXT_SOURCE]),
     sig("vram_ledger_separate_tags", "int", &["int"]),
     sig("vram_ledger_sleep", "char *", &["int", "int", "int"]),
     sig("vram_ledger_wake", "char *", &["int", "int"]),

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::abi::{LOG_CALLBACK, OOM_OBSERVER};
+use super::abi::{CONTEXT_SOURCE, LOG_CALLBACK, OOM_OBSERVER};
 
 /// An exported `vram_ledger_*` function, or a `pub type` naming an `extern "C" fn`.
 #[derive(Debug, PartialEq)]
@@ -32,6 +32,7 @@ pub(super) fn c_type(rust: &str) -> Option<&'static str> {
         "*mut c_char" => "char *",
         "Option<LogCallback>" => LOG_CALLBACK,
         "Option<OomObserver>" => OOM_OBSERVER,
+        "Option<ContextSource>" => CONTEXT_SOURCE,
         _ => return None,
     })
 }

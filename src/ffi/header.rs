@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::abi::{LOG_CALLBACK, OOM_OBSERVER, SIGNATURES};
+use super::abi::{CONTEXT_SOURCE, LOG_CALLBACK, OOM_OBSERVER, SIGNATURES};
 use super::declarations::{c_type, callback_types, exported, module_doc, sources, Declared};
 
 /// The header, from the repository's root.
@@ -265,6 +265,8 @@ mod tests {
                 LOG_CALLBACK.to_owned()
             } else if ty == typedef_name("OomObserver") {
                 OOM_OBSERVER.to_owned()
+            } else if ty == typedef_name("ContextSource") {
+                CONTEXT_SOURCE.to_owned()
             } else if let Some(base) = ty.strip_suffix('*') {
                 format!("{} *", base.trim())
             } else {

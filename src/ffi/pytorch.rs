@@ -4,6 +4,7 @@ use std::ffi::{c_char, c_double, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::boundary::*;
+use crate::allocator::history;
 use crate::devices::{self, Device};
 use crate::driver::StreamId;
 use crate::{Error, Limit};
@@ -27,7 +28,12 @@ pub unsafe extern "C" fn vram_ledger_malloc(
 
 fn malloc(size: isize, device: c_int, stream: *mut c_void) -> Result<*mut c_void, String> {
     let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
-    let r = on_device!(state(device)?, d => d.allocator().allocate(size, StreamId(stream as u64)));
+    let state = state(device)?;
+    let allocate = || on_device!(state, d => d.allocator().allocate(size, StreamId(stream as u64)));
+    let r = match context(CONTEXT_OF_ALLOCATION) {
+        0 => allocate(),
+        c => history::with_context(c, allocate),
+    };
     r.map(|x| x.ptr as *mut c_void).map_err(|e| match e {
         Error::OutOfMemory(report) => {
             notify_oom(device, &report);
@@ -36,6 +42,40 @@ fn malloc(size: isize, device: c_int, stream: *mut c_void) -> Result<*mut c_void
         }
         e => e.to_string(),
     })
+}
+
+/// A host function naming the context of an allocation (`kind` 0) or a free (`kind` 1) this
+/// thread is about to make: an identifier the host resolves later
+/// (the Python package's stack frames), or 0 for none. The history's entry for the operation
+/// carries it.
+pub type ContextSource = unsafe extern "C" fn(kind: c_int) -> u64;
+
+const CONTEXT_OF_ALLOCATION: c_int = 0;
+const CONTEXT_OF_FREE: c_int = 1;
+
+/// The context source, as an address (0: none). Read once per allocation and free through
+/// this ABI, written only by the setter (a line no one else writes).
+static CONTEXT_SOURCE: AtomicUsize = AtomicUsize::new(0);
+
+/// Name a context for every allocation and free through this ABI (NULL: none, the default).
+/// The source runs on the allocating or freeing thread before the allocator takes any lock, so
+/// it may wait on the host's own locks (such as Python's) and call the library; it must not
+/// unwind.
+#[no_mangle]
+pub extern "C" fn vram_ledger_set_context_source(source: Option<ContextSource>) {
+    CONTEXT_SOURCE.store(source.map_or(0, |f| f as usize), Ordering::Release);
+}
+
+fn context(kind: c_int) -> u64 {
+    match CONTEXT_SOURCE.load(Ordering::Acquire) {
+        0 => 0,
+        f => {
+            // SAFETY: a non-zero value was stored from a `ContextSource` by the setter above.
+            let f: ContextSource = unsafe { std::mem::transmute::<usize, ContextSource>(f) };
+            // SAFETY: the host's source, called as its contract says.
+            unsafe { f(kind) }
+        }
+    }
 }
 
 /// An observer of out-of-memory failures, as PyTorch's caching allocator calls its own
@@ -119,7 +159,13 @@ pub unsafe extern "C" fn vram_ledger_free(
     stream: *mut c_void,
 ) {
     guard((), || {
-        let r = on_device!(state(device)?, d => d.allocator().free_on(ptr as u64, StreamId(stream as u64)));
+        let state = state(device)?;
+        let free =
+            || on_device!(state, d => d.allocator().free_on(ptr as u64, StreamId(stream as u64)));
+        let r = match context(CONTEXT_OF_FREE) {
+            0 => free(),
+            c => history::with_context(c, free),
+        };
         r.map_err(|e| format!("free of {ptr:?} on device {device} failed: {e}"))
     })
 }

@@ -16,6 +16,9 @@ use crate::invariants::{BlockDump, DumpState, SegmentDump};
 use crate::tag::Tag;
 use crate::Allocator;
 
+/// The key of a trace entry's host context (`HistoryEntry::context`), when it has one.
+pub const CONTEXT_KEY: &str = "vram-ledger:context";
+
 fn dict(pairs: Vec<(&str, Value)>) -> Value {
     Value::Dict(
         pairs
@@ -136,7 +139,7 @@ pub fn write<D: Driver>(alloc: &Allocator<D>, device: usize) -> Vec<u8> {
     let trace: Vec<Value> = entries
         .iter()
         .map(|e| {
-            dict(vec![
+            let mut fields = vec![
                 ("action", Value::String(Action::name(e.action).into())),
                 ("addr", int(e.addr)),
                 ("size", int(e.size)),
@@ -144,7 +147,13 @@ pub fn write<D: Driver>(alloc: &Allocator<D>, device: usize) -> Vec<u8> {
                 ("time_us", int(e.time_us)),
                 ("frames", Value::List(vec![])),
                 ("user_metadata", metadata(e)),
-            ])
+            ];
+            if e.context != 0 {
+                // For the host to resolve into frames (the Python package does); PyTorch's
+                // readers ignore keys they do not know.
+                fields.push((CONTEXT_KEY, int(e.context)));
+            }
+            dict(fields)
         })
         .collect();
     let mut devices = vec![Value::List(vec![]); device + 1];
