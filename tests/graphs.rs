@@ -387,3 +387,67 @@ fn graph_pool_captures_ending_out_of_order_keep_their_routes() {
     a.end_graph_pool(P, SIDE).unwrap();
     check(&a);
 }
+
+/// A pool's segments name it in the dump (and as `segment_pool_id` in the snapshot, as
+/// PyTorch's do); other segments name none; a pool no graph references any more is still told
+/// apart from eager memory while its allocated blocks keep it.
+#[test]
+fn graph_pool_segments_name_their_pool() {
+    for mode in SegmentMode::ALL {
+        let a = sim(mode);
+        let eager = alloc(&a, 4 * MIB, EAGER);
+        let (_, out) = capture(&a, P, 40 * MIB);
+        let pools = |a: &Allocator<SimDriver>| -> Vec<Option<(u64, u64)>> {
+            let mut v: Vec<_> = a.dump().segments.iter().map(|s| s.graph_pool).collect();
+            v.sort();
+            v.dedup();
+            v
+        };
+        assert_eq!(pools(&a), vec![None, Some((P.0, P.1))], "{mode}");
+        assert_eq!(
+            snapshot_pool_ids(&a),
+            vec![(0, 0), (P.0 as i64, P.1 as i64)],
+            "{mode}"
+        );
+        a.release_graph_pool(P).unwrap();
+        let released = pools(&a);
+        assert_eq!(released.len(), 2, "{mode}: {released:?}");
+        assert!(
+            matches!(released[1], Some((u64::MAX, _))),
+            "{mode}: {released:?}"
+        );
+        let bytes = vram_ledger::replay::snapshot::write(&a, 0);
+        vram_ledger::replay::trace::read_bytes(&bytes, Some(0)).expect("read back");
+        a.free(out.ptr).unwrap();
+        a.free(eager.ptr).unwrap();
+        check(&a);
+    }
+}
+
+/// The distinct `segment_pool_id`s of `a`'s snapshot pickle, sorted.
+fn snapshot_pool_ids(a: &Allocator<SimDriver>) -> Vec<(i64, i64)> {
+    use serde_pickle::{HashableValue as H, Value as V};
+    let bytes = vram_ledger::replay::snapshot::write(a, 0);
+    let V::Dict(top) = serde_pickle::value_from_slice(&bytes, Default::default()).unwrap() else {
+        panic!("a snapshot is a dict")
+    };
+    let Some(V::List(segments)) = top.get(&H::String("segments".into())) else {
+        panic!("segments")
+    };
+    let mut ids: Vec<(i64, i64)> = segments
+        .iter()
+        .map(|s| match s {
+            V::Dict(d) => match d.get(&H::String("segment_pool_id".into())) {
+                Some(V::Tuple(t)) => match t.as_slice() {
+                    [V::I64(x), V::I64(y)] => (*x, *y),
+                    other => panic!("{other:?}"),
+                },
+                other => panic!("{other:?}"),
+            },
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    ids.sort();
+    ids.dedup();
+    ids
+}

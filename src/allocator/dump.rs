@@ -5,6 +5,7 @@
 
 use serde::Serialize;
 
+use super::owner::PoolKey;
 use super::rules::PoolKind;
 use crate::ledger::Snapshot;
 use crate::tag::Tag;
@@ -43,6 +44,12 @@ pub struct SegmentDump {
     /// stay there, with nothing mapped behind them until it wakes.
     pub asleep: Vec<(u64, u64)>,
     pub blocks: Vec<BlockDump>,
+    /// The CUDA graph pool whose segment this is, as the host named it
+    /// (`Allocator::begin_graph_pool`); `(u64::MAX, key)` for a pool no graph references any
+    /// more, whose allocated blocks keep the segment.
+    pub graph_pool: Option<(u64, u64)>,
+    #[serde(skip)]
+    pub(crate) pool_key: Option<PoolKey>,
 }
 
 /// A copy of an allocator's state.

@@ -511,6 +511,14 @@ impl<D: Driver> Allocator<D> {
     /// A copy of the allocator's whole state, for the invariant checker.
     pub fn dump(&self) -> StateDump {
         let mut dump = StateDump::default();
+        // Read before any shard is locked: the pools' lock is never taken under a shard's.
+        let pools: Vec<_> = self
+            .graphs
+            .pools
+            .lock()
+            .iter()
+            .map(|p| (p.key, p.id))
+            .collect();
         for i in 0..self.shards.len() {
             let sh = match self.lock(i) {
                 Ok(sh) => sh,
@@ -525,6 +533,14 @@ impl<D: Driver> Allocator<D> {
             }
             sh.self_check(&mut dump.problems);
             sh.dump_into(&mut dump);
+        }
+        for seg in &mut dump.segments {
+            seg.graph_pool = seg.pool_key.map(|key| {
+                pools
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .map_or((u64::MAX, u64::from(key.0)), |(_, id)| (id.0, id.1))
+            });
         }
         if let Some(r) = self.kv.lock().as_ref() {
             dump.segments.push(r.dump());

@@ -331,6 +331,8 @@ impl KvRegion {
             },
             asleep: Vec::new(),
             blocks,
+            graph_pool: None,
+            pool_key: None,
         }
     }
 }

@@ -90,7 +90,13 @@ fn segment(device: usize, s: &SegmentDump, base: u64, size: u64, blocks: &[&Bloc
         ("requested_size", int(requested)),
         ("stream", int(0)),
         ("segment_type", Value::String(kind.into())),
-        ("segment_pool_id", Value::Tuple(vec![int(0), int(0)])),
+        (
+            "segment_pool_id",
+            Value::Tuple(match s.graph_pool {
+                Some((a, b)) => vec![int(a), int(b)],
+                None => vec![int(0), int(0)],
+            }),
+        ),
         ("is_expandable", Value::Bool(s.expandable)),
         ("frames", Value::List(vec![])),
         (

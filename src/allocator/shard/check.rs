@@ -85,6 +85,9 @@ impl Shard {
                 mapped,
                 asleep,
                 blocks,
+                // Named by the allocator, which knows the pools (`Allocator::dump`).
+                graph_pool: None,
+                pool_key: s.owner.pool(),
             });
         }
     }
