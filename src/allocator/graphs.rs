@@ -5,7 +5,8 @@
 //! Invariants:
 //! - A pool is held while a graph references it: each begin counts one reference, each
 //!   [`Allocator::release_graph_pool`] drops one. A held pool's memory is never released,
-//!   moved or unmapped, by `empty_cache`, by an out-of-memory retry or by a move.
+//!   moved or unmapped, by `empty_cache`, by an out-of-memory retry or by a move; only sleep
+//!   gives a tag's region of it back, and wake maps it again at the same addresses.
 //! - Once the last reference goes and no capture runs anywhere (a synchronisation would spoil
 //!   it), the pool's free memory is released after the device is synchronised (graphs replay on
 //!   streams the allocator never sees; `cuMemFree` waits by itself; remap keeps its pieces as
@@ -17,7 +18,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::front::Allocator;
-use super::owner::{Owner, PoolKey};
+use super::owner::PoolKey;
 use super::routes::{GraphRoutes, PoolEntry};
 use crate::driver::{Capture, Driver, GraphPool, StreamId};
 use crate::error::{Error, Result};
@@ -148,7 +149,7 @@ impl<D: Driver> Allocator<D> {
             for &key in &keys {
                 if let Err(e) = self
                     .lock(i)
-                    .and_then(|mut sh| sh.release_owner(&self.core, Owner::of_pool(key)))
+                    .and_then(|mut sh| sh.release_pool(&self.core, key))
                 {
                     first.get_or_insert(e);
                 }

@@ -1,9 +1,9 @@
 //! Who owns a block: the key every shard files its segments and free lists under.
 //!
-//! A block belongs to the stream it was allocated on, or, with [`super::Config::separate_tags`],
-//! to that stream's region of its tag (so a tag can sleep without touching another tag's
-//! memory), or to a CUDA graph pool (memory a capture allocated, kept apart while its graph may
-//! replay). Graph pools are never split by tag.
+//! A block belongs to the stream it was allocated on, or to a CUDA graph pool (memory a capture
+//! allocated, kept apart while its graph may replay); with [`super::Config::separate_tags`], to
+//! that stream's or that pool's region of its tag (so a tag can sleep without touching another
+//! tag's memory, and its captured graphs' memory sleeps with it).
 //!
 //! Invariant: the driver only ever sees real streams. [`Owner::stream`] is the one way from an
 //! owner to a stream, and a graph pool has none: code that must synchronise a pool's memory
@@ -23,12 +23,15 @@ pub(crate) struct PoolKey(pub(crate) u32);
 pub(crate) struct Owner {
     /// The stream, or the pool's key.
     id: u64,
-    /// [`STREAM`], [`POOL`], or a region's tag index + 1.
+    /// [`STREAM`], a stream region's tag index + 1, [`POOL`], or [`POOL`] − 1 − a pool
+    /// region's tag index.
     kind: u32,
 }
 
 const STREAM: u32 = 0;
 const POOL: u32 = u32::MAX;
+/// The lowest kind of a pool or pool region.
+const POOL_REGIONS: u32 = POOL - Tag::COUNT as u32;
 
 impl Owner {
     /// A stream's own memory.
@@ -53,46 +56,49 @@ impl Owner {
     /// the allocator never sees).
     #[inline]
     pub(crate) fn stream(self) -> Option<StreamId> {
-        (self.kind != POOL).then_some(StreamId(self.id))
+        (!self.is_pool()).then_some(StreamId(self.id))
     }
 
-    /// The tag whose region this is, if it is one.
+    /// The tag whose region (of a stream or of a pool) this is, if it is one.
     #[inline]
     pub(crate) fn region(self) -> Option<Tag> {
         match self.kind {
             STREAM | POOL => None,
+            k if k >= POOL_REGIONS => Some(Tag::ALL[(POOL - 1 - k) as usize]),
             k => Some(Tag::ALL[k as usize - 1]),
         }
     }
 
-    /// This owner's region of `tag` (a graph pool stays whole).
+    /// This owner's region of `tag`: its stream's, or its pool's.
     #[inline]
     pub(crate) fn in_region(self, tag: Tag) -> Owner {
-        match self.kind {
-            POOL => self,
-            _ => Owner {
-                id: self.id,
-                kind: tag.index() as u32 + 1,
+        Owner {
+            id: self.id,
+            kind: if self.is_pool() {
+                POOL - 1 - tag.index() as u32
+            } else {
+                tag.index() as u32 + 1
             },
         }
     }
 
-    /// The pool's key, when this is a graph pool.
+    /// The pool's key, when this is a graph pool or one of its regions.
     #[inline]
     pub(crate) fn pool(self) -> Option<PoolKey> {
-        (self.kind == POOL).then_some(PoolKey(self.id as u32))
+        self.is_pool().then_some(PoolKey(self.id as u32))
     }
 
     #[inline]
     pub(crate) fn is_pool(self) -> bool {
-        self.kind == POOL
+        self.kind >= POOL_REGIONS
     }
 }
 
 impl std::fmt::Debug for Owner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match (self.pool(), self.region()) {
-            (Some(key), _) => write!(f, "pool {}", key.0),
+            (Some(key), Some(t)) => write!(f, "pool {}, {t}", key.0),
+            (Some(key), None) => write!(f, "pool {}", key.0),
             (None, Some(t)) => write!(f, "stream {:#x}, {t}", self.id),
             (None, None) => write!(f, "stream {:#x}", self.id),
         }
@@ -104,7 +110,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_region_names_its_tag_and_keeps_its_stream_whatever_the_stream_bits() {
+    fn a_region_names_its_tag_and_keeps_its_stream_or_pool_whatever_the_bits() {
         for tag in Tag::ALL {
             for s in [
                 StreamId(0),
@@ -120,7 +126,17 @@ mod tests {
             }
         }
         let pool = Owner::of_pool(PoolKey(3));
-        assert_eq!(pool.in_region(Tag::Weights), pool);
+        assert_eq!(pool.region(), None);
+        for tag in Tag::ALL {
+            let r = pool.in_region(tag);
+            assert_ne!(r, pool);
+            assert_eq!(r.region(), Some(tag), "a pool's region names its tag");
+            assert_eq!(r.pool(), Some(PoolKey(3)), "and keeps its pool");
+            assert_eq!(r.stream(), None);
+            assert!(r.is_pool());
+            assert_eq!(r.in_region(tag), r);
+            assert_ne!(r, Owner::of_stream(StreamId(3)).in_region(tag));
+        }
         assert_eq!(pool.stream(), None);
         assert_eq!(pool.pool(), Some(PoolKey(3)));
         assert_ne!(pool, Owner::of_stream(StreamId(3)));

@@ -32,7 +32,7 @@ pub(crate) use self::remap::Remap;
 use super::block::BlockId;
 use super::config::{Config, SegmentMode};
 use super::core::{Core, GrowError};
-use super::owner::Owner;
+use super::owner::{Owner, PoolKey};
 use super::rules;
 use super::shard::{Shard, Shards};
 use crate::driver::{Driver, StreamId};
@@ -173,9 +173,10 @@ impl Shard {
         }
     }
 
-    /// Release the free memory of `owner` (a pool no graph references any more).
-    pub(crate) fn release_owner<D: Driver>(&mut self, core: &Core<D>, owner: Owner) -> Result<()> {
-        for seg in self.segments.ids_where(|s| s.owner == owner) {
+    /// Release the free memory of pool `key` (no graph references it any more), in each of its
+    /// regions; an asleep region's is released once it wakes, by the next `empty_cache`.
+    pub(crate) fn release_pool<D: Driver>(&mut self, core: &Core<D>, key: PoolKey) -> Result<()> {
+        for seg in self.segments.ids_where(|s| s.owner.pool() == Some(key)) {
             self.release_segment(core, seg, SyncFirst::Owner)?;
         }
         Ok(())

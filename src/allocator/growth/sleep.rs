@@ -1,6 +1,7 @@
-//! Sleep and wake in one shard: a tag's regions (its segments, with `Config::separate_tags`)
-//! lose their physical memory and keep their addresses; waking maps fresh memory at the same
-//! addresses. The allocator (`allocator/sleep.rs`) holds the shards' locks and does the
+//! Sleep and wake in one shard: a tag's regions (its segments, with `Config::separate_tags`:
+//! those of every stream and of every CUDA graph pool) lose their physical memory and keep
+//! their addresses; waking maps fresh memory at the same addresses, where captured graphs
+//! replay as before. The allocator (`allocator/sleep.rs`) holds the shards' locks and does the
 //! copies; this file keeps the shard's tables true.
 //!
 //! Invariants:
@@ -82,6 +83,7 @@ impl Shard {
                 gone += m.bytes;
                 core.ledger.on_unreserve(m.bytes, false);
                 core.ledger.sleeping_add(tag, m.bytes);
+                core.graph_bytes(self.segments.get(m.seg).owner, m.bytes, true);
                 core.uncommit(m.bytes);
             } else {
                 held += m.bytes;
@@ -138,6 +140,9 @@ impl Shard {
             let h = map_one(core, m.va, m.bytes)?;
             core.history
                 .record_sleep(Action::SegmentMap, m.va, m.bytes, tag);
+            // A graph pool's region counts as graph memory again as soon as it is mapped (its
+            // reserved bytes are counted once the whole wake holds, `Shard::awake`).
+            core.graph_bytes(self.segments.get(m.seg).owner, m.bytes, false);
             let map = self.mapping_mut(&m);
             map.handle = h;
             map.released = false;
@@ -158,6 +163,7 @@ impl Shard {
         if ok {
             core.history
                 .record_sleep(Action::SegmentUnmap, m.va, m.bytes, tag);
+            core.graph_bytes(self.segments.get(m.seg).owner, m.bytes, true);
         }
         let map = self.mapping_mut(m);
         let s = map.sleep.expect("a mapping made by wake is asleep");
