@@ -166,12 +166,12 @@ char *vram_ledger_metrics(void);
  */
 void *vram_ledger_malloc(ssize_t size, int device, void *stream);
 
-/* Name a context for every allocation and free through this ABI (NULL: none, the default).
- * The source runs on the allocating or freeing thread before the allocator takes any lock, so
- * it may wait on the host's own locks (such as Python's) and call the library; it must not
- * unwind.
+/* Name a context for allocations (`kinds` bit 0) and frees (bit 1) through this ABI (NULL:
+ * none, the default). The source runs on the allocating or freeing thread before the
+ * allocator takes any lock, so it may wait on the host's own locks (such as Python's) and
+ * call the library; it must not unwind.
  */
-void vram_ledger_set_context_source(vram_ledger_context_source source);
+void vram_ledger_set_context_source(vram_ledger_context_source source, int kinds);
 
 /* Call `observer` on every out of memory of an allocation through this ABI (NULL: no one),
  * before the allocation's error is returned or thrown. It runs on the failing thread with no

@@ -238,8 +238,8 @@ impl ProfileResult {
         let mut v = vec![format!(
             "Memory profiling takes {:.2} seconds ({}). Total non KV cache memory: {}; weights memory: {}; \
              activation peak: {}; untracked peak: {}; cached by the allocator: {}; outside the allocator: {} \
-             ({} at the first allocation, {} when profiling began; {} appeared during the pass: memory \
-             taken outside the allocator, and libraries and kernels the pass was the first to use).",
+             ({}, {} when profiling began; {} appeared during the pass: memory taken outside the \
+             allocator, and libraries and kernels the pass was the first to use).",
             self.seconds,
             match self.source {
                 UsageSource::Process => "this process's usage from the driver",
@@ -251,7 +251,12 @@ impl ProfileResult {
             g(self.untracked_peak),
             g(self.cached),
             g(self.non_allocator),
-            g(self.non_allocator_baseline),
+            match self.source {
+                UsageSource::Process => format!("{} at the first allocation", g(self.non_allocator_baseline)),
+                // The device-wide figure counts from the first allocation, so it has no part
+                // before it to show.
+                UsageSource::DeviceWide => "counted from the first allocation".to_string(),
+            },
             g(self.non_allocator_at_begin),
             g(self.non_allocator.saturating_sub(self.non_allocator_at_begin)),
         )];

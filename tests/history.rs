@@ -110,3 +110,44 @@ fn history_entries_carry_the_hosts_context_into_the_snapshot() {
     let back = replay::trace::read_bytes(&bytes, Some(0)).unwrap();
     assert_eq!(back.events.len(), contexts.len(), "every entry read back");
 }
+
+/// A live allocation keeps its context whatever the ring's bound dropped, until it is freed;
+/// stopping and starting again forgets them (frees made while off are not seen).
+#[test]
+fn history_live_allocations_keep_their_context_past_the_bound() {
+    use vram_ledger::allocator::history::with_context;
+    let a = sim(SegmentMode::Native);
+    let s = StreamId::DEFAULT;
+    a.record_history(true, 2).unwrap();
+    let x = with_context(5, || a.allocate_tagged(4096, s, Tag::Weights)).unwrap();
+    for _ in 0..5 {
+        let y = with_context(6, || a.allocate_tagged(8192, s, Tag::Activation)).unwrap();
+        a.free(y.ptr).unwrap();
+    }
+    assert!(
+        a.history().0.iter().all(|e| e.addr != x.ptr),
+        "the bound dropped x's entry"
+    );
+    assert_eq!(a.live_contexts().get(&x.ptr), Some(&5));
+    assert_eq!(
+        a.live_contexts().len(),
+        1,
+        "freed allocations are forgotten"
+    );
+    let bytes = replay::snapshot::write(&a, 0);
+    let text = format!(
+        "{:?}",
+        serde_pickle::value_from_slice(&bytes, Default::default()).unwrap()
+    );
+    let key = format!("String({:?}): I64(5)", replay::snapshot::CONTEXT_KEY);
+    assert!(
+        text.contains(&key),
+        "the live block carries it: {text:.600}"
+    );
+    a.free(x.ptr).unwrap();
+    assert!(a.live_contexts().is_empty());
+    let z = with_context(7, || a.allocate_tagged(4096, s, Tag::Weights)).unwrap();
+    a.record_history(false, 2).unwrap();
+    assert!(a.live_contexts().is_empty(), "stopping forgets them");
+    a.free(z.ptr).unwrap();
+}

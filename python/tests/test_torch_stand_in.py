@@ -137,65 +137,108 @@ def installed(code: str) -> dict:
     return run_on_sim(STAND_IN + 'vl.install(mode="remap")\n' + textwrap.dedent(code))
 
 
-def test_history_records_stack_frames_as_pytorchs_context_says():
-    # As test_cuda.py's test_memory_plots_free_stack, test_memory_plots_history_context and
-    # test_memory_snapshot_skip_actions ask of PyTorch's allocator.
-    r = installed(
-        """
-        state["initialized"] = True
-        C = torch._C
-        record = lambda context, skip=(): C._cuda_record_memory_history("all", context, "python", sys.maxsize, False, False, False, list(skip))
-        def thealloc():
-            return lib.vram_ledger_malloc(4096, 0, None)
-        def thefree(p):
-            lib.vram_ledger_free(p, 4096, 0, None)
-        def text():
-            return json.dumps(C._cuda_memorySnapshot(None), default=str)
-        seen = {}
-        for context in ["alloc", "all", "state"]:
-            record(context)
-            thefree(thealloc())
-            t = text()
-            seen[context] = ["thealloc" in t, "thefree" in t]
-            C._cuda_record_memory_history(None)
-        def should_capture1():
-            return lib.vram_ledger_malloc(1 << 20, 0, None)
-        def should_not_capture():
-            return lib.vram_ledger_malloc(1 << 20, 0, None)
-        def should_capture2():
-            return lib.vram_ledger_malloc(1 << 20, 0, None)
-        record("all")
-        kept = [should_capture1()]
-        record(None)
-        kept.append(should_not_capture())
-        record("all")
-        kept.append(should_capture2())
-        t = text()
-        seen["history_context"] = ["should_capture1" in t, "should_not_capture" in t, "should_capture2" in t]
-        snap = C._cuda_memorySnapshot(None)
-        blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
-        seen["block_frames"] = sorted(b["frames"][0]["name"] for b in blocks if b["frames"])
-        seen["inner_file"] = blocks[0]["frames"][0]["filename"] if blocks and blocks[0]["frames"] else None
-        seen["leftover_keys"] = "vram-ledger:context" in json.dumps(snap, default=str)
-        for p in kept:
-            lib.vram_ledger_free(p, 1 << 20, 0, None)
-        C._cuda_record_memory_history(None)
-        record("all", ["alloc"])
-        thefree(thealloc())
-        seen["skipped"] = sorted({e["action"] for e in C._cuda_memorySnapshot(None)["device_traces"][0]})
-        C._cuda_record_memory_history(None)
-        print(json.dumps(seen))
-        """
-    )
+FRAMES = """
+state["initialized"] = True
+C = torch._C
+record = lambda context, skip=(): C._cuda_record_memory_history("all", context, "python", sys.maxsize, False, False, False, list(skip))
+def thealloc():
+    return lib.vram_ledger_malloc(4096, 0, None)
+def thefree(p):
+    lib.vram_ledger_free(p, 4096, 0, None)
+def text():
+    return json.dumps(C._cuda_memorySnapshot(None), default=str)
+def live_frames():
+    snap = C._cuda_memorySnapshot(None)
+    return [b["frames"] for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+seen = {}
+for context in ["alloc", "all", "state"]:
+    record(context)
+    thefree(thealloc())
+    t = text()
+    seen[context] = ["thealloc" in t, "thefree" in t]
+    C._cuda_record_memory_history(None)
+# "state": a live block shows its allocation's stack, however many entries came after it.
+C._cuda_record_memory_history("all", "state", "python", 4, False, False, False, [])
+def keep():
+    return lib.vram_ledger_malloc(1 << 20, 0, None)
+kept = keep()
+for _ in range(10):
+    thefree(thealloc())
+seen["state_live"] = [f[0]["name"] for f in live_frames() if f]
+seen["inner_file"] = [f[0]["filename"] for f in live_frames() if f]
+lib.vram_ledger_free(kept, 1 << 20, 0, None)
+C._cuda_record_memory_history(None)
+def should_capture1():
+    return lib.vram_ledger_malloc(1 << 20, 0, None)
+def should_not_capture():
+    return lib.vram_ledger_malloc(1 << 20, 0, None)
+def should_capture2():
+    return lib.vram_ledger_malloc(1 << 20, 0, None)
+record("all")
+kept = [should_capture1()]
+record(None)
+kept.append(should_not_capture())
+record("all")
+kept.append(should_capture2())
+t = text()
+seen["history_context"] = ["should_capture1" in t, "should_not_capture" in t, "should_capture2" in t]
+seen["block_frames"] = sorted(f[0]["name"] for f in live_frames() if f)
+seen["leftover_keys"] = "vram-ledger:context" in text()
+for p in kept:
+    lib.vram_ledger_free(p, 1 << 20, 0, None)
+C._cuda_record_memory_history(None)
+record("all", ["alloc"])
+thefree(thealloc())
+seen["skipped"] = sorted({e["action"] for e in C._cuda_memorySnapshot(None)["device_traces"][0]})
+C._cuda_record_memory_history(None)
+seen["torch_gathered"] = ["gather"] in calls
+print(json.dumps(seen))
+"""
+
+# torch's traceback capture, as PyTorch has it: gather_traceback (C++, no Python frame of its
+# own) wrapped in CapturedTraceback, whose summary() lists frames outermost first.
+TRACEBACK = """
+import traceback
+tb_module = types.ModuleType("torch.utils._traceback")
+class CapturedTraceback:
+    def __init__(self, tb, skip=0):
+        self.tb = tb
+    def summary(self):
+        return traceback.StackSummary.from_list(self.tb)
+tb_module.CapturedTraceback = CapturedTraceback
+torch.utils = types.ModuleType("torch.utils")
+torch.utils._traceback = tb_module
+sys.modules.update({"torch.utils": torch.utils, "torch.utils._traceback": tb_module})
+def gather_traceback(python, script, cpp):
+    calls.append(["gather"])
+    return traceback.extract_stack()[:-1]
+torch._C._profiler = types.SimpleNamespace(gather_traceback=gather_traceback)
+"""
+
+
+def check_frames(r, torch_gathered):
+    assert r["torch_gathered"] is torch_gathered, r
     # alloc: allocations' stacks in the history; all: frees' too; state: only live blocks'.
     assert r["alloc"] == [True, False], r
     assert r["all"] == [True, True], r
     assert r["state"] == [False, False], r
+    assert r["state_live"] == ["keep"], "a live block keeps its stack past the history's bound"
+    assert r["inner_file"] == ["<string>"], "innermost first, without the package's own frames"
     assert r["history_context"] == [True, False, True], "recording again goes on, with the new context"
     assert r["block_frames"] == ["should_capture1", "should_capture2"], "live blocks show their allocation's stack"
-    assert r["inner_file"] == "<string>", "innermost first, without the package's own frames"
     assert r["leftover_keys"] is False
     assert "alloc" not in r["skipped"] and "free_requested" in r["skipped"], r
+
+
+def test_history_records_stack_frames_as_pytorchs_context_says():
+    # As test_cuda.py's test_memory_plots_free_stack, test_memory_plots_history_context,
+    # test_memory_snapshot and test_memory_snapshot_skip_actions ask of PyTorch's allocator;
+    # with Python's own frames (a torch without its traceback capture).
+    check_frames(installed(FRAMES), False)
+
+
+def test_history_stack_frames_come_from_torchs_traceback_capture_where_torch_has_it():
+    check_frames(installed(TRACEBACK + FRAMES), True)
 
 
 def test_history_snapshots_fraction_and_accelerator_statistics_answer_under_install():

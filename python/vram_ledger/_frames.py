@@ -1,17 +1,17 @@
 """Stack frames in the recorded history, as PyTorch's `_record_memory_history(context=...,
 stacks=...)` records them. The library calls `_source` on the allocating or freeing thread
-before it takes any lock; this gathers the stack (PyTorch's CapturedTraceback where torch has
-it, else Python's own frames) and returns an identifier, which the history's entry carries.
-A snapshot resolves the identifiers into `frames`.
+before it takes any lock; this gathers the stack (PyTorch's own traceback capture where torch
+has it, else Python's frames) and returns an identifier, which the history's entry, and the
+live block while it lives, carry. A snapshot resolves the identifiers into `frames`.
 
 What is gathered follows PyTorch's `context`: None gathers nothing; "state" an allocation's
 stack, shown on its block while it lives; "alloc" also on the history's allocation entries;
 "all" also a free's stack, on its free entries. `stacks="all"` adds C++ frames where torch can
-give them. The newest `_KEPT` stacks are kept (an entry dropped from the history's bound takes
-its frames with it anyway).
+give them. The library asks only for the kinds gathered (`KINDS`).
 
-Invariants: an identifier is never 0 (0 is "none" to the library); each identifier's frames are
-fixed when it is gathered.
+Invariants: an identifier is never 0 (0 is "none" to the library), and its frames are fixed
+when it is gathered. Stacks are kept until the history is cleared; each snapshot drops those
+nothing refers to any more, and between snapshots the newest `_KEPT` are kept.
 """
 
 from __future__ import annotations
@@ -22,39 +22,50 @@ import itertools
 import os
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 _ALLOCATION, _FREE = 0, 1
-_KEPT = 200_000
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_KEPT = 1_000_000
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 # identifier -> (the stack as gathered, whether the history's entry shows it)
 _stacks: "collections.OrderedDict[int, Tuple[Any, bool]]" = collections.OrderedDict()
-_lock = threading.Lock()
+# Reentrant: the garbage collector may free a tensor (and so call `_source`) on this thread
+# while it holds the lock.
+_lock = threading.RLock()
 _ids = itertools.count(1)
-# What is gathered: (allocations, allocation entries show it, frees, C++ frames), or None.
-_mode: Optional[Tuple[bool, bool, bool, bool]] = None
+# What is gathered: (allocation entries show it, frees, C++ frames), or None.
+_mode: Optional[Tuple[bool, bool, bool]] = None
 
 
-def configure(context: Optional[str], stacks: str) -> None:
-    """Gather stacks as PyTorch's `context` and `stacks` say (context None: none)."""
+def configure(context: Optional[str], stacks: str) -> int:
+    """Gather stacks as PyTorch's `context` and `stacks` say (context None: none); returns the
+    kinds the library is to ask for (bit 0 allocations, bit 1 frees)."""
     global _mode
     if context is None:
         _mode = None
-    elif context in ("state", "alloc", "all"):
-        _mode = (True, context != "state", context == "all", stacks == "all")
-    else:
+        return 0
+    if context not in ("state", "alloc", "all"):
         raise ValueError(f"context must be None, 'state', 'alloc' or 'all', not {context!r}")
+    _mode = (context != "state", context == "all", stacks == "all")
+    return 0b11 if context == "all" else 0b01
+
+
+def clear() -> None:
+    """Forget every stack (the history they belonged to was cleared)."""
+    with _lock:
+        _stacks.clear()
 
 
 def _gather(cpp: bool) -> Any:
     try:
+        import torch
         from torch.utils._traceback import CapturedTraceback
 
-        return CapturedTraceback.extract(script=True, cpp=cpp)
+        return CapturedTraceback(torch._C._profiler.gather_traceback(python=True, script=True, cpp=cpp))
     except Exception:  # noqa: BLE001 - a torch without it: Python's own frames
         frames = []
-        f = sys._getframe(1)
+        f: Any = sys._getframe(1)
         while f is not None:
             frames.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
             f = f.f_back
@@ -62,58 +73,73 @@ def _gather(cpp: bool) -> Any:
 
 
 def _source(kind: int) -> int:
-    mode = _mode
-    if mode is None or (kind == _FREE and not mode[2]) or (kind == _ALLOCATION and not mode[0]):
+    # Called from the library through ctypes: whatever happens here must become "no context",
+    # never an exception into the library (ctypes would return an undefined value).
+    try:
+        mode = _mode
+        if mode is None:
+            return 0
+        stack = _gather(mode[2])
+        with _lock:
+            i = next(_ids)
+            _stacks[i] = (stack, kind == _FREE or mode[0])
+            while len(_stacks) > _KEPT:
+                _stacks.popitem(last=False)
+        return i
+    except BaseException:  # noqa: BLE001 - see above
         return 0
-    stack = _gather(mode[3])
-    with _lock:
-        i = next(_ids)
-        _stacks[i] = (stack, kind == _FREE or mode[1])
-        while len(_stacks) > _KEPT:
-            _stacks.popitem(last=False)
-    return i
 
 
 SOURCE = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_int)(_source)
 
 
+def _ours(filename: str) -> bool:
+    """This package's frames, and the capture's own."""
+    return filename.startswith(_HERE) or filename.replace(os.sep, "/").endswith("torch/utils/_traceback.py")
+
+
 def _frames(stack: Any) -> List[Dict[str, Any]]:
-    """Innermost first, as PyTorch lists them, without this package's own frames."""
+    """Innermost first, as PyTorch lists them."""
     if isinstance(stack, list):
         raw = [(f, n, name) for f, n, name in stack]
     else:
         raw = [(f.filename, f.lineno, f.name) for f in reversed(stack.summary())]
-    return [{"filename": f, "line": int(n or 0), "name": name} for f, n, name in raw if not f.startswith(_HERE)]
+    return [{"filename": f, "line": int(n or 0), "name": name} for f, n, name in raw if not _ours(f)]
 
 
-def resolve(snapshot: Dict[str, Any], key: str, skip_actions: Optional[List[str]] = None) -> None:
-    """Replace each trace entry's identifier (under `key`) by its frames (where the entry shows
-    them), give each live block the frames of its allocation, and drop the entries of
-    `skip_actions`."""
+def resolve(snapshot: Dict[str, Any], key: str, skip_actions: Optional[List[str]] = None, prune: bool = False) -> None:
+    """Replace each identifier (under `key`, on trace entries and live blocks) by its frames,
+    where the entry shows them; drop the entries of `skip_actions`; with `prune` (the snapshot
+    is of the only device recording), forget the stacks nothing in it refers to."""
     skip = set(skip_actions or ())
     with _lock:
         stacks = dict(_stacks)
     resolved: Dict[int, List[Dict[str, Any]]] = {}
+    seen: Set[int] = set()
 
     def frames_of(i: int) -> List[Dict[str, Any]]:
+        seen.add(i)
         if i not in resolved:
             resolved[i] = _frames(stacks[i][0]) if i in stacks else []
         return resolved[i]
 
-    allocated_by: Dict[int, int] = {}
-    for d, trace in enumerate(snapshot.get("device_traces", [])):
+    for trace in snapshot.get("device_traces", []):
         kept = []
         for e in trace:
             i = e.pop(key, 0)
-            if i and e.get("action") == "alloc":
-                allocated_by[(d, e["addr"])] = i
             if i and stacks.get(i, (None, False))[1]:
                 e["frames"] = frames_of(i)
+            elif i:
+                seen.add(i)
             if e.get("action") not in skip:
                 kept.append(e)
         trace[:] = kept
     for seg in snapshot.get("segments", []):
         for b in seg.get("blocks", []):
-            i = allocated_by.get((seg.get("device", 0), b.get("address")))
-            if i and b.get("state") == "active_allocated":
+            i = b.pop(key, 0)
+            if i:
                 b["frames"] = frames_of(i)
+    if prune:
+        with _lock:
+            for i in [i for i in stacks if i not in seen]:
+                _stacks.pop(i, None)

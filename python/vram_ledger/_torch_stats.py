@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 from . import _args, _frames
 from ._args import INT64_MAX
 from ._lib import _LOG, _check, load
-from .metrics import dump_snapshot, empty_cache, memory_stats, record_history, reset_peak_memory_stats
+from .metrics import dump_snapshot, memory_stats, record_history, reset_peak_memory_stats
 
 # The fraction set through torch per device; PyTorch's default is the whole device.
 _FRACTIONS: Dict[int, float] = {}
@@ -91,8 +91,21 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
         # PyTorch's does.
         _record(torch.cuda.current_device(), enabled is not None, max_entries, clear_history, context, stacks, skip_actions)
 
-    def record_legacy(enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1, *_: Any) -> None:
-        _record(torch.cuda.current_device(), bool(enabled), trace_alloc_max_entries, False, "all" if record_context else None, "python", None)
+    def record_legacy(
+        enabled: bool,
+        record_context: bool = True,
+        trace_alloc_max_entries: int = 1,
+        trace_alloc_record_context: bool = False,
+        record_context_cpp: bool = False,
+        clear_history: bool = False,
+        _compile_context: bool = False,
+        _global_record_annotations: bool = False,
+        skip_actions: Optional[List[str]] = None,
+    ) -> None:
+        # PyTorch's own mapping: allocation stacks in the history, else on live blocks only.
+        context = "alloc" if trace_alloc_record_context else "state" if record_context else None
+        stacks = "all" if record_context_cpp else "python"
+        _record(torch.cuda.current_device(), bool(enabled), trace_alloc_max_entries, clear_history, context, stacks, skip_actions)
 
     def snapshot(*_: Any) -> Dict[str, Any]:
         return _snapshot(torch.cuda.current_device())
@@ -130,8 +143,9 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
         return bool(torch.cuda.is_initialized())
 
     def empty_cache_() -> None:
+        # Every device's, as torch.cuda.empty_cache (the library's reset hook) does.
         if torch.cuda.is_initialized():
-            empty_cache(torch.cuda.current_device())
+            load().vram_ledger_reset()
 
     for name, fn in [
         ("_cuda_record_memory_history", record),
@@ -162,18 +176,20 @@ def _record(device: int, enabled: bool, max_entries: int, clear: bool, context: 
         record_history(False, 1, device)
         _RECORDING.pop(device, None)
         if not _RECORDING:
-            lib.vram_ledger_set_context_source(None)
+            lib.vram_ledger_set_context_source(None, 0)
             _frames.configure(None, stacks)
         return
-    _frames.configure(context, stacks)
+    kinds = _frames.configure(context, stacks)
     if device not in _RECORDING or clear:
         record_history(True, min(max(int(max_entries), 1), INT64_MAX), device)
+        if not _RECORDING or clear:
+            _frames.clear()
     _RECORDING[device] = list(skip or [])
-    if context is not None and not _SOURCE_SET:
+    if kinds and not _SOURCE_SET:
         # Handed back before the interpreter shuts down, after which it could not run.
-        atexit.register(lib.vram_ledger_set_context_source, None)
+        atexit.register(lib.vram_ledger_set_context_source, None, 0)
         _SOURCE_SET.append(True)
-    lib.vram_ledger_set_context_source(ctypes.cast(_frames.SOURCE, ctypes.c_void_p) if context is not None else None)
+    lib.vram_ledger_set_context_source(ctypes.cast(_frames.SOURCE, ctypes.c_void_p) if kinds else None, kinds)
 
 
 def _snapshot(device: int) -> Dict[str, Any]:
@@ -190,7 +206,7 @@ def _snapshot(device: int) -> Dict[str, Any]:
     traces = snap.get("device_traces", [])
     if device > 0 and len(traces) == 1:
         snap["device_traces"] = [[] for _ in range(device)] + traces
-    _frames.resolve(snap, CONTEXT_KEY, _RECORDING.get(device))
+    _frames.resolve(snap, CONTEXT_KEY, _RECORDING.get(device), prune=set(_RECORDING) <= {device})
     return snap
 
 

@@ -395,6 +395,12 @@ impl<D: Driver> Allocator<D> {
         self.core.history.entries()
     }
 
+    /// The host's context of each live allocation made with one while recording
+    /// ([`crate::allocator::history::with_context`]), by address.
+    pub fn live_contexts(&self) -> std::collections::HashMap<u64, u64> {
+        self.core.history.live_contexts()
+    }
+
     /// Free an allocation. Looks the pointer up in every shard; prefer [`Allocator::free_on`]
     /// when the allocation's stream is known. Pointer 0 is a no-op.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {

@@ -18,9 +18,13 @@
 //!   host resolves to stack frames, [`with_context`]); the host gathers it before the
 //!   operation takes any lock of the allocator, so gathering it may wait on the host's own
 //!   locks (Python's) without holding ours.
+//! - While recording, `live` maps the address of every allocation made with a context and not
+//!   yet freed to that context, whatever the ring's bound dropped (a live block shows its
+//!   allocation's stack as long as it lives); it is emptied when recording starts or stops,
+//!   since frees made while it is off are not seen.
 
 use std::cell::Cell;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Instant;
 
@@ -121,6 +125,7 @@ struct Ring {
     entries: VecDeque<HistoryEntry>,
     dropped: u64,
     start: Instant,
+    live: HashMap<u64, u64>,
 }
 
 pub(crate) struct History {
@@ -137,6 +142,7 @@ impl Default for History {
                 entries: VecDeque::new(),
                 dropped: 0,
                 start: Instant::now(),
+                live: HashMap::new(),
             }),
         }
     }
@@ -152,6 +158,7 @@ impl History {
             r.dropped = 0;
             r.start = Instant::now();
         }
+        r.live.clear();
         self.on.store(enabled, Relaxed);
     }
 
@@ -195,6 +202,15 @@ impl History {
             Action::Alloc | Action::FreeRequested => CONTEXT.with(Cell::get),
             _ => 0,
         };
+        match action {
+            Action::Alloc if context != 0 => {
+                r.live.insert(addr, context);
+            }
+            Action::FreeRequested => {
+                r.live.remove(&addr);
+            }
+            _ => {}
+        }
         r.entries.push_back(HistoryEntry {
             action,
             addr,
@@ -205,6 +221,11 @@ impl History {
             time_us,
             context,
         });
+    }
+
+    /// The context of each live allocation made with one while recording, by address.
+    pub(crate) fn live_contexts(&self) -> HashMap<u64, u64> {
+        self.ring.lock().live.clone()
     }
 
     /// The entries recorded, oldest first, and how many were dropped to keep the bound.

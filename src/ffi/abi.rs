@@ -110,7 +110,11 @@ pub(super) const SIGNATURES: &[Signature] = &[
     sig("vram_ledger_memory_fraction", "void", &["double", "int"]),
     sig("vram_ledger_record_stream", "void", &["void *", "void *"]),
     sig("vram_ledger_set_oom_observer", "void", &[OOM_OBSERVER]),
-    sig("vram_ledger_set_context_source", "void", &[CONTEXT_SOURCE]),
+    sig(
+        "vram_ledger_set_context_source",
+        "void",
+        &[CONTEXT_SOURCE, "int"],
+    ),
     sig("vram_ledger_separate_tags", "int", &["int"]),
     sig("vram_ledger_sleep", "char *", &["int", "int", "int"]),
     sig("vram_ledger_wake", "char *", &["int", "int"]),

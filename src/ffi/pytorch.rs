@@ -53,22 +53,26 @@ pub type ContextSource = unsafe extern "C" fn(kind: c_int) -> u64;
 const CONTEXT_OF_ALLOCATION: c_int = 0;
 const CONTEXT_OF_FREE: c_int = 1;
 
-/// The context source, as an address (0: none). Read once per allocation and free through
-/// this ABI, written only by the setter (a line no one else writes).
+/// The context source, as an address (0: none), and the kinds it is asked for (bit `kind`).
+/// Read once per allocation and free through this ABI (the kinds only when there is a
+/// source), written only by the setter (a line no one else writes).
 static CONTEXT_SOURCE: AtomicUsize = AtomicUsize::new(0);
+static CONTEXT_KINDS: AtomicUsize = AtomicUsize::new(0);
 
-/// Name a context for every allocation and free through this ABI (NULL: none, the default).
-/// The source runs on the allocating or freeing thread before the allocator takes any lock, so
-/// it may wait on the host's own locks (such as Python's) and call the library; it must not
-/// unwind.
+/// Name a context for allocations (`kinds` bit 0) and frees (bit 1) through this ABI (NULL:
+/// none, the default). The source runs on the allocating or freeing thread before the
+/// allocator takes any lock, so it may wait on the host's own locks (such as Python's) and
+/// call the library; it must not unwind.
 #[no_mangle]
-pub extern "C" fn vram_ledger_set_context_source(source: Option<ContextSource>) {
+pub extern "C" fn vram_ledger_set_context_source(source: Option<ContextSource>, kinds: c_int) {
+    CONTEXT_KINDS.store(kinds as usize & 0b11, Ordering::Release);
     CONTEXT_SOURCE.store(source.map_or(0, |f| f as usize), Ordering::Release);
 }
 
 fn context(kind: c_int) -> u64 {
     match CONTEXT_SOURCE.load(Ordering::Acquire) {
         0 => 0,
+        _ if CONTEXT_KINDS.load(Ordering::Acquire) & (1 << kind) == 0 => 0,
         f => {
             // SAFETY: a non-zero value was stored from a `ContextSource` by the setter above.
             let f: ContextSource = unsafe { std::mem::transmute::<usize, ContextSource>(f) };

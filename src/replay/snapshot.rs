@@ -6,6 +6,8 @@
 //! Virtual segments (the expandable, compact and remap modes) are written as PyTorch writes its
 //! expandable segments: one segment per contiguous mapped range, holding the blocks inside it.
 
+use std::collections::HashMap;
+
 use serde_pickle::{HashableValue, Value};
 
 use super::trace::Action;
@@ -55,22 +57,35 @@ fn metadata(e: &HistoryEntry) -> Value {
     )
 }
 
-fn block(b: &BlockDump) -> Value {
+fn block(b: &BlockDump, contexts: &HashMap<u64, u64>) -> Value {
     let state = match b.state {
         DumpState::Allocated => "active_allocated",
         DumpState::Pending => "active_pending_free",
         DumpState::Free | DumpState::Unmapped => "inactive",
     };
-    dict(vec![
+    let mut fields = vec![
         ("address", int(b.addr)),
         ("size", int(b.size)),
         ("requested_size", int(b.requested)),
         ("state", Value::String(state.into())),
         ("frames", Value::List(vec![])),
-    ])
+    ];
+    if let Some(&c) = contexts
+        .get(&b.addr)
+        .filter(|_| b.state == DumpState::Allocated)
+    {
+        fields.push((CONTEXT_KEY, int(c)));
+    }
+    dict(fields)
 }
 
-fn segment(device: usize, s: &SegmentDump, base: u64, size: u64, blocks: &[&BlockDump]) -> Value {
+fn segment(
+    device: usize,
+    s: &SegmentDump,
+    (base, size): (u64, u64),
+    blocks: &[&BlockDump],
+    contexts: &HashMap<u64, u64>,
+) -> Value {
     let sum =
         |f: &dyn Fn(&BlockDump) -> Option<u64>| blocks.iter().filter_map(|b| f(b)).sum::<u64>();
     let allocated = sum(&|b| (b.state == DumpState::Allocated).then_some(b.size));
@@ -101,18 +116,18 @@ fn segment(device: usize, s: &SegmentDump, base: u64, size: u64, blocks: &[&Bloc
         ("frames", Value::List(vec![])),
         (
             "blocks",
-            Value::List(blocks.iter().map(|b| block(b)).collect()),
+            Value::List(blocks.iter().map(|b| block(b, contexts)).collect()),
         ),
     ])
 }
 
 /// The segments of a dump as PyTorch lists them.
-fn segments(device: usize, dump: &[SegmentDump]) -> Vec<Value> {
+fn segments(device: usize, dump: &[SegmentDump], contexts: &HashMap<u64, u64>) -> Vec<Value> {
     let mut out = Vec::new();
     for s in dump {
         if !s.expandable {
             let blocks: Vec<&BlockDump> = s.blocks.iter().collect();
-            out.push(segment(device, s, s.base, s.size, &blocks));
+            out.push(segment(device, s, (s.base, s.size), &blocks, contexts));
             continue;
         }
         // Contiguous mapped runs.
@@ -131,7 +146,7 @@ fn segments(device: usize, dump: &[SegmentDump]) -> Vec<Value> {
                 .iter()
                 .filter(|b| b.state != DumpState::Unmapped && b.addr >= a && b.addr < a + l)
                 .collect();
-            out.push(segment(device, s, a, l, &blocks));
+            out.push(segment(device, s, (a, l), &blocks, contexts));
         }
     }
     out
@@ -165,7 +180,10 @@ pub fn write<D: Driver>(alloc: &Allocator<D>, device: usize) -> Vec<u8> {
     let mut devices = vec![Value::List(vec![]); device + 1];
     devices[device] = Value::List(trace);
     let top = dict(vec![
-        ("segments", Value::List(segments(device, &dump.segments))),
+        (
+            "segments",
+            Value::List(segments(device, &dump.segments, &alloc.live_contexts())),
+        ),
         ("device_traces", Value::List(devices)),
         (
             "allocator_settings",

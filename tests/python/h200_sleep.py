@@ -11,6 +11,10 @@ per case and exits 1 if any case failed.
 - model: a transformers Llama (random bf16 weights) and a CUDA graph of its forward captured
   before sleep; after sleep and wake the eager forward and the graph's replay must be
   bit-identical to the outputs before.
+- graphs: the model and its graph with every tag asleep (weights, activation and untracked
+  offloaded, the KV cache discarded): the allocator holds at most 8 MiB and no graph-pool
+  memory, and the graph replays bit-identical after wake; the process's usage before its first
+  allocation, full, and asleep.
 - two: the model's process sleeps; a second process allocates most of the memory it gave
   back, fills and checks it, and exits; the first wakes and its outputs are bit-identical.
 - devices (two GPUs): 4 GiB of weights on each; sleep() and wake() act on both devices.
@@ -224,6 +228,50 @@ def case_model(mode, second_process=False):
     del kv
 
 
+def case_graphs(mode):
+    """Every tag asleep, the captured graph's pool with them: the allocator holds at most
+    8 MiB, the graph replays bit-identical after wake without being captured again, and the
+    process's usage asleep is reported against its usage before its first allocation."""
+    import torch
+    import vram_ledger as vl
+
+    vl.install(mode=mode, sleep=True)
+    torch.cuda.init()
+    torch.empty(0, device="cuda")  # the context, before any allocation of the library's
+    usage_start = nvml_usage()
+    m, kv = llama()
+    ids, eager, g, out = forward_and_graph(m)
+    graph_before = out.clone()
+    graph_pools = vl.stats()["graph_reserved_bytes"]["current"]
+    usage_full = nvml_usage()
+    # The graph's inputs and outputs are activation memory: offloaded, so that the replay
+    # after wake reads the same inputs. Untracked memory (PyTorch's workspaces) is offloaded
+    # too, which needs force=True; nothing runs while asleep.
+    report = vl.sleep(offload=["weights", "activation", "untracked"], discard="kv", force=True)[0]
+    stats = vl.stats()
+    reserved_asleep = stats["reserved_bytes"]["current"]
+    graph_asleep = stats["graph_reserved_bytes"]["current"]
+    usage_asleep = nvml_usage()
+    woke = vl.wake()[0]
+    with torch.no_grad():
+        again = m(ids, use_cache=False).logits
+    g.replay()
+    torch.cuda.synchronize()
+    eager_same = torch.equal(again, eager)
+    graph_same = torch.equal(out, graph_before)
+    mk = Marks()
+    mk.true("eager_bit_identical", eager_same)
+    mk.true("graph_bit_identical", graph_same)
+    mk.at_least("graph_pools_held_before", graph_pools, 1, 1 << 62)
+    mk.at_most("graph_pools_asleep", graph_asleep, 0, -1)
+    mk.at_most("allocator_asleep_8_mib", reserved_asleep, 8 << 20, -1)
+    emit(case="graphs", mode=mode, ok=mk.ok, marks=mk.met, missed=mk.missed(), reserved_asleep=reserved_asleep,
+         graph_pools=graph_pools, graph_asleep=graph_asleep, usage_start=usage_start, usage_full=usage_full,
+         usage_asleep=usage_asleep, asleep_over_start=None if None in (usage_start, usage_asleep) else usage_asleep - usage_start,
+         sleep=report, wake=woke)
+    del kv
+
+
 def case_devices(mode):
     """Two GPUs in one process: sleep() and wake() act on every device in use; each device's
     weights come back intact at the same addresses."""
@@ -251,8 +299,8 @@ def case_devices(mode):
 
 
 def run_case(name, mode):
-    return {"bench": case_bench, "model": case_model, "two": lambda m: case_model(m, True), "devices": case_devices}[name](mode)
+    return {"bench": case_bench, "model": case_model, "graphs": case_graphs, "two": lambda m: case_model(m, True), "devices": case_devices}[name](mode)
 
 
 if __name__ == "__main__":
-    cases.main(__file__, run_case, ["bench", "model", "two"], MODES, timeout=600)
+    cases.main(__file__, run_case, ["bench", "model", "graphs", "two"], MODES, timeout=600)

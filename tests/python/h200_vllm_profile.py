@@ -4,7 +4,8 @@ in vram-ledger's terms and with vLLM's tolerances, in every segment mode.
 Another process holds 512 MiB. This one loads 512 MiB of weights, then, inside `profile()`,
 makes a 1 GiB transient and takes 256 MiB outside torch and outside the allocator (as NCCL
 would). vLLM's expectations: the weights exactly, the activation peak exactly 1 GiB, and the
-memory that appeared outside the allocator during profiling 256 MiB within 5%. Variants: the
+memory outside the allocator that appeared since the baseline (the first allocation, before the
+weights) 256 MiB within 5%. Variants: the
 256 MiB through the CUDA runtime (`vllm`, as vLLM's test does) or the driver (`driver`); and
 `first_matmul`, whose transient is the process's first matmul, so that cuBLAS starts inside
 the pass. In every variant vLLM's device-wide method (device used − torch's reserved, from

@@ -11,8 +11,14 @@ import ast
 import importlib
 import os
 
+import pytest
+
 SIBLINGS = ["common_utils", "common_cuda", "common_device_type", "common_optimizers", "common_dtype"]
-KNOWN = {"TEST_CUDAMALLOCASYNC": lambda: "backend:cudaMallocAsync" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+KNOWN = {
+    "TEST_CUDAMALLOCASYNC": lambda: any(
+        "backend:cudaMallocAsync" in os.environ.get(v, "") for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    )
+}
 
 
 def wanted(path):
@@ -25,8 +31,10 @@ def wanted(path):
                 yield node.module, alias.name
 
 
+# Last: after the install plugin's configure, so that nothing imported here touches CUDA first.
+@pytest.hookimpl(trylast=True)
 def pytest_configure(config):
-    files = [a for a in config.args if a.endswith(".py") and os.path.exists(a)]
+    files = [p for p in (a.split("::")[0] for a in config.args) if p.endswith(".py") and os.path.exists(p)]
     done = []
     for path in files:
         for module_name, name in wanted(path):
