@@ -29,10 +29,9 @@ pub unsafe extern "C" fn vram_ledger_malloc(
 fn malloc(size: isize, device: c_int, stream: *mut c_void) -> Result<*mut c_void, String> {
     let size = u64::try_from(size).map_err(|_| format!("negative size {size}"))?;
     let state = state(device)?;
-    let allocate = || on_device!(state, d => d.allocator().allocate(size, StreamId(stream as u64)));
     let r = match context(CONTEXT_OF_ALLOCATION) {
-        0 => allocate(),
-        c => history::with_context(c, allocate),
+        0 => allocate_on(state, size, stream),
+        c => history::with_context(c, || allocate_on(state, size, stream)),
     };
     r.map(|x| x.ptr as *mut c_void).map_err(|e| match e {
         Error::OutOfMemory(report) => {
@@ -42,6 +41,18 @@ fn malloc(size: isize, device: c_int, stream: *mut c_void) -> Result<*mut c_void
         }
         e => e.to_string(),
     })
+}
+
+// Inlined into both paths of each hook (with a context and without): a call here would cost
+// the pair through the C ABI some 55 instructions.
+#[inline(always)]
+fn allocate_on(state: &Device, size: u64, stream: *mut c_void) -> crate::Result<crate::Allocation> {
+    on_device!(state, d => d.allocator().allocate(size, StreamId(stream as u64)))
+}
+
+#[inline(always)]
+fn free_on(state: &Device, ptr: *mut c_void, stream: *mut c_void) -> crate::Result<()> {
+    on_device!(state, d => d.allocator().free_on(ptr as u64, StreamId(stream as u64)))
 }
 
 /// A host function naming the context of an allocation (`kind` 0) or a free (`kind` 1) this
@@ -164,11 +175,9 @@ pub unsafe extern "C" fn vram_ledger_free(
 ) {
     guard((), || {
         let state = state(device)?;
-        let free =
-            || on_device!(state, d => d.allocator().free_on(ptr as u64, StreamId(stream as u64)));
         let r = match context(CONTEXT_OF_FREE) {
-            0 => free(),
-            c => history::with_context(c, free),
+            0 => free_on(state, ptr, stream),
+            c => history::with_context(c, || free_on(state, ptr, stream)),
         };
         r.map_err(|e| format!("free of {ptr:?} on device {device} failed: {e}"))
     })
