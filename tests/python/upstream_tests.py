@@ -26,7 +26,36 @@ MODES = ["native", "expandable", "compact", "remap"]
 
 # Tests that assert PyTorch's own segment layout or its own allocator's internals, with the
 # reason; a failure of one of these under install() is reported, not counted.
-EXPECTED = {}
+_CHECKPOINT = (
+    "checkpoints and restores the private-pool state of PyTorch's own allocator "
+    "(getCheckpointState, setCheckpointPoolState), which inductor's CUDA-graph trees use; "
+    "install() turns the trees off"
+)
+EXPECTED = {
+    **{
+        name: _CHECKPOINT
+        for name in [
+            "test_additional_free_following_checkpoint",
+            "test_allocate_in_thread_to_pool",
+            "test_allocated_in_middle_of_segment",
+            "test_assigning_back_deleter_fns_to_tensor",
+            "test_check_pool_live_allocations",
+            "test_middle_allocations_contiguous",
+            "test_multiple_middle_allocations",
+            "test_resnet",
+            "test_simple",
+            "test_tensor_dies_after_checkpoint",
+        ]
+    },
+    "test_graph_memory_stats_and_use_result_after_destroy_graph": "counts segments as PyTorch's allocator cuts them",
+    "test_allocator_settings": "PyTorch's block rounding settings (roundup_power2_divisions) on its own blocks",
+    "test_cachingAllocator_raw_alloc": "turns PyTorch's own caching off (caching_allocator_enable)",
+    "test_graph_capture_reclaim_2_streams": (
+        "asserts that PyTorch's allocator reuses one block's address inside a capture once side "
+        "streams are joined (its opt-in graph_capture_record_stream_reuse setting)"
+    ),
+    "test_graph_capture_reclaim_4_streams": "as test_graph_capture_reclaim_2_streams",
+}
 
 # Installs vram-ledger before the test file imports torch's CUDA state: pytest loads it as a
 # plugin (`-p`) from this folder.
