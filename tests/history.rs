@@ -109,6 +109,16 @@ fn history_entries_carry_the_hosts_context_into_the_snapshot() {
     );
     let back = replay::trace::read_bytes(&bytes, Some(0)).unwrap();
     assert_eq!(back.events.len(), contexts.len(), "every entry read back");
+    // A free without a context of its own carries its allocation's, as PyTorch's does.
+    let z = with_context(11, || a.allocate_tagged(4096, s, Tag::Weights)).unwrap();
+    a.free(z.ptr).unwrap();
+    let (entries, _) = a.history();
+    let freed = entries
+        .iter()
+        .rev()
+        .find(|e| e.action.name() == "free_requested")
+        .unwrap();
+    assert_eq!((freed.addr, freed.context), (z.ptr, 11));
 }
 
 /// A live allocation keeps its context whatever the ring's bound dropped, until it is freed;

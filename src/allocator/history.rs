@@ -198,7 +198,7 @@ impl History {
             r.dropped += 1;
         }
         let time_us = r.start.elapsed().as_micros() as u64;
-        let context = match action {
+        let mut context = match action {
             Action::Alloc | Action::FreeRequested => CONTEXT.with(Cell::get),
             _ => 0,
         };
@@ -207,7 +207,12 @@ impl History {
                 r.live.insert(addr, context);
             }
             Action::FreeRequested => {
-                r.live.remove(&addr);
+                // A free gathered without a stack of its own shows its allocation's, as
+                // PyTorch's history does.
+                let allocated = r.live.remove(&addr);
+                if context == 0 {
+                    context = allocated.unwrap_or(0);
+                }
             }
             _ => {}
         }
