@@ -9,7 +9,7 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::sim;
+use common::{check_graphs as check, sim};
 use vram_ledger::driver::sim::SimDriver;
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::MIB;
@@ -20,17 +20,6 @@ const SIDE: StreamId = StreamId(0x180);
 const EAGER: StreamId = StreamId(0x200);
 const P: GraphPool = GraphPool(1, 0);
 const Q: GraphPool = GraphPool(2, 0);
-
-fn check(a: &Allocator<SimDriver>) {
-    common::check(a);
-    // Two independent accounts of graph memory: the ledger's gauge, kept as memory is mapped
-    // and unmapped, and a walk of the segments now.
-    assert_eq!(
-        a.snapshot().graph_reserved_bytes.current,
-        a.graph_memory().reserved,
-        "graph gauge against the walk"
-    );
-}
 
 fn overlaps(x: &Allocation, y: &Allocation) -> bool {
     x.ptr < y.ptr + y.size && y.ptr < x.ptr + x.size

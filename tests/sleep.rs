@@ -9,32 +9,14 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::{check, sim, sim_on, sim_with};
-use vram_ledger::driver::sim::{SimConfig, SimDriver};
+use common::{check, sim, sim_with, tags_apart as allocator, VIRTUAL};
+use vram_ledger::driver::sim::SimDriver;
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::{GIB, MIB};
 use vram_ledger::{Allocation, Allocator, Config, Error, SegmentMode, Tag};
 
-const VIRTUAL: [SegmentMode; 3] = [
-    SegmentMode::Expandable,
-    SegmentMode::Compact,
-    SegmentMode::Remap,
-];
 const S: StreamId = StreamId(0x10);
 const OTHER: StreamId = StreamId(0x20);
-
-/// An allocator in `mode` with tags kept apart, on a device of `capacity` bytes.
-fn allocator(mode: SegmentMode, capacity: u64) -> Allocator<SimDriver> {
-    let device = SimConfig {
-        capacity,
-        ..SimConfig::default()
-    };
-    let config = Config {
-        separate_tags: true,
-        ..Config::with_mode(mode)
-    };
-    sim_on(device, config)
-}
 
 /// Distinct words at the start and end of an allocation.
 fn stamp(a: &Allocator<SimDriver>, x: &Allocation, seed: u64) {

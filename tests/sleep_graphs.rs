@@ -8,41 +8,18 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::sim_on;
-use vram_ledger::driver::sim::{SimConfig, SimDriver};
+use common::{check_graphs as check, VIRTUAL};
+use vram_ledger::driver::sim::SimDriver;
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{Allocation, Allocator, Config, Error, GraphPool, SegmentMode, Tag};
+use vram_ledger::{Allocation, Allocator, Error, GraphPool, SegmentMode, Tag};
 
-const VIRTUAL: [SegmentMode; 3] = [
-    SegmentMode::Expandable,
-    SegmentMode::Compact,
-    SegmentMode::Remap,
-];
 const CAPTURE: StreamId = StreamId(0x100);
 const EAGER: StreamId = StreamId(0x200);
 const P: GraphPool = GraphPool(1, 0);
 
 fn allocator(mode: SegmentMode) -> Allocator<SimDriver> {
-    let device = SimConfig {
-        capacity: 80 * GIB,
-        ..SimConfig::default()
-    };
-    let config = Config {
-        separate_tags: true,
-        ..Config::with_mode(mode)
-    };
-    sim_on(device, config)
-}
-
-/// The invariants, and the ledger's graph gauge against a walk of the segments.
-fn check(a: &Allocator<SimDriver>) {
-    common::check(a);
-    assert_eq!(
-        a.snapshot().graph_reserved_bytes.current,
-        a.graph_memory().reserved,
-        "graph gauge against the walk"
-    );
+    common::tags_apart(mode, 80 * GIB)
 }
 
 /// A graph's memory: a capture into P allocating an intermediate (freed inside the capture)

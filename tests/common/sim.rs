@@ -133,3 +133,35 @@ impl Rng {
         self.next() % n
     }
 }
+
+/// The virtual-memory modes, which sleep needs.
+pub const VIRTUAL: [SegmentMode; 3] = [
+    SegmentMode::Expandable,
+    SegmentMode::Compact,
+    SegmentMode::Remap,
+];
+
+/// An allocator in `mode` with tags kept apart (as sleep needs), on a device of `capacity`
+/// bytes.
+pub fn tags_apart(mode: SegmentMode, capacity: u64) -> Allocator<SimDriver> {
+    let device = SimConfig {
+        capacity,
+        ..SimConfig::default()
+    };
+    let config = Config {
+        separate_tags: true,
+        ..Config::with_mode(mode)
+    };
+    sim_on(device, config)
+}
+
+/// [`check`], and two independent accounts of graph memory: the ledger's gauge, kept as memory
+/// is mapped and unmapped, against a walk of the segments now.
+pub fn check_graphs(a: &Allocator<SimDriver>) {
+    check(a);
+    assert_eq!(
+        a.snapshot().graph_reserved_bytes.current,
+        a.graph_memory().reserved,
+        "graph gauge against the walk"
+    );
+}

@@ -179,6 +179,18 @@ def forward_and_graph(m):
     return ids, eager, g, out
 
 
+def same_after_wake(m, ids, eager, g, out, graph_before):
+    """Whether the eager forward and the graph's replay give, bit for bit, what they gave
+    before the sleep."""
+    import torch
+
+    with torch.no_grad():
+        again = m(ids, use_cache=False).logits
+    g.replay()
+    torch.cuda.synchronize()
+    return torch.equal(again, eager), torch.equal(out, graph_before)
+
+
 def case_model(mode, second_process=False):
     import torch
     import vram_ledger as vl
@@ -206,12 +218,7 @@ def case_model(mode, second_process=False):
     woke = vl.wake()[0]
     # The discarded KV tensor (random before the sleep) reads as zeros after the wake.
     kv_zero = bool((kv == 0).all())
-    with torch.no_grad():
-        again = m(ids, use_cache=False).logits
-    g.replay()
-    torch.cuda.synchronize()
-    eager_same = torch.equal(again, eager)
-    graph_same = torch.equal(out, graph_before)
+    eager_same, graph_same = same_after_wake(m, ids, eager, g, out, graph_before)
     m = Marks()
     m.true("eager_bit_identical", eager_same)
     m.true("graph_bit_identical", graph_same)
@@ -253,12 +260,7 @@ def case_graphs(mode):
     graph_asleep = stats["graph_reserved_bytes"]["current"]
     usage_asleep = nvml_usage()
     woke = vl.wake()[0]
-    with torch.no_grad():
-        again = m(ids, use_cache=False).logits
-    g.replay()
-    torch.cuda.synchronize()
-    eager_same = torch.equal(again, eager)
-    graph_same = torch.equal(out, graph_before)
+    eager_same, graph_same = same_after_wake(m, ids, eager, g, out, graph_before)
     mk = Marks()
     mk.true("eager_bit_identical", eager_same)
     mk.true("graph_bit_identical", graph_same)
