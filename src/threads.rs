@@ -3,7 +3,7 @@
 //! so nothing panics for want of threads while the allocator's shards are locked.
 
 /// At most this many threads at once.
-const THREADS: usize = 8;
+pub(crate) const THREADS: usize = 8;
 
 /// `f` over `items` on up to [`THREADS`] threads; the results in the items' order.
 pub(crate) fn on_threads<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {

@@ -9,7 +9,7 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::{check, sim, sim_with, tags_apart as allocator, VIRTUAL};
+use common::{check, readable, sim, sim_with, stamp, stamped, tags_apart as allocator, VIRTUAL};
 use vram_ledger::driver::sim::SimDriver;
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::{GIB, MIB};
@@ -17,24 +17,6 @@ use vram_ledger::{Allocation, Allocator, Config, Error, SegmentMode, Tag};
 
 const S: StreamId = StreamId(0x10);
 const OTHER: StreamId = StreamId(0x20);
-
-/// Distinct words at the start and end of an allocation.
-fn stamp(a: &Allocator<SimDriver>, x: &Allocation, seed: u64) {
-    let d = a.driver();
-    d.write_word(x.ptr, seed).unwrap();
-    d.write_word(x.ptr + x.requested / 8 * 8 - 8, !seed)
-        .unwrap();
-}
-
-fn stamped(a: &Allocator<SimDriver>, x: &Allocation, seed: u64) -> bool {
-    let d = a.driver();
-    d.read_word(x.ptr).ok() == Some(seed)
-        && d.read_word(x.ptr + x.requested / 8 * 8 - 8).ok() == Some(!seed)
-}
-
-fn readable(a: &Allocator<SimDriver>, x: &Allocation) -> bool {
-    a.driver().read_word(x.ptr).is_ok()
-}
 
 /// An engine's memory: weights of several sizes (small and large pool), a KV cache, an
 /// activation kept alive, on two streams.
@@ -451,30 +433,49 @@ fn sleep_retained_host_memory_is_reused_by_the_next_sleep() {
 }
 
 #[test]
-fn sleep_pins_every_tag_before_copying_any() {
-    // Host memory that a queued copy may still write into must never be freed: every tag's
-    // host memory is pinned before the first copy, so a failure to pin leaves nothing queued.
-    let a = allocator(SegmentMode::Expandable, 80 * GIB);
-    let e = engine(&a);
-    let pins = a.driver().calls(DriverCall::HostAlloc);
-    a.driver().fail_from(DriverCall::HostAlloc, 2);
-    let err = a.sleep(&[Tag::Weights, Tag::KvCache], &[]).unwrap_err();
-    a.driver().clear_faults();
-    assert!(matches!(err, Error::Driver(_)), "{err}");
-    assert!(a.driver().calls(DriverCall::HostAlloc) >= pins + 2);
-    assert_eq!(
-        a.driver().calls(DriverCall::CopyToHost),
-        0,
-        "a copy was queued before pinning ended"
-    );
-    assert!(a.asleep_tags().is_empty());
-    assert_eq!(a.driver().host_bytes(), 0, "what was pinned is freed");
-    assert!(e
-        .weights
-        .iter()
-        .enumerate()
-        .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)));
-    check(&a);
+fn sleep_that_fails_to_pin_wakes_every_tag_and_frees_what_it_pinned() {
+    // Copies are queued while host memory is still being pinned: a failure to pin a later
+    // chunk or tag comes after copies into earlier ones, which are waited for before any host
+    // memory is freed.
+    // The weights take one chunk, the KV cache two: #2 and #3 fail after the weights' copies.
+    for nth in [1, 2, 3] {
+        let a = allocator(SegmentMode::Expandable, 80 * GIB);
+        let e = engine(&a);
+        let pins = a.driver().calls(DriverCall::HostAlloc);
+        let copies = a.driver().calls(DriverCall::CopyToHost);
+        a.driver().fail_from(DriverCall::HostAlloc, nth);
+        let err = a.sleep(&[Tag::Weights, Tag::KvCache], &[]).unwrap_err();
+        a.driver().clear_faults();
+        assert!(matches!(err, Error::Driver(_)), "#{nth}: {err}");
+        assert!(a.driver().calls(DriverCall::HostAlloc) >= pins + nth);
+        assert_eq!(
+            a.driver().calls(DriverCall::CopyToHost) > copies,
+            nth > 1,
+            "#{nth}: the weights' copies were queued before the KV cache was pinned"
+        );
+        assert!(a.asleep_tags().is_empty(), "#{nth}");
+        assert_eq!(
+            a.driver().host_bytes(),
+            0,
+            "#{nth}: what was pinned is freed"
+        );
+        assert!(e.weights.iter().chain(&e.kv).all(|x| readable(&a, x)));
+        assert!(e
+            .weights
+            .iter()
+            .enumerate()
+            .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)));
+        check(&a);
+        // And the next sleep works.
+        a.sleep(&[Tag::Weights, Tag::KvCache], &[]).unwrap();
+        a.wake(&[]).unwrap();
+        assert!(e
+            .weights
+            .iter()
+            .enumerate()
+            .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)));
+        check(&a);
+    }
 }
 
 #[test]

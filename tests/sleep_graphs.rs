@@ -8,7 +8,7 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::{check_graphs as check, VIRTUAL};
+use common::{check_graphs as check, stamp, stamped, VIRTUAL};
 use vram_ledger::driver::sim::SimDriver;
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::{GIB, MIB};
@@ -42,16 +42,6 @@ fn capture(a: &Allocator<SimDriver>) -> Allocation {
     a.end_graph_pool(P, CAPTURE).unwrap();
     stamp(a, &out, 0xfeed);
     out
-}
-
-fn stamp(a: &Allocator<SimDriver>, x: &Allocation, seed: u64) {
-    a.driver().write_word(x.ptr, seed).unwrap();
-    a.driver().write_word(x.ptr + x.size - 8, !seed).unwrap();
-}
-
-fn stamped(a: &Allocator<SimDriver>, x: &Allocation, seed: u64) -> bool {
-    let d = a.driver();
-    d.read_word(x.ptr).ok() == Some(seed) && d.read_word(x.ptr + x.size - 8).ok() == Some(!seed)
 }
 
 #[test]

@@ -9,6 +9,9 @@
 //! - No host memory is freed, and the copy stream is not destroyed, while a copy queued on it
 //!   may still run: the stream is synchronised first, and if that fails both are kept.
 
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::mpsc;
+
 use crate::driver::{DevicePtr, Driver, DriverResult, HostPtr, StreamId};
 use crate::tag::Tag;
 use crate::units::MIB;
@@ -28,10 +31,18 @@ impl HostArena {
         self.chunks.iter().map(|c| c.1).sum()
     }
 
-    /// Pin chunks until `need` bytes fit, on several threads at once (pinning is the kernel
-    /// faulting in and locking pages: it scales with threads, and it, not the copy, is what
-    /// a first sleep waits for). What was pinned stays on failure.
-    pub(crate) fn grow_to<D: Driver>(&mut self, d: &D, need: u64) -> DriverResult<()> {
+    /// Pin chunks until `need` bytes fit, on several threads (pinning is the kernel faulting in
+    /// and locking pages: it scales with threads), calling `ready` on this thread
+    /// each time the chunks pinned in order reach further (at once if they already hold
+    /// `need`): the caller queues the copies that fit while the rest is still being pinned, so
+    /// a first sleep waits for about the longer of pinning and copying, not their sum. After
+    /// `ready` or a pin fails, no more chunks are started; what was pinned stays.
+    pub(crate) fn grow_streaming<D: Driver>(
+        &mut self,
+        d: &D,
+        need: u64,
+        mut ready: impl FnMut(&HostArena) -> DriverResult<()>,
+    ) -> DriverResult<()> {
         let mut sizes = Vec::new();
         let mut have = self.capacity();
         while have < need {
@@ -39,17 +50,63 @@ impl HostArena {
             sizes.push(n);
             have += n;
         }
-        let results = crate::threads::on_threads(&sizes, |&n| d.host_alloc(n).map(|p| (p, n)));
-        let mut first = None;
-        for r in results {
-            match r {
-                Ok(c) => self.chunks.push(c),
-                Err(e) => {
-                    first.get_or_insert(e);
+        if sizes.is_empty() {
+            return ready(self);
+        }
+        let next = AtomicUsize::new(0);
+        let (tx, rx) = mpsc::channel();
+        let pin = |tx: mpsc::Sender<(usize, DriverResult<(HostPtr, u64)>)>| loop {
+            let i = next.fetch_add(1, Relaxed);
+            if i >= sizes.len()
+                || tx
+                    .send((i, d.host_alloc(sizes[i]).map(|p| (p, sizes[i]))))
+                    .is_err()
+            {
+                break;
+            }
+        };
+        std::thread::scope(|s| {
+            let workers = (0..crate::threads::THREADS.min(sizes.len()))
+                .filter(|_| {
+                    let tx = tx.clone();
+                    std::thread::Builder::new()
+                        .spawn_scoped(s, || pin(tx))
+                        .is_ok()
+                })
+                .count();
+            if workers == 0 {
+                // No thread could be started: this one pins, in order, before the copies.
+                pin(tx.clone());
+            }
+            drop(tx);
+            let mut slots: Vec<Option<(HostPtr, u64)>> = vec![None; sizes.len()];
+            let (mut in_order, mut first) = (0, None);
+            for (i, r) in rx {
+                match r {
+                    Ok(c) => slots[i] = Some(c),
+                    Err(e) => {
+                        first.get_or_insert(e);
+                    }
+                }
+                let before = in_order;
+                while in_order < slots.len() && slots[in_order].is_some() {
+                    self.chunks.push(slots[in_order].take().expect("checked"));
+                    in_order += 1;
+                }
+                if first.is_none() && in_order > before {
+                    if let Err(e) = ready(self) {
+                        first = Some(e);
+                    }
+                }
+                if first.is_some() {
+                    // Start no more; those being pinned are received and kept.
+                    next.store(sizes.len(), Relaxed);
                 }
             }
-        }
-        first.map_or(Ok(()), Err)
+            // Pinned past a gap that a failure left: kept, to be freed with the rest.
+            self.chunks.extend(slots.into_iter().flatten());
+            first.map_or(Ok(()), Err)
+        })
     }
 
     /// Free every chunk (on several threads, as pinning); one that cannot be freed is kept

@@ -4,8 +4,9 @@
 //! in segments of its own).
 //!
 //! Sleep synchronises the device, gives back every shard's cache (all tags), copies the
-//! offloaded tags' mappings to page-locked host memory on a stream of its own (queued all at
-//! once, one synchronisation), then releases and unmaps the sleeping tags' memory. Wake maps
+//! offloaded tags' mappings to page-locked host memory on a stream of its own (each copy
+//! queued as soon as the host memory it goes to is pinned, one synchronisation), then releases
+//! and unmaps the sleeping tags' memory. Wake maps
 //! fresh memory at the same addresses, queues the copies back, and synchronises once. When the
 //! allocator is dropped, the copy stream is synchronised before anything is freed, then
 //! destroyed with the host memory.
@@ -211,7 +212,8 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// Copy the offloaded tags of `plan` to host memory; returns each mapping's host offset
-    /// (by plan entry, shard, mapping), [`DISCARDED`] for discarded tags. On failure, whether
+    /// (by plan entry, shard, mapping), [`DISCARDED`] for discarded tags. Each tag's copies are
+    /// queued as its host memory is pinned (`HostArena::grow_streaming`). On failure, whether
     /// no copy can still be running (host memory may then be freed).
     #[allow(clippy::type_complexity)]
     fn offload(
@@ -222,42 +224,48 @@ impl<D: Driver> Allocator<D> {
         report: &mut SleepReport,
     ) -> std::result::Result<Vec<Vec<Vec<u64>>>, (Error, bool)> {
         let d = &self.core.driver;
-        let need = |k: usize| -> u64 { maps[k].iter().flatten().map(|m| m.bytes).sum() };
-        // Everything is pinned before the first copy is queued: a failure to pin then leaves
-        // no copy in flight.
         let stream = st.stream(d).map_err(|e| (e.into(), true))?;
-        for (k, &(t, keep)) in plan.iter().enumerate() {
-            if keep {
-                st.host[t.index()]
-                    .grow_to(d, need(k))
-                    .map_err(|e| (e.into(), true))?;
-            }
-        }
         let mut hosts = Vec::with_capacity(plan.len());
         for (k, &(t, keep)) in plan.iter().enumerate() {
             if !keep {
                 hosts.push(maps[k].iter().map(|m| vec![DISCARDED; m.len()]).collect());
                 continue;
             }
-            let arena = &st.host[t.index()];
+            // Every mapping's place in the tag's host memory, in order.
             let mut off = 0;
-            let mut per_shard = Vec::with_capacity(maps[k].len());
-            for shard_maps in &maps[k] {
-                let mut offs = Vec::with_capacity(shard_maps.len());
-                for m in shard_maps {
-                    if let Err(e) =
-                        queue_copies(d, arena, off, m.va, m.bytes, stream, Direction::ToHost)
-                    {
-                        // Queued copies still write into the host memory: wait for them
-                        // before it can be freed.
-                        return Err((e.into(), d.sync_stream(stream).is_ok()));
-                    }
-                    offs.push(off);
-                    off += m.bytes;
+            let per_shard: Vec<Vec<u64>> = maps[k]
+                .iter()
+                .map(|shard_maps| {
+                    shard_maps
+                        .iter()
+                        .map(|m| {
+                            off += m.bytes;
+                            off - m.bytes
+                        })
+                        .collect()
+                })
+                .collect();
+            let need = off;
+            let mut todo = maps[k]
+                .iter()
+                .zip(&per_shard)
+                .flat_map(|(ms, offs)| ms.iter().zip(offs))
+                .peekable();
+            let copied = st.host[t.index()].grow_streaming(d, need, |arena| {
+                while let Some((m, &off)) =
+                    todo.next_if(|(m, &off)| off + m.bytes <= arena.capacity())
+                {
+                    queue_copies(d, arena, off, m.va, m.bytes, stream, Direction::ToHost)?;
                 }
-                per_shard.push(offs);
+                Ok(())
+            });
+            if let Err(e) = copied {
+                // Queued copies still write into the host memory: wait for them before it can
+                // be freed.
+                return Err((e.into(), d.sync_stream(stream).is_ok()));
             }
-            report.offloaded_bytes += need(k);
+            debug_assert!(todo.peek().is_none(), "every mapping's copy was queued");
+            report.offloaded_bytes += need;
             hosts.push(per_shard);
         }
         d.sync_stream(stream).map_err(|e| (e.into(), false))?;

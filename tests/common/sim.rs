@@ -15,7 +15,7 @@ use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::replay::engine::H200_CAPACITY;
 use vram_ledger::replay::{self, ReplayOptions, ReplayResult, Trace};
 use vram_ledger::units::MIB;
-use vram_ledger::{invariants, Allocator, Config, SegmentMode};
+use vram_ledger::{invariants, Allocation, Allocator, Config, SegmentMode};
 
 /// One `#[test]` per segment mode for the case `fn $case(mode: SegmentMode)`, each named by the
 /// mode's own name ([`SegmentMode::name`]) in a module named for the case, so that a failure
@@ -164,4 +164,24 @@ pub fn check_graphs(a: &Allocator<SimDriver>) {
         a.graph_memory().reserved,
         "graph gauge against the walk"
     );
+}
+
+/// Distinct words at the start and end of an allocation's requested bytes.
+pub fn stamp(a: &Allocator<SimDriver>, x: &Allocation, seed: u64) {
+    let d = a.driver();
+    d.write_word(x.ptr, seed).unwrap();
+    d.write_word(x.ptr + x.requested / 8 * 8 - 8, !seed)
+        .unwrap();
+}
+
+/// Whether [`stamp`]'s words with `seed` are there.
+pub fn stamped(a: &Allocator<SimDriver>, x: &Allocation, seed: u64) -> bool {
+    let d = a.driver();
+    d.read_word(x.ptr).ok() == Some(seed)
+        && d.read_word(x.ptr + x.requested / 8 * 8 - 8).ok() == Some(!seed)
+}
+
+/// Whether memory is mapped behind the allocation's start.
+pub fn readable(a: &Allocator<SimDriver>, x: &Allocation) -> bool {
+    a.driver().read_word(x.ptr).is_ok()
 }
