@@ -3,7 +3,8 @@
 # all: the GPU test binaries, the CPU test and benchmark binaries, the CLI, the examples, the
 # cdylib, the Python package, and its wheel (scripts/build-wheel.sh) in OUT/wheel/.
 #
-#   scripts/gpu-bundle.sh [OUT]        (default: gpu-bundle/)
+#   scripts/gpu-bundle.sh [OUT]        (default: gpu-bundle/; GPU_ONLY=1 leaves out the CPU
+#                                      test binaries)
 #   OUT/run-all.sh LOGDIR              (on the GPU machine; needs bash and python3, and
 #                                      python3.12 with torch for the wheel; not Rust)
 #
@@ -27,7 +28,12 @@ for line in sys.stdin:
             print(m["target"]["name"], m["executable"])
         elif "lib" in kind or "rlib" in kind:
             print("unit", m["executable"])' \
-    | while read -r name exe; do cp "$exe" "$out/tests/$name"; done
+    | while read -r name exe; do
+        # GPU_ONLY=1 leaves the CPU test binaries out (for run-all.sh with SKIP_CPU_TESTS=1):
+        # the bundle then fits beside the repository in what a GPU machine's call may carry.
+        case "$name" in gpu_*) ;; *) [ -n "${GPU_ONLY:-}" ] && continue ;; esac
+        cp "$exe" "$out/tests/$name"
+    done
 bench=$(cargo bench --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
 for line in sys.stdin:
