@@ -53,6 +53,11 @@ mkdir -p "$out/tests/data" && cp -r tests/data/* "$out/tests/data/"
 mkdir -p "$out/tests/c" && cp tests/c/* "$out/tests/c/" && cp -r include "$out/"
 [ -d python ] && cp -r python "$out/"
 strip "$out"/bin/* "$out"/tests/* "$out"/libvram_ledger.so 2>/dev/null || true
+# PyTorch's own test file, when UPSTREAM_TESTS names it (PyTorch's wheel does not ship it; it
+# is not part of this repository), for run-all.sh's upstream step.
+if [ -n "${UPSTREAM_TESTS:-}" ]; then
+    mkdir -p "$out/upstream" && cp "$UPSTREAM_TESTS" "$out/upstream/"
+fi
 # The wheel as users get it, for tests/python/h200_wheel.sh: installed with pip, no Rust.
 wheel=$(bash scripts/build-wheel.sh "$out/wheel")
 echo "wheel: $wheel"
@@ -138,6 +143,16 @@ if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
     step h200_sleep-devices script h200_sleep devices
 else
     echo "two_gpus, h200_sleep devices: not run: one GPU"
+fi
+# PyTorch's test_cuda.py in every configuration, compared with the run of PyTorch's allocator
+# (UPSTREAM_CONFIGS picks some; a mode run alone compares with a torch run kept in
+# UPSTREAM_RESULTS). Its testing helpers need expecttest, which the machine may lack.
+if [ -f upstream/test_cuda.py ]; then
+    step upstream env UPSTREAM_RESULTS="${UPSTREAM_RESULTS:-$logs/upstream}" \
+        python3 tests/python/upstream_tests.py upstream/test_cuda.py ${UPSTREAM_CONFIGS:-torch native expandable compact remap} \
+        -- --timeout=120
+else
+    echo "upstream: not run: no upstream/test_cuda.py in the bundle (UPSTREAM_TESTS=PATH at bundling)"
 fi
 # The bundle's wheel installed with pip into a fresh virtual environment (python3.12 with torch).
 step wheel bash tests/python/h200_wheel.sh

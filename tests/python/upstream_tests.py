@@ -70,11 +70,17 @@ def results_dir():
     return d
 
 
+def test_id(classname, name):
+    """`Class::test`: the module path pytest puts before the class depends on where the file
+    was and where pytest ran, which runs of several sessions need not share."""
+    return f"{classname.split('.')[-1]}::{name}"
+
+
 def outcomes(junit_path):
     """test id -> "passed" | "failed" | "skipped", from pytest's JUnit XML."""
     out = {}
     for case in ET.parse(junit_path).getroot().iter("testcase"):
-        test = f"{case.get('classname')}::{case.get('name')}"
+        test = test_id(case.get("classname"), case.get("name"))
         if case.find("failure") is not None or case.find("error") is not None:
             out[test] = "failed"
         elif case.find("skipped") is not None:
@@ -104,13 +110,18 @@ def run(config, test_file, pytest_args):
 
 def compare(torch_run, mode_run):
     """What a mode's run lost against PyTorch's allocator, and its marks."""
-    passed = {t for t, o in torch_run["outcomes"].items() if o == "passed"}
-    lost = sorted(t for t in passed if mode_run["outcomes"].get(t) != "passed")
+    def by_id(run):
+        # Results kept from earlier sessions may carry the module path too.
+        return {test_id(*t.rsplit("::", 1)): o for t, o in run["outcomes"].items()}
+
+    theirs, ours = by_id(torch_run), by_id(mode_run)
+    passed = {t for t, o in theirs.items() if o == "passed"}
+    lost = sorted(t for t in passed if ours.get(t) != "passed")
     unexpected = [t for t in lost if t.split("::")[-1] not in EXPECTED]
     m = Marks()
     m.true("results_read", bool(mode_run["outcomes"]) and bool(torch_run["outcomes"]))
     m.true("passes_what_torch_passes", not unexpected)
-    counts = {o: sum(1 for v in mode_run["outcomes"].values() if v == o) for o in ("passed", "failed", "skipped")}
+    counts = {o: sum(1 for v in ours.values() if v == o) for o in ("passed", "failed", "skipped")}
     return {"mode": mode_run["config"], "torch_passed": len(passed), "counts": counts, "lost": lost,
             "lost_unexpected": unexpected, "marks": m.met, "ok": m.ok, "missed": m.missed()}
 
