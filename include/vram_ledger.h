@@ -138,6 +138,14 @@ int vram_ledger_empty_cache(int device);
  */
 int vram_ledger_record_history(int device, int enabled, int64_t max_entries);
 
+/* Attach `metadata` to `device`'s history entries from now on (NULL or "": none), as
+ * PyTorch's `_set_memory_metadata` does; 0 on success, -1 on error.
+ *
+ * Safety:
+ * `metadata` is NULL or a NUL-terminated string, readable for the length of the call.
+ */
+int vram_ledger_set_history_metadata(int device, const char *metadata);
+
 /* Write `device`'s snapshot (segments now, and the recorded history) to `path` as PyTorch's
  * snapshot pickle (`torch.cuda.memory._dump_snapshot`'s format).
  *

@@ -9,6 +9,7 @@ mod common;
 
 use common::{h200, replay_in, sim, trace};
 use vram_ledger::replay::{self, engine, ReplayOptions};
+use vram_ledger::units::MIB;
 use vram_ledger::{SegmentMode, StreamId, Tag};
 
 #[test]
@@ -160,4 +161,58 @@ fn history_live_allocations_keep_their_context_past_the_bound() {
     a.record_history(false, 2).unwrap();
     assert!(a.live_contexts().is_empty(), "stopping forgets them");
     a.free(z.ptr).unwrap();
+}
+
+/// The host's metadata (PyTorch's `_set_memory_metadata`) rides on every entry written while it
+/// is set, segment events too, and shows as their `user_metadata`; cleared, entries show their
+/// tag again; the number of distinct strings is bounded.
+#[test]
+fn history_metadata_rides_on_every_entry_while_set() {
+    let a = sim(SegmentMode::Native);
+    let s = StreamId::DEFAULT;
+    a.record_history(true, 100).unwrap();
+    a.set_history_metadata(Some("phase 1")).unwrap();
+    assert_eq!(a.history_metadata().as_deref(), Some("phase 1"));
+    let x = a.allocate_tagged(30 * MIB, s, Tag::Weights).unwrap();
+    a.free(x.ptr).unwrap();
+    a.empty_cache().unwrap();
+    a.set_history_metadata(Some("")).unwrap();
+    assert_eq!(a.history_metadata(), None);
+    let y = a.allocate_tagged(30 * MIB, s, Tag::Weights).unwrap();
+    let (entries, _) = a.history();
+    let table = a.history_metadata_table();
+    let shown: Vec<(&str, Option<&str>)> = entries
+        .iter()
+        .map(|e| {
+            let m = (e.metadata > 0).then(|| table[e.metadata as usize - 1].as_str());
+            (e.action.name(), m)
+        })
+        .collect();
+    let (set, cleared) = shown.split_at(shown.iter().position(|e| e.1.is_none()).unwrap());
+    assert!(
+        set.len() >= 5 && set.iter().all(|e| e.1 == Some("phase 1")),
+        "{shown:?}"
+    );
+    assert!(set.iter().any(|e| e.0 == "segment_free"), "{shown:?}");
+    assert!(cleared.iter().all(|e| e.1.is_none()), "{shown:?}");
+    let text = format!(
+        "{:?}",
+        serde_pickle::value_from_slice(&replay::snapshot::write(&a, 0), Default::default())
+            .unwrap()
+    );
+    assert_eq!(
+        text.matches("String(\"phase 1\")").count(),
+        set.len(),
+        "{text:.400}"
+    );
+    a.free(y.ptr).unwrap();
+    // "phase 1" is one of them.
+    for i in 1..vram_ledger::allocator::history::MAX_METADATA {
+        a.set_history_metadata(Some(&format!("m{i}"))).unwrap();
+    }
+    assert!(matches!(
+        a.set_history_metadata(Some("one too many")),
+        Err(vram_ledger::Error::InvalidArgument(_))
+    ));
+    a.set_history_metadata(Some("m7")).unwrap();
 }

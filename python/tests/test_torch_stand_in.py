@@ -64,6 +64,9 @@ torch._C = types.SimpleNamespace(
     _accelerator_resetAccumulatedStats=unsupported("resetAccumulatedStats"),
     # What torch.accelerator asks: PyTorch's own caching allocator, never initialised.
     _accelerator_isAllocatorInitialized=lambda: False,
+    # What the pluggable allocator does with history metadata: nothing.
+    _cuda_setMemoryMetadata=lambda m: None,
+    _cuda_getMemoryMetadata=lambda: "",
     _accelerator_emptyCache=lambda: calls.append(["native_empty_cache"]),
 )
 sys.modules.update({"torch": torch, "torch.cuda": torch.cuda, "torch.cuda._utils": utils,
@@ -192,6 +195,24 @@ thefree(thealloc())
 seen["skipped"] = sorted({e["action"] for e in C._cuda_memorySnapshot(None)["device_traces"][0]})
 C._cuda_record_memory_history(None)
 seen["torch_gathered"] = ["gather"] in calls
+# As test_cuda.py's test_memory_plots_metadata: every event while it is set carries it.
+C._cuda_record_memory_history("all", "alloc", "python", sys.maxsize, False, False, False, [])
+C._cuda_setMemoryMetadata("metadata test")
+thefree(thealloc())
+lib.vram_ledger_empty_cache(0)
+seen["metadata_get"] = C._cuda_getMemoryMetadata()
+C._cuda_setMemoryMetadata("")
+events = C._cuda_memorySnapshot(None)["device_traces"][0]
+seen["metadata"] = sorted({e["user_metadata"] for e in events})
+thefree(thealloc())
+seen["metadata_after"] = C._cuda_memorySnapshot(None)["device_traces"][0][-1]["user_metadata"]
+C._cuda_record_memory_history(None)
+seen["metadata_refused"] = []
+for bad in [5, "a\\0b"]:
+    try:
+        C._cuda_setMemoryMetadata(bad)
+    except (TypeError, ValueError) as e:
+        seen["metadata_refused"].append(type(e).__name__)
 print(json.dumps(seen))
 """
 
@@ -218,6 +239,9 @@ torch._C._profiler = types.SimpleNamespace(gather_traceback=gather_traceback)
 
 def check_frames(r, torch_gathered):
     assert r["torch_gathered"] is torch_gathered, r
+    assert r["metadata"] == ["metadata test"] and r["metadata_get"] == "metadata test", r
+    assert r["metadata_after"] == "", "cleared: the entry shows its tag again (untracked)"
+    assert r["metadata_refused"] == ["ArgumentTypeError", "ValueError"], r
     # alloc: allocations' stacks in the history; all: frees' too; state: only live blocks'.
     assert r["alloc"] == [True, False], r
     assert r["all"] == [True, True], r

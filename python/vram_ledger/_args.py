@@ -141,3 +141,13 @@ def path(value: Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]) -> 
     if b"\0" in encoded:
         raise ValueError(f"path {value!r} contains a NUL byte")
     return encoded
+
+
+def text(value: Any, what: str) -> bytes:
+    """A str as the NUL-terminated UTF-8 string the library reads."""
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"{what} must be a str, not {type(value).__name__}")
+    encoded = value.encode("utf-8")
+    if b"\0" in encoded:
+        raise ValueError(f"{what} {value!r} contains a NUL byte")
+    return encoded

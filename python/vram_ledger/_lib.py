@@ -96,6 +96,7 @@ USED = (
     "vram_ledger_record_stream",
     "vram_ledger_set_oom_observer",
     "vram_ledger_set_context_source",
+    "vram_ledger_set_history_metadata",
     "vram_ledger_reset_accumulated",
     "vram_ledger_separate_tags",
     "vram_ledger_sleep",

@@ -24,6 +24,9 @@ from ._args import INT64_MAX
 from ._lib import _LOG, _check, load
 from .metrics import dump_snapshot, memory_stats, record_history, reset_peak_memory_stats
 
+# The history metadata set through torch per device (PyTorch's _set_memory_metadata).
+_METADATA: Dict[int, str] = {}
+
 # The fraction set through torch per device; PyTorch's default is the whole device.
 _FRACTIONS: Dict[int, float] = {}
 
@@ -136,6 +139,15 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
     def reset_accumulated(device: Any) -> None:
         _check(load().vram_ledger_reset_accumulated(_args.device(index(device))))
 
+    def set_memory_metadata(metadata: str) -> None:
+        if not torch.cuda.is_initialized():
+            torch.cuda.init()
+        _check(load().vram_ledger_set_history_metadata(torch.cuda.current_device(), _args.text(metadata, "metadata")))
+        _METADATA[torch.cuda.current_device()] = str(metadata)
+
+    def get_memory_metadata() -> str:
+        return _METADATA.get(torch.cuda.current_device(), "") if torch.cuda.is_initialized() else ""
+
     # torch.accelerator asks the device allocator PyTorch registered for CUDA, which is its own
     # caching allocator, never initialised under install(): without these, memory_stats is empty
     # and empty_cache gives back nothing of the library's.
@@ -158,6 +170,8 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
         ("_accelerator_resetPeakStats", reset_peaks),
         ("_cuda_resetAccumulatedMemoryStats", reset_accumulated),
         ("_accelerator_resetAccumulatedStats", reset_accumulated),
+        ("_cuda_setMemoryMetadata", set_memory_metadata),
+        ("_cuda_getMemoryMetadata", get_memory_metadata),
         ("_accelerator_isAllocatorInitialized", allocator_initialized),
         ("_accelerator_emptyCache", empty_cache_),
     ]:

@@ -395,6 +395,29 @@ impl<D: Driver> Allocator<D> {
         self.core.history.entries()
     }
 
+    /// Attach `metadata` to the history's entries from now on (None or "": none), as PyTorch's
+    /// `_set_memory_metadata` does; the snapshot shows it as their `user_metadata`.
+    pub fn set_history_metadata(&self, metadata: Option<&str>) -> Result<()> {
+        if self.core.history.set_metadata(metadata) {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "more than {} distinct history metadata strings",
+                crate::allocator::history::MAX_METADATA
+            )))
+        }
+    }
+
+    /// The history metadata in force, if any.
+    pub fn history_metadata(&self) -> Option<String> {
+        self.core.history.metadata()
+    }
+
+    /// The metadata strings entries name (`HistoryEntry::metadata` − 1).
+    pub fn history_metadata_table(&self) -> Vec<String> {
+        self.core.history.metadata_table()
+    }
+
     /// The host's context of each live allocation made with one while recording
     /// ([`crate::allocator::history::with_context`]), by address.
     pub fn live_contexts(&self) -> std::collections::HashMap<u64, u64> {

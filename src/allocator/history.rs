@@ -18,6 +18,9 @@
 //!   host resolves to stack frames, [`with_context`]); the host gathers it before the
 //!   operation takes any lock of the allocator, so gathering it may wait on the host's own
 //!   locks (Python's) without holding ours.
+//! - Every entry carries the host's metadata in force when it was written (PyTorch's
+//!   `_set_memory_metadata`), as an index into `metadata` (0: none), whose strings are never
+//!   removed while the history lives, so an index always names the string it was written with.
 //! - While recording, `live` maps the address of every allocation made with a context and not
 //!   yet freed to that context, whatever the ring's bound dropped (a live block shows its
 //!   allocation's stack as long as it lives); it is emptied when recording starts or stops,
@@ -118,7 +121,12 @@ pub struct HistoryEntry {
     pub time_us: u64,
     /// The host's context of an allocation or a free ([`with_context`]), 0 for none.
     pub context: u64,
+    /// The host's metadata in force then: 1 + its index in [`History::metadata`], 0 for none.
+    pub metadata: u32,
 }
+
+/// Distinct metadata strings a history keeps at most.
+pub const MAX_METADATA: usize = 4096;
 
 struct Ring {
     max: usize,
@@ -126,6 +134,8 @@ struct Ring {
     dropped: u64,
     start: Instant,
     live: HashMap<u64, u64>,
+    metadata: Vec<String>,
+    current: u32,
 }
 
 pub(crate) struct History {
@@ -143,6 +153,8 @@ impl Default for History {
                 dropped: 0,
                 start: Instant::now(),
                 live: HashMap::new(),
+                metadata: Vec::new(),
+                current: 0,
             }),
         }
     }
@@ -198,6 +210,7 @@ impl History {
             r.dropped += 1;
         }
         let time_us = r.start.elapsed().as_micros() as u64;
+        let metadata = r.current;
         let mut context = match action {
             Action::Alloc | Action::FreeRequested => CONTEXT.with(Cell::get),
             _ => 0,
@@ -225,7 +238,39 @@ impl History {
             sleep,
             time_us,
             context,
+            metadata,
         });
+    }
+
+    /// Attach `metadata` to the entries written from now on ("" or None: none). Refused
+    /// (false) once [`MAX_METADATA`] distinct strings were seen.
+    pub(crate) fn set_metadata(&self, metadata: Option<&str>) -> bool {
+        let mut r = self.ring.lock();
+        let Some(m) = metadata.filter(|m| !m.is_empty()) else {
+            r.current = 0;
+            return true;
+        };
+        let i = match r.metadata.iter().position(|s| s == m) {
+            Some(i) => i,
+            None if r.metadata.len() >= MAX_METADATA => return false,
+            None => {
+                r.metadata.push(m.to_owned());
+                r.metadata.len() - 1
+            }
+        };
+        r.current = i as u32 + 1;
+        true
+    }
+
+    /// The metadata in force, if any.
+    pub(crate) fn metadata(&self) -> Option<String> {
+        let r = self.ring.lock();
+        (r.current > 0).then(|| r.metadata[r.current as usize - 1].clone())
+    }
+
+    /// The metadata strings, by [`HistoryEntry::metadata`] − 1.
+    pub(crate) fn metadata_table(&self) -> Vec<String> {
+        self.ring.lock().metadata.clone()
     }
 
     /// The context of each live allocation made with one while recording, by address.

@@ -115,6 +115,11 @@ pub(super) const SIGNATURES: &[Signature] = &[
         "void",
         &[CONTEXT_SOURCE, "int"],
     ),
+    sig(
+        "vram_ledger_set_history_metadata",
+        "int",
+        &["int", "const char *"],
+    ),
     sig("vram_ledger_separate_tags", "int", &["int"]),
     sig("vram_ledger_sleep", "char *", &["int", "int", "int"]),
     sig("vram_ledger_wake", "char *", &["int", "int"]),

@@ -179,6 +179,27 @@ pub extern "C" fn vram_ledger_record_history(
     })
 }
 
+/// Attach `metadata` to `device`'s history entries from now on (NULL or "": none), as
+/// PyTorch's `_set_memory_metadata` does; 0 on success, -1 on error.
+///
+/// # Safety
+/// `metadata` is NULL or a NUL-terminated string, readable for the length of the call.
+#[no_mangle]
+pub unsafe extern "C" fn vram_ledger_set_history_metadata(
+    device: c_int,
+    metadata: *const c_char,
+) -> c_int {
+    guard(-1, || {
+        let m = if metadata.is_null() {
+            None
+        } else {
+            // SAFETY: non-NULL and NUL-terminated, by this function's contract.
+            Some(unsafe { c_str(metadata, "metadata") }?)
+        };
+        status(on_device!(state(device)?, d => d.allocator().set_history_metadata(m)))
+    })
+}
+
 /// Write `device`'s snapshot (segments now, and the recorded history) to `path` as PyTorch's
 /// snapshot pickle (`torch.cuda.memory._dump_snapshot`'s format).
 ///

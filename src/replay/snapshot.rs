@@ -36,9 +36,16 @@ fn int(v: u64) -> Value {
 
 /// A tag as PyTorch's metadata: the tag's name, and "" for untracked (as in the traces PyTorch
 /// records with `_set_memory_metadata`).
-/// An entry's `user_metadata`: its tag's name ("" for untracked), or for a segment event of
-/// sleep or wake "sleep TAG" or "wake TAG" (PyTorch's memory_viz shows it as it is).
-fn metadata(e: &HistoryEntry) -> Value {
+/// An entry's `user_metadata`: for a segment event of sleep or wake "sleep TAG" or "wake TAG"
+/// (which the replay reads); else the host's metadata when one was set (PyTorch's
+/// `_set_memory_metadata`, shown as it is; the replay then reads the entry as untracked), else
+/// its tag's name ("" for untracked).
+fn metadata(e: &HistoryEntry, table: &[String]) -> Value {
+    if !e.sleep && e.metadata > 0 {
+        if let Some(m) = table.get(e.metadata as usize - 1) {
+            return Value::String(m.clone());
+        }
+    }
     if e.sleep {
         let how = if e.action == Action::SegmentUnmap {
             SLEEP
@@ -157,6 +164,7 @@ fn segments(device: usize, dump: &[SegmentDump], contexts: &HashMap<u64, u64>) -
 pub fn write<D: Driver>(alloc: &Allocator<D>, device: usize) -> Vec<u8> {
     let dump = alloc.dump();
     let (entries, _) = alloc.history();
+    let table = alloc.history_metadata_table();
     let trace: Vec<Value> = entries
         .iter()
         .map(|e| {
@@ -167,7 +175,7 @@ pub fn write<D: Driver>(alloc: &Allocator<D>, device: usize) -> Vec<u8> {
                 ("stream", int(e.stream.0)),
                 ("time_us", int(e.time_us)),
                 ("frames", Value::List(vec![])),
-                ("user_metadata", metadata(e)),
+                ("user_metadata", metadata(e, &table)),
             ];
             if e.context != 0 {
                 // For the host to resolve into frames (the Python package does); PyTorch's
