@@ -195,6 +195,8 @@ thefree(thealloc())
 seen["skipped"] = sorted({e["action"] for e in C._cuda_memorySnapshot(None)["device_traces"][0]})
 C._cuda_record_memory_history(None)
 seen["torch_gathered"] = ["gather"] in calls
+# Symbolized together, per snapshot: no stack summarized on its own.
+seen["symbolized_one_at_a_time"] = ["summary"] in calls
 # As test_cuda.py's test_memory_plots_metadata: every event while it is set carries it.
 C._cuda_record_memory_history("all", "alloc", "python", sys.maxsize, False, False, False, [])
 C._cuda_setMemoryMetadata("metadata test")
@@ -223,22 +225,30 @@ import traceback
 tb_module = types.ModuleType("torch.utils._traceback")
 class CapturedTraceback:
     def __init__(self, tb, skip=0):
-        self.tb = tb
+        self.tb, self.skip = tb, skip
     def summary(self):
-        return traceback.StackSummary.from_list(self.tb)
+        calls.append(["summary"])
+        return _extract_symbolized_tb(symbolize_tracebacks([self.tb])[0], self.skip)
+def symbolize_tracebacks(tbs):
+    calls.append(["symbolize", len(tbs)])
+    return tbs
+def _extract_symbolized_tb(tb, skip):
+    return traceback.StackSummary.from_list(tb)
 tb_module.CapturedTraceback = CapturedTraceback
+tb_module._extract_symbolized_tb = _extract_symbolized_tb
 torch.utils = types.ModuleType("torch.utils")
 torch.utils._traceback = tb_module
 sys.modules.update({"torch.utils": torch.utils, "torch.utils._traceback": tb_module})
 def gather_traceback(python, script, cpp):
     calls.append(["gather"])
     return traceback.extract_stack()[:-1]
-torch._C._profiler = types.SimpleNamespace(gather_traceback=gather_traceback)
+torch._C._profiler = types.SimpleNamespace(gather_traceback=gather_traceback, symbolize_tracebacks=symbolize_tracebacks)
 """
 
 
 def check_frames(r, torch_gathered):
     assert r["torch_gathered"] is torch_gathered, r
+    assert r["symbolized_one_at_a_time"] is False, r
     assert r["metadata"] == ["metadata test"] and r["metadata_get"] == "metadata test", r
     assert r["metadata_after"] == "", "cleared: the entry shows its tag again (untracked)"
     assert r["metadata_refused"] == ["ArgumentTypeError", "ValueError"], r

@@ -98,13 +98,30 @@ def _ours(filename: str) -> bool:
     return filename.startswith(_HERE) or filename.replace(os.sep, "/").endswith("torch/utils/_traceback.py")
 
 
-def _frames(stack: Any) -> List[Dict[str, Any]]:
-    """Innermost first, as PyTorch lists them."""
+def _frames(stack: Any, summary: Any = None) -> List[Dict[str, Any]]:
+    """Innermost first, as PyTorch lists them (`summary`: the stack's, if already made)."""
     if isinstance(stack, list):
         raw = [(f, n, name) for f, n, name in stack]
     else:
-        raw = [(f.filename, f.lineno, f.name) for f in reversed(stack.summary())]
+        raw = [(f.filename, f.lineno, f.name) for f in reversed(summary if summary is not None else stack.summary())]
     return [{"filename": f, "line": int(n or 0), "name": name} for f, n, name in raw if not _ours(f)]
+
+
+def _symbolize_together(ids: List[int], stacks: Dict[int, Tuple[Any, bool]]) -> Dict[int, Any]:
+    """The summaries of every torch traceback these ids name, symbolized in one call as
+    PyTorch's own batch formatting does (C++ frames are slow to symbolize one stack at a
+    time); {} where torch cannot, and each stack is then summarized alone."""
+    wanted = [i for i in set(ids) if i in stacks and not isinstance(stacks[i][0], list)]
+    if not wanted:
+        return {}
+    try:
+        import torch
+        from torch.utils._traceback import _extract_symbolized_tb
+
+        symbolized = torch._C._profiler.symbolize_tracebacks([stacks[i][0].tb for i in wanted])
+        return {i: _extract_symbolized_tb(t, stacks[i][0].skip) for i, t in zip(wanted, symbolized)}
+    except Exception:  # noqa: BLE001 - only a speed-up
+        return {}
 
 
 def resolve(snapshot: Dict[str, Any], key: str, skip_actions: Optional[List[str]] = None, prune: bool = False) -> None:
@@ -114,13 +131,18 @@ def resolve(snapshot: Dict[str, Any], key: str, skip_actions: Optional[List[str]
     skip = set(skip_actions or ())
     with _lock:
         stacks = dict(_stacks)
+    summaries = _symbolize_together(
+        [e.get(key, 0) for t in snapshot.get("device_traces", []) for e in t]
+        + [b.get(key, 0) for seg in snapshot.get("segments", []) for b in seg.get("blocks", [])],
+        stacks,
+    )
     resolved: Dict[int, List[Dict[str, Any]]] = {}
     seen: Set[int] = set()
 
     def frames_of(i: int) -> List[Dict[str, Any]]:
         seen.add(i)
         if i not in resolved:
-            resolved[i] = _frames(stacks[i][0]) if i in stacks else []
+            resolved[i] = _frames(stacks[i][0], summaries.get(i)) if i in stacks else []
         return resolved[i]
 
     for trace in snapshot.get("device_traces", []):
