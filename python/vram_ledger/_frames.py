@@ -124,7 +124,9 @@ def _symbolize_together(ids: List[int], stacks: Dict[int, Tuple[Any, bool]]) -> 
         return {}
 
 
-def resolve(snapshot: Dict[str, Any], key: str, skip_actions: Optional[List[str]] = None, prune: bool = False) -> None:
+def resolve(
+    snapshot: Dict[str, Any], key: str, live_key: str, skip_actions: Optional[List[str]] = None, prune: bool = False
+) -> None:
     """Replace each identifier (under `key`, on trace entries and live blocks) by its frames,
     where the entry shows them; drop the entries of `skip_actions`; with `prune` (the snapshot
     is of the only device recording), forget the stacks nothing in it refers to."""
@@ -137,7 +139,9 @@ def resolve(snapshot: Dict[str, Any], key: str, skip_actions: Optional[List[str]
         stacks,
     )
     resolved: Dict[int, List[Dict[str, Any]]] = {}
-    seen: Set[int] = set()
+    # Live allocations' stacks are kept, those of asleep memory too, which the snapshot's
+    # segments leave out.
+    seen: Set[int] = set(snapshot.pop(live_key, []))
 
     def frames_of(i: int) -> List[Dict[str, Any]]:
         seen.add(i)

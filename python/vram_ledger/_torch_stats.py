@@ -32,6 +32,8 @@ _FRACTIONS: Dict[int, float] = {}
 
 # The key of a trace entry's stack identifier in the library's snapshot (src/replay/snapshot.rs).
 CONTEXT_KEY = "vram-ledger:context"
+# ... and of the list of every live allocation's identifier.
+LIVE_KEY = "vram-ledger:live-contexts"
 
 # Out-of-memory observers attached through torch, called as PyTorch's allocator calls its own:
 # (device, bytes asked for, bytes allocated on the device, device's free bytes).
@@ -220,7 +222,7 @@ def _snapshot(device: int) -> Dict[str, Any]:
     traces = snap.get("device_traces", [])
     if device > 0 and len(traces) == 1:
         snap["device_traces"] = [[] for _ in range(device)] + traces
-    _frames.resolve(snap, CONTEXT_KEY, _RECORDING.get(device), prune=set(_RECORDING) <= {device})
+    _frames.resolve(snap, CONTEXT_KEY, LIVE_KEY, _RECORDING.get(device), prune=set(_RECORDING) <= {device})
     return snap
 
 

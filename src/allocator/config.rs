@@ -126,8 +126,9 @@ pub struct Config {
     pub move_across_streams: bool,
     /// Keep each tag's memory in segments (and free lists) of its own, per stream, so that a
     /// tag can be put to sleep ([`crate::Allocator::sleep`]) without touching another tag's
-    /// memory. Graph pools are not split. Costs at most a partly used page per tag, stream and
-    /// pool; off by default (PyTorch's layout).
+    /// memory; graph pools are split by tag too, so a tag's graphs sleep with it. Costs at most
+    /// a partly used page, and a reserved address range, per tag, stream and pool; off by
+    /// default (PyTorch's layout).
     pub separate_tags: bool,
 }
 

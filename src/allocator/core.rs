@@ -219,8 +219,8 @@ impl<D: Driver> Core<D> {
         }
     }
 
-    /// The owner of `tag`'s memory for `owner` (a stream or a graph pool): the stream's region
-    /// of the tag when tags are kept apart.
+    /// The owner of `tag`'s memory for `owner` (a stream or a graph pool): its region of the
+    /// tag when tags are kept apart.
     #[inline]
     pub(crate) fn region(&self, owner: Owner, tag: Tag) -> Owner {
         if self.separate_tags {

@@ -250,8 +250,8 @@ impl<D: Driver> Allocator<D> {
         }
     }
 
-    /// Whose memory serves `tag` on `stream`: the stream's own (its tag's region of it when
-    /// tags are kept apart), or the graph pool its capture is routed to.
+    /// Whose memory serves `tag` on `stream`: the stream's own, or the graph pool its capture
+    /// is routed to (their region of the tag when tags are kept apart).
     #[inline]
     fn owner(&self, sh: &Shard, stream: StreamId, tag: Tag) -> Owner {
         self.core
@@ -397,15 +397,8 @@ impl<D: Driver> Allocator<D> {
 
     /// Attach `metadata` to the history's entries from now on (None or "": none), as PyTorch's
     /// `_set_memory_metadata` does; the snapshot shows it as their `user_metadata`.
-    pub fn set_history_metadata(&self, metadata: Option<&str>) -> Result<()> {
-        if self.core.history.set_metadata(metadata) {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument(format!(
-                "more than {} distinct history metadata strings",
-                crate::allocator::history::MAX_METADATA
-            )))
-        }
+    pub fn set_history_metadata(&self, metadata: Option<&str>) {
+        self.core.history.set_metadata(metadata);
     }
 
     /// The history metadata in force, if any.

@@ -242,24 +242,39 @@ impl History {
         });
     }
 
-    /// Attach `metadata` to the entries written from now on ("" or None: none). Refused
-    /// (false) once [`MAX_METADATA`] distinct strings were seen.
-    pub(crate) fn set_metadata(&self, metadata: Option<&str>) -> bool {
+    /// Attach `metadata` to the entries written from now on ("" or None: none). Past
+    /// [`MAX_METADATA`] distinct strings, one that no kept entry names any more is reused; if
+    /// every one is still named, the entries go without (logged).
+    pub(crate) fn set_metadata(&self, metadata: Option<&str>) {
         let mut r = self.ring.lock();
         let Some(m) = metadata.filter(|m| !m.is_empty()) else {
             r.current = 0;
-            return true;
+            return;
         };
         let i = match r.metadata.iter().position(|s| s == m) {
             Some(i) => i,
-            None if r.metadata.len() >= MAX_METADATA => return false,
-            None => {
+            None if r.metadata.len() < MAX_METADATA => {
                 r.metadata.push(m.to_owned());
                 r.metadata.len() - 1
             }
+            None => {
+                let mut named = vec![false; r.metadata.len()];
+                for e in r.entries.iter().filter(|e| e.metadata > 0) {
+                    named[e.metadata as usize - 1] = true;
+                }
+                let Some(free) = named.iter().position(|&n| !n) else {
+                    tracing::warn!(
+                        metadata = m,
+                        "every history metadata string is still named: entries go without"
+                    );
+                    r.current = 0;
+                    return;
+                };
+                r.metadata[free] = m.to_owned();
+                free
+            }
         };
         r.current = i as u32 + 1;
-        true
     }
 
     /// The metadata in force, if any.

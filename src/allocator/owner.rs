@@ -16,8 +16,8 @@ use crate::tag::Tag;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct PoolKey(pub(crate) u32);
 
-/// The owner of a block, a segment and a set of free lists: a stream's own memory, a stream's
-/// memory of one tag (tags kept apart), or a graph pool's memory. Two words, compared as such:
+/// The owner of a block, a segment and a set of free lists: a stream's own memory or a graph
+/// pool's, or (tags kept apart) its region of one tag. Two words, compared as such:
 /// the cached path compares owners to find a shard's free lists.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Owner {

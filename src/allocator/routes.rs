@@ -4,7 +4,8 @@
 //! A replayed graph writes to the addresses it was captured with, freed or not. So memory
 //! freed during a capture must never be handed to code outside that graph while the graph
 //! lives: allocations on a stream that is part of a routed capture are filed under the pool's
-//! [`Owner::of_pool`] key, and only allocations routed to the same pool reuse its blocks.
+//! [`Owner::of_pool`] key (its region of their tag, when tags are kept apart), and only
+//! allocations routed to the same pool reuse its blocks.
 //!
 //! Invariants:
 //! - Every shard holds the same routes and the same held keys (they change under each shard's

@@ -264,7 +264,14 @@ impl<D: Driver> Allocator<D> {
                 // be freed.
                 return Err((e.into(), d.sync_stream(stream).is_ok()));
             }
-            debug_assert!(todo.peek().is_none(), "every mapping's copy was queued");
+            if todo.peek().is_some() {
+                // Not reachable while the arena grows to `need`; if it were, memory would be
+                // given back without its copy: refuse the sleep instead.
+                let e = Error::InvalidArgument(format!(
+                    "sleep of {t}: host memory short of its contents"
+                ));
+                return Err((e, d.sync_stream(stream).is_ok()));
+            }
             report.offloaded_bytes += need;
             hosts.push(per_shard);
         }
@@ -323,7 +330,9 @@ impl<D: Driver> Allocator<D> {
             None => Vec::new(),
         };
         drop(shards);
-        if !st.retain_host {
+        // Host memory an earlier sleep kept because its copies could not be waited for is
+        // freed only once they can be.
+        if !st.retain_host && st.settle(&self.core.driver) {
             for t in awake {
                 st.host[t.index()].free_all(&self.core.driver);
             }

@@ -196,7 +196,8 @@ pub unsafe extern "C" fn vram_ledger_set_history_metadata(
             // SAFETY: non-NULL and NUL-terminated, by this function's contract.
             Some(unsafe { c_str(metadata, "metadata") }?)
         };
-        status(on_device!(state(device)?, d => d.allocator().set_history_metadata(m)))
+        on_device!(state(device)?, d => d.allocator().set_history_metadata(m));
+        Ok(0)
     })
 }
 

@@ -1,6 +1,6 @@
 //! Writing PyTorch's memory snapshot (what `torch.cuda.memory._dump_snapshot` writes) from an
 //! allocator: its segments and blocks now, and the history it recorded as the device's trace,
-//! each allocation's tag as its `user_metadata`. PyTorch's memory_viz opens it and
+//! each allocation's tag (or the host's metadata while one was set) as its `user_metadata`. PyTorch's memory_viz opens it and
 //! [`super::read_file`] reads it back.
 //!
 //! Virtual segments (the expandable, compact and remap modes) are written as PyTorch writes its
@@ -20,6 +20,8 @@ use crate::Allocator;
 
 /// The key of a trace entry's host context (`HistoryEntry::context`), when it has one.
 pub const CONTEXT_KEY: &str = "vram-ledger:context";
+/// The key of the list of every live allocation's context.
+pub const LIVE_CONTEXTS_KEY: &str = "vram-ledger:live-contexts";
 
 fn dict(pairs: Vec<(&str, Value)>) -> Value {
     Value::Dict(
@@ -34,8 +36,6 @@ fn int(v: u64) -> Value {
     Value::I64(v as i64)
 }
 
-/// A tag as PyTorch's metadata: the tag's name, and "" for untracked (as in the traces PyTorch
-/// records with `_set_memory_metadata`).
 /// An entry's `user_metadata`: for a segment event of sleep or wake "sleep TAG" or "wake TAG"
 /// (which the replay reads); else the host's metadata when one was set (PyTorch's
 /// `_set_memory_metadata`, shown as it is; the replay then reads the entry as untracked), else
@@ -187,10 +187,19 @@ pub fn write<D: Driver>(alloc: &Allocator<D>, device: usize) -> Vec<u8> {
         .collect();
     let mut devices = vec![Value::List(vec![]); device + 1];
     devices[device] = Value::List(trace);
+    let live = alloc.live_contexts();
+    let mut live_ids: Vec<u64> = live.values().copied().collect();
+    live_ids.sort_unstable();
     let top = dict(vec![
         (
             "segments",
-            Value::List(segments(device, &dump.segments, &alloc.live_contexts())),
+            Value::List(segments(device, &dump.segments, &live)),
+        ),
+        // Every live allocation's context, those of asleep memory too (whose blocks are not
+        // written): the host keeps their stacks for when they show again.
+        (
+            LIVE_CONTEXTS_KEY,
+            Value::List(live_ids.into_iter().map(int).collect()),
         ),
         ("device_traces", Value::List(devices)),
         (

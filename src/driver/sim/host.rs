@@ -12,7 +12,9 @@
 //!   them.
 //! - A copy touches only accessible mapped memory and the inside of one host buffer; anything
 //!   else fails as an invalid value and copies nothing (a real copy would fault).
-//! - Copies complete when queued (a simulated stream has nothing to overlap them with).
+//! - Copies complete when queued (a simulated stream has nothing to overlap them with), but
+//!   count as work of their stream until it is synchronised, as a real copy may still run: a
+//!   host buffer freed before the stream of its last copy is synchronised is an invalid use.
 
 use std::collections::BTreeMap;
 
@@ -28,6 +30,9 @@ pub(super) struct HostBuf {
     bytes: u64,
     /// Words copied into the buffer, by offset.
     words: BTreeMap<u64, u64>,
+    /// The stream of the last copy queued on the buffer, and its work count then: the copy
+    /// may run until that stream has completed as much.
+    last_copy: Option<(StreamId, u64)>,
 }
 
 impl SimDevice {
@@ -95,6 +100,7 @@ impl SimDriver {
             HostBuf {
                 bytes,
                 words: BTreeMap::new(),
+                last_copy: None,
             },
         );
         Ok(HostPtr(base))
@@ -102,6 +108,23 @@ impl SimDriver {
 
     pub(super) fn free_host(&self, ptr: HostPtr) -> DriverResult<()> {
         let mut st = self.device.state.lock();
+        let pending = st
+            .processes
+            .get(&self.pid)
+            .expect("process exists")
+            .host
+            .get(&ptr.0)
+            .and_then(|h| h.last_copy)
+            .filter(|&(s, n)| st.streams.get(&s).is_some_and(|s| s.completed < n));
+        if let Some((s, _)) = pending {
+            return Err(Self::invalid(
+                DriverCall::HostFree,
+                format!(
+                    "{:#x} freed while a copy queued on stream {:#x} may still use it",
+                    ptr.0, s.0
+                ),
+            ));
+        }
         let p = st.processes.get_mut(&self.pid).expect("process exists");
         p.host.remove(&ptr.0).map(|_| ()).ok_or_else(|| {
             Self::invalid(
@@ -173,6 +196,12 @@ impl SimDriver {
                 }
             }
         }
+        // The copy is the stream's work until the stream is synchronised.
+        let s = st.streams.entry(stream).or_default();
+        s.submitted += 1;
+        let upto = s.submitted;
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        p.host.get_mut(&base).expect("found above").last_copy = Some((stream, upto));
         Ok(())
     }
 
