@@ -45,8 +45,8 @@ pub struct SegmentDump {
     pub asleep: Vec<(u64, u64)>,
     pub blocks: Vec<BlockDump>,
     /// The CUDA graph pool whose segment this is, as the host named it
-    /// (`Allocator::begin_graph_pool`); `(u64::MAX, key)` for a pool no graph references any
-    /// more, whose allocated blocks keep the segment.
+    /// (`Allocator::begin_graph_pool`), also once no graph references it while its allocated
+    /// blocks keep the segment.
     pub graph_pool: Option<(u64, u64)>,
     #[serde(skip)]
     pub(crate) pool_key: Option<PoolKey>,

@@ -534,13 +534,14 @@ impl<D: Driver> Allocator<D> {
     pub fn dump(&self) -> StateDump {
         let mut dump = StateDump::default();
         // Read before any shard is locked: the pools' lock is never taken under a shard's.
-        let pools: Vec<_> = self
+        let mut pools: Vec<_> = self
             .graphs
             .pools
             .lock()
             .iter()
             .map(|p| (p.key, p.id))
             .collect();
+        pools.extend(self.graphs.retired.lock().iter().copied());
         for i in 0..self.shards.len() {
             let sh = match self.lock(i) {
                 Ok(sh) => sh,
@@ -561,7 +562,7 @@ impl<D: Driver> Allocator<D> {
                 pools
                     .iter()
                     .find(|(k, _)| *k == key)
-                    .map_or((u64::MAX, u64::from(key.0)), |(_, id)| (id.0, id.1))
+                    .map_or((0, 0), |(_, id)| (id.0, id.1))
             });
         }
         if let Some(r) = self.kv.lock().as_ref() {

@@ -23,6 +23,9 @@ use super::routes::{GraphRoutes, PoolEntry};
 use crate::driver::{Capture, Driver, GraphPool, StreamId};
 use crate::error::{Error, Result};
 
+/// How many retired pools' names the registry keeps for the dump.
+const RETIRED_KEPT: usize = 1 << 16;
+
 /// A pool's memory now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct GraphMemory {
@@ -132,13 +135,20 @@ impl<D: Driver> Allocator<D> {
     fn retire_unreferenced(&self) -> Result<()> {
         let mut pools = self.graphs.pools.lock();
         let mut keys = Vec::new();
+        let mut retired = self.graphs.retired.lock();
         pools.retain(|p| {
             let gone = p.refs == 0 && p.captures.is_empty();
             if gone {
                 keys.push(p.key);
+                retired.push((p.key, p.id));
             }
             !gone
         });
+        // A program that makes and drops graphs without end would grow this without end; the
+        // newest names are the ones live blocks may still need.
+        let excess = retired.len().saturating_sub(RETIRED_KEPT);
+        retired.drain(..excess);
+        drop(retired);
         if keys.is_empty() {
             return Ok(());
         }

@@ -85,6 +85,9 @@ pub(crate) struct PoolEntry {
 #[derive(Default, Debug)]
 pub(crate) struct GraphRegistry {
     pub(crate) pools: Mutex<Vec<PoolEntry>>,
+    /// The host's names of the pools no graph references any more, by key (keys are never
+    /// dealt out twice): their allocated blocks keep segments that still name the pool.
+    pub(crate) retired: Mutex<Vec<(PoolKey, GraphPool)>>,
     /// The last key dealt out.
     pub(crate) last_key: AtomicU32,
 }
