@@ -8,8 +8,8 @@
 //! - Σ tags = allocated (bytes, requested bytes, counts), and those equal what the blocks say;
 //! - allocated ≤ active ≤ reserved + sleeping, active = allocated + pending, reserved = mapped
 //!   bytes + spare (held, unmapped) bytes, sleeping = asleep bytes, cached = reserved +
-//!   sleeping − allocated, the segment count matches,
-//!   every peak ≥ its current;
+//!   sleeping − allocated, the segment count matches, the graph pools' gauge = what their
+//!   segments map, every peak ≥ its current;
 //! - reserved + lost (mappings whose undo failed) = what the driver says the allocator holds,
 //!   when the driver can tell;
 //! - the shards' own structures are consistent (`problems` collected while dumping).
@@ -196,6 +196,19 @@ pub fn check(d: &StateDump) -> Result<(), Violation> {
     })?;
     ensure(d.committed == reserved, || {
         format!("committed {} ≠ reserved {reserved}", d.committed)
+    })?;
+    let in_pools: u64 = d
+        .segments
+        .iter()
+        .filter(|s| s.pool_key.is_some())
+        .flat_map(|s| &s.mapped)
+        .map(|&(_, len)| len)
+        .sum();
+    ensure(l.graph_reserved_bytes.current == in_pools, || {
+        format!(
+            "the ledger counts {} bytes of graph pools, their segments map {in_pools}",
+            l.graph_reserved_bytes.current
+        )
     })?;
     for (name, c) in [
         ("all.allocated", l.all.allocated_bytes),
