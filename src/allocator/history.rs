@@ -121,7 +121,8 @@ pub struct HistoryEntry {
     pub time_us: u64,
     /// The host's context of an allocation or a free ([`with_context`]), 0 for none.
     pub context: u64,
-    /// The host's metadata in force then: 1 + its index in [`History::metadata`], 0 for none.
+    /// The host's metadata in force then: 1 + its index in `Allocator::history_metadata_table`,
+    /// 0 for none.
     pub metadata: u32,
 }
 
