@@ -49,6 +49,16 @@ fn engine(a: &Allocator<SimDriver>) -> Engine {
     Engine { weights, kv, act }
 }
 
+impl Engine {
+    /// Whether every weight holds what [`engine`] stamped into it.
+    fn weights_intact(&self, a: &Allocator<SimDriver>) -> bool {
+        self.weights
+            .iter()
+            .enumerate()
+            .all(|(i, x)| stamped(a, x, 0x1000 + i as u64))
+    }
+}
+
 #[test]
 fn sleep_offloads_and_wake_restores_at_the_same_addresses() {
     for mode in VIRTUAL {
@@ -394,11 +404,7 @@ fn sleep_per_device_leaves_other_devices_alone() {
         .all(|(i, x)| stamped(&b, x, 0x1000 + i as u64)));
     assert!(b.asleep_tags().is_empty());
     a.wake(&[]).unwrap();
-    assert!(ea
-        .weights
-        .iter()
-        .enumerate()
-        .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)));
+    assert!(ea.weights_intact(&a));
 }
 
 #[test]
@@ -421,11 +427,7 @@ fn sleep_retained_host_memory_is_reused_by_the_next_sleep() {
         "no new pinning"
     );
     a.wake(&[]).unwrap();
-    assert!(e
-        .weights
-        .iter()
-        .enumerate()
-        .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)));
+    assert!(e.weights_intact(&a));
     a.set_retain_host(false);
     a.sleep(&[Tag::Weights], &[]).unwrap();
     a.wake(&[]).unwrap();
@@ -460,20 +462,12 @@ fn sleep_that_fails_to_pin_wakes_every_tag_and_frees_what_it_pinned() {
             "#{nth}: what was pinned is freed"
         );
         assert!(e.weights.iter().chain(&e.kv).all(|x| readable(&a, x)));
-        assert!(e
-            .weights
-            .iter()
-            .enumerate()
-            .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)));
+        assert!(e.weights_intact(&a));
         check(&a);
         // And the next sleep works.
         a.sleep(&[Tag::Weights, Tag::KvCache], &[]).unwrap();
         a.wake(&[]).unwrap();
-        assert!(e
-            .weights
-            .iter()
-            .enumerate()
-            .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)));
+        assert!(e.weights_intact(&a));
         check(&a);
     }
 }
@@ -494,13 +488,7 @@ fn sleep_wake_gives_back_the_cache_of_awake_tags_when_it_needs_room() {
         }
         assert!(a.snapshot().cached_bytes > 2 * GIB, "{mode}");
         a.wake(&[]).unwrap();
-        assert!(
-            e.weights
-                .iter()
-                .enumerate()
-                .all(|(i, x)| stamped(&a, x, 0x1000 + i as u64)),
-            "{mode}"
-        );
+        assert!(e.weights_intact(&a), "{mode}");
         check(&a);
     }
 }

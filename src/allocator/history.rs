@@ -19,8 +19,8 @@
 //!   operation takes any lock of the allocator, so gathering it may wait on the host's own
 //!   locks (Python's) without holding ours.
 //! - Every entry carries the host's metadata in force when it was written (PyTorch's
-//!   `_set_memory_metadata`), as an index into `metadata` (0: none), whose strings are never
-//!   removed while the history lives, so an index always names the string it was written with.
+//!   `_set_memory_metadata`), as an index into `metadata` (0: none). A string is replaced only
+//!   once no kept entry names it, so an index always names the string it was written with.
 //! - While recording, `live` maps the address of every allocation made with a context and not
 //!   yet freed to that context, whatever the ring's bound dropped (a live block shows its
 //!   allocation's stack as long as it lives); it is emptied when recording starts or stops,
