@@ -308,8 +308,9 @@ int vram_ledger_set_retain_host(int device, int retain);
 int vram_ledger_set_zero_discarded(int device, int zero);
 
 /* ---- src/ffi/graphs.rs ------------------------------------------------------
- * CUDA graph pools (PyTorch's private pools, which its pluggable allocator does not forward:
- * the Python package calls these around `torch.cuda.CUDAGraph`'s capture and release).
+ * CUDA graph pools and memory pools (PyTorch's private pools and `torch.cuda.MemPool`, which
+ * its pluggable allocator does not forward: the Python package calls these around
+ * `torch.cuda.CUDAGraph`'s capture and release, and for its MemPool and `use_mem_pool`).
  */
 
 /* Route the capture running on `stream` to graph pool (`pool_a`, `pool_b`), PyTorch's
@@ -332,6 +333,24 @@ int vram_ledger_graph_end(int device, void *stream, uint64_t pool_a, uint64_t po
  * one its free memory goes back to the driver.
  */
 int vram_ledger_graph_release(int device, uint64_t pool_a, uint64_t pool_b);
+
+/* Count one reference to pool (`pool_a`, `pool_b`), making it if it is new (PyTorch's
+ * `createOrIncrefPool`, as a `torch.cuda.MemPool` is made); `vram_ledger_graph_release` drops
+ * it.
+ */
+int vram_ledger_pool_hold(int device, uint64_t pool_a, uint64_t pool_b);
+
+/* Route every allocation the calling thread makes on `device` to the pool, on any stream,
+ * until `vram_ledger_pool_end` (PyTorch's `beginAllocateToPool` with a filter for the current
+ * thread, as `use_mem_pool` begins). Counts one reference, which `vram_ledger_graph_release`
+ * drops.
+ */
+int vram_ledger_pool_begin(int device, uint64_t pool_a, uint64_t pool_b);
+
+/* End the calling thread's last route to the pool (`use_mem_pool`'s end). -1 when the thread
+ * has none.
+ */
+int vram_ledger_pool_end(int device, uint64_t pool_a, uint64_t pool_b);
 
 /* ---- src/ffi/abi.rs ---------------------------------------------------------
  * The library describing itself to hosts that bind it at run time (the Python package builds

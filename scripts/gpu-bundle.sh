@@ -73,7 +73,7 @@ cat > "$out/run-all.sh" <<'RUN'
 # test binary and fails its step on any error or leak (MEMCHECK_TIMEOUT seconds each).
 here="$(cd "$(dirname "$0")" && pwd)"
 logs="$(mkdir -p "${1:-logs}" && cd "${1:-logs}" && pwd)"
-export VRAM_LEDGER_LIB="$here/libvram_ledger.so" VRAM_LEDGER_BIN="$here/bin/vram-ledger" PYTHONPATH="$here/python"
+export VRAM_LEDGER_LIB="$here/libvram_ledger.so" VRAM_LEDGER_BIN="$here/bin/vram-ledger" PYTHONPATH="$here/python${PYTHONPATH:+:$PYTHONPATH}"
 cd "$here"
 failed=()
 ran=()

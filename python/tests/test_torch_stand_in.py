@@ -27,17 +27,39 @@ class Graph:
     def reset(self): calls.append(["graph_reset"])
     def pool(self): return (7, 8)
 
+# As torch.cuda.use_mem_pool: the routing calls through torch.cuda.memory's names for them
+# (which fail under the pluggable allocator until install() replaces them).
 @contextlib.contextmanager
-def use_mem_pool(pool):
-    calls.append(["use_mem_pool", pool])
-    yield
+def use_mem_pool(pool, device=None):
+    calls.append(["use_mem_pool", pool if isinstance(pool, list) else "MemPool"])
+    d = 0 if device is None else device
+    if isinstance(pool, list):
+        yield
+        return
+    memory._cuda_beginAllocateCurrentThreadToPool(d, pool.id)
+    try:
+        yield
+    finally:
+        memory._cuda_endAllocateToPool(d, pool.id)
+        memory._cuda_releasePool(d, pool.id)
 
 torch = types.ModuleType("torch")
 state = {"initialized": False}
-memory = types.SimpleNamespace(CUDAPluggableAllocator=Plug, change_current_allocator=lambda a: calls.append(["change"]))
+def pluggable_refuses(what):
+    def f(*args):
+        raise RuntimeError("pluggable does not yet support " + what)
+    return f
+memory = types.SimpleNamespace(
+    CUDAPluggableAllocator=Plug, change_current_allocator=lambda a: calls.append(["change"]),
+    _cuda_beginAllocateCurrentThreadToPool=pluggable_refuses("beginAllocateToPool"),
+    _cuda_endAllocateToPool=pluggable_refuses("endAllocateToPool"), _cuda_releasePool=pluggable_refuses("releasePool"),
+)
+pool_ids = iter(range(1, 1 << 30))
 torch.cuda = types.SimpleNamespace(
     is_initialized=lambda: state["initialized"], memory=memory, CUDAGraph=Graph, current_device=lambda: 0,
     current_stream=lambda d: types.SimpleNamespace(cuda_stream=0), MemPool=lambda raw: ["pool"], use_mem_pool=use_mem_pool,
+    graph_pool_handle=lambda: (0, next(pool_ids)),
+    memory_snapshot=lambda mempool_id=None: torch._C._cuda_memorySnapshot(mempool_id)["segments"],
 )
 utils = types.ModuleType("torch.cuda._utils")
 utils._get_device_index = lambda d, optional: 0 if d is None else d
@@ -367,15 +389,73 @@ def test_accumulated_statistics_reset_under_install():
     assert r["again"]["allocation.all.allocated"] == 0 and r["again"]["allocation.all.current"] == 1, r
 
 
-def test_mempool_under_install_names_the_alternatives():
+def test_mempool_under_install_is_the_librarys_pool():
     r = installed(
         """
+        import threading
+        state["initialized"] = True
+        M, use = torch.cuda.MemPool, torch.cuda.use_mem_pool
+        def pools_of(p):
+            return [s["address"] for s in p.snapshot()]
+        def inside(segments, ptr):
+            return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in segments)
+        seen = {"same_class": M is torch.cuda.memory.MemPool}
+        pool = M()
+        seen["id"], seen["count_before"] = list(pool.id), pool.use_count()
+        with use(pool):
+            seen["count_inside"] = pool.use_count()
+            x = lib.vram_ledger_malloc(4096, 0, None)
+            lib.vram_ledger_free(x, 4096, 0, None)
+            lib.vram_ledger_reset()  # torch.cuda.empty_cache's hook, inside the pool
+        seen["count_after"] = pool.use_count()
+        seen["segments_kept"] = len(pool.snapshot())
+        seen["x_in_pool"] = inside(pool.snapshot(), x)
+        outer, inner = M(), M()
+        with use(outer):
+            with use(inner):
+                a = lib.vram_ledger_malloc(1 << 20, 0, None)
+            b = lib.vram_ledger_malloc(1 << 20, 0, None)
+        plain = lib.vram_ledger_malloc(1 << 20, 0, None)
+        seen["nested"] = [inside(inner.snapshot(), a), inside(outer.snapshot(), b), inside(outer.snapshot(), a)]
+        seen["plain_in_a_pool"] = any(inside(p.snapshot(), plain) for p in (pool, outer, inner))
+        ids = []
+        threads = [threading.Thread(target=lambda: ids.append(M().id)) for _ in range(4)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        seen["thread_ids"] = len(set(ids))
+        seen["refused"] = []
+        for kw in [{"allocator": object()}, {"use_on_oom": True}, {"no_split": True}]:
+            try:
+                M(**kw)
+            except vl.VramLedgerError as e:
+                seen["refused"].append(str(e))
+        with vl.mempool("kv") as kv:
+            seen["kv_tag"] = vl.current_tag()
+            k = lib.vram_ledger_malloc(1 << 20, 0, None)
+        seen["kv_in_its_pool"] = inside(kv.pool.snapshot(), k)
+        # The last references go: the pools' free memory goes back, what is allocated stays.
+        for p in (a, b, plain, k):
+            lib.vram_ledger_free(p, 1 << 20, 0, None)
+        key = tuple(pool.id)
+        del pool, outer, inner, kv
+        import gc; gc.collect()
+        lib.vram_ledger_reset()
+        seen["left"] = [s["segment_pool_id"] for s in torch._C._cuda_memorySnapshot(None)["segments"] if tuple(s["segment_pool_id"]) != (0, 0)]
+        seen["end_without_begin"] = None
         try:
-            vl.mempool("kv")
-            print(json.dumps({"error": None}))
+            torch.cuda.memory._cuda_endAllocateToPool(0, key)
         except vl.VramLedgerError as e:
-            print(json.dumps({"error": str(e), "pools": [c for c in calls if c[0] == "use_mem_pool"]}))
+            seen["end_without_begin"] = str(e)
+        print(json.dumps(seen))
         """
     )
-    assert r["error"] and "tag()" in r["error"] and "install()" in r["error"], r
-    assert r["pools"] == [], "no pool was made"
+    assert r["same_class"] and r["id"][0] == 0, r
+    assert [r["count_before"], r["count_inside"], r["count_after"]] == [1, 2, 1], r
+    assert r["segments_kept"] == 1 and r["x_in_pool"], "empty_cache inside the pool kept its segment"
+    assert r["nested"] == [True, True, False] and not r["plain_in_a_pool"], r
+    assert r["thread_ids"] == 4, r
+    assert len(r["refused"]) == 3 and all("not supported under vram_ledger.install()" in e for e in r["refused"]), r
+    assert "allocator" in r["refused"][0] and "use_on_oom" in r["refused"][1], r
+    assert r["kv_tag"] == "kv_cache" and r["kv_in_its_pool"], r
+    assert r["left"] == [], "every pool's memory went back with its last reference"
+    assert r["end_without_begin"] and "pool" in r["end_without_begin"], r

@@ -9,7 +9,7 @@ import itertools
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from . import _args, _torch_stats
+from . import _args, _mempool, _torch_stats
 from ._lib import _LOG, VramLedgerError, _check, _clean_up_after, _last_error, abi, library_path, load
 from .tags import tag
 
@@ -86,6 +86,7 @@ def install(
     raw.set_record_stream_fn(_address(lib.vram_ledger_record_stream))
     torch.cuda.memory.change_current_allocator(alloc)
     _patch_graphs(torch)
+    _mempool.patch(torch)
     if torch_stats:
         _torch_stats.patch(torch)
     if not cudagraph_trees:
@@ -174,21 +175,17 @@ class TaggedPool:
 
     def __init__(self, tag_name: Optional[str]):
         self.tag = _args.pool_tag(tag_name)
-        if "allocator" in _INSTALLED:
-            # PyTorch would refuse the pool itself, with a message that names no way out.
-            raise VramLedgerError(
-                "mempool() is for use without install(): under install() PyTorch cannot create a "
-                "torch.cuda.MemPool (its pluggable allocator has no createOrIncrefPool). Use "
-                "tag() to attribute memory (it nests and is per thread) and empty_cache() or "
-                "sleep() to give it back"
-            )
         import torch
 
-        self._plug = _INSTALLED.get("pool_allocator")
-        if self._plug is None:
-            self._plug = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc", "vram_ledger_free")
-            _INSTALLED["pool_allocator"] = self._plug
-        self.pool = torch.cuda.MemPool(self._plug.allocator())
+        if "allocator" in _INSTALLED:
+            # install() put the library's MemPool in torch.cuda's place (`_mempool.py`).
+            self.pool = torch.cuda.MemPool()
+        else:
+            self._plug = _INSTALLED.get("pool_allocator")
+            if self._plug is None:
+                self._plug = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc", "vram_ledger_free")
+                _INSTALLED["pool_allocator"] = self._plug
+            self.pool = torch.cuda.MemPool(self._plug.allocator())
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> TaggedPool:
@@ -204,6 +201,7 @@ class TaggedPool:
 
 
 def mempool(tag_name: Optional[str] = None) -> TaggedPool:
-    """A torch.cuda.MemPool backed by vram-ledger: PyTorch's allocator stays in charge (its
-    statistics keep working) and asks vram-ledger for whole segments."""
+    """A torch.cuda.MemPool backed by vram-ledger. Without install(), PyTorch's allocator stays
+    in charge (its statistics keep working) and asks vram-ledger for whole segments; under
+    install(), it is the library's own pool (`_mempool.py`)."""
     return TaggedPool(tag_name)

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
-from . import _args, _frames
+from . import _args, _frames, _mempool
 from ._args import INT64_MAX
 from ._lib import _LOG, _check, load
 from .metrics import dump_snapshot, memory_stats, record_history, reset_peak_memory_stats
@@ -112,8 +112,8 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
         stacks = "all" if record_context_cpp else "python"
         _record(torch.cuda.current_device(), bool(enabled), trace_alloc_max_entries, clear_history, context, stacks, skip_actions)
 
-    def snapshot(*_: Any) -> Dict[str, Any]:
-        return _snapshot(torch.cuda.current_device())
+    def snapshot(mempool_id: Any = None, *_: Any, **__: Any) -> Dict[str, Any]:
+        return _mempool.pool_filter(_snapshot(torch.cuda.current_device()), mempool_id)
 
     set_fraction = getattr(C, "_cuda_setMemoryFraction", None)
 

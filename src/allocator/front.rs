@@ -237,7 +237,11 @@ impl<D: Driver> Allocator<D> {
                     }
                 },
             };
-            Ok(Some(self.hand_out(sh, taken.allocation(size, stream, tag))))
+            Ok(Some(self.hand_out(
+                sh,
+                owner,
+                taken.allocation(size, stream, tag),
+            )))
         });
         match served {
             Ok(Ok(Some(a))) => Ok(a),
@@ -322,7 +326,7 @@ impl<D: Driver> Allocator<D> {
             None => self.grow_and_take(&mut sh, owner, stream, rounded, size, tag)?,
         };
         let cause = match served {
-            Ok(t) => return Ok(self.hand_out(&sh, t.allocation(size, stream, tag))),
+            Ok(t) => return Ok(self.hand_out(&mut sh, owner, t.allocation(size, stream, tag))),
             Err(cause) => cause,
         };
         drop(sh);
@@ -358,9 +362,12 @@ impl<D: Driver> Allocator<D> {
 
     /// The allocation, recorded in the history when that is on.
     #[inline]
-    fn hand_out(&self, sh: &Shard, a: Allocation) -> Allocation {
+    fn hand_out(&self, sh: &mut Shard, owner: Owner, a: Allocation) -> Allocation {
         if sh.recording {
             self.record_alloc(&a);
+        }
+        if owner.is_pool() {
+            self.pool_block_in_use(sh, &a);
         }
         a
     }

@@ -19,7 +19,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use super::front::Allocator;
 use super::owner::PoolKey;
-use super::routes::{GraphRoutes, PoolEntry};
+use super::routes::{GraphRoutes, PoolEntry, Route};
 use crate::driver::{Capture, Driver, GraphPool, StreamId};
 use crate::error::{Error, Result};
 
@@ -50,6 +50,21 @@ impl<D: Driver> Allocator<D> {
         };
         let outside = self.outside_measured();
         let mut pools = self.graphs.pools.lock();
+        let p = self.entry(&mut pools, pool);
+        p.refs += 1;
+        p.captures.push((capture, stream, outside));
+        let key = p.key;
+        // Under the registry's lock, as every change of routes: every shard sees them in the
+        // same order.
+        self.route_to(key, Some(Route::Capture(capture)))
+    }
+
+    /// The registry's entry for `pool`, made (unreferenced) if there is none.
+    pub(super) fn entry<'a>(
+        &self,
+        pools: &'a mut Vec<PoolEntry>,
+        pool: GraphPool,
+    ) -> &'a mut PoolEntry {
         let i = match pools.iter().position(|p| p.id == pool) {
             Some(i) => i,
             None => {
@@ -59,18 +74,30 @@ impl<D: Driver> Allocator<D> {
                     key: PoolKey(n),
                     refs: 0,
                     captures: Vec::new(),
+                    threads: Vec::new(),
                 });
                 pools.len() - 1
             }
         };
-        let p = &mut pools[i];
-        p.refs += 1;
-        p.captures.push((capture, stream, outside));
-        let key = p.key;
+        &mut pools[i]
+    }
+
+    /// Hold `key` in every shard (its memory is then never released or moved) and, with a
+    /// route, send what the route matches to it.
+    pub(super) fn route_to(&self, key: PoolKey, route: Option<Route>) -> Result<()> {
         self.each_shard(|r| {
-            r.routes.push((capture, key));
+            r.routes.extend(route.map(|route| (route, key)));
             if !r.held.contains(&key) {
                 r.held.push(key);
+            }
+        })
+    }
+
+    /// Remove the route registered last from `route` to `key`, in every shard.
+    pub(super) fn unroute(&self, key: PoolKey, route: Route) -> Result<()> {
+        self.each_shard(|r| {
+            if let Some(i) = r.routes.iter().rposition(|&x| x == (route, key)) {
+                r.routes.remove(i);
             }
         })
     }
@@ -100,11 +127,7 @@ impl<D: Driver> Allocator<D> {
                 .graph_outside
                 .fetch_add(after.saturating_sub(before), Relaxed);
         }
-        self.each_shard(|r| {
-            if let Some(i) = r.routes.iter().position(|&x| x == (capture, key)) {
-                r.routes.swap_remove(i);
-            }
-        })?;
+        self.unroute(key, Route::Capture(capture))?;
         if idle {
             self.retire_unreferenced()?;
         }
@@ -131,13 +154,13 @@ impl<D: Driver> Allocator<D> {
         Ok(())
     }
 
-    /// Give back the pools that no graph references (none captures, by the callers' check).
-    fn retire_unreferenced(&self) -> Result<()> {
+    /// Give back the pools that nothing references (none captures, by the callers' check).
+    pub(super) fn retire_unreferenced(&self) -> Result<()> {
         let mut pools = self.graphs.pools.lock();
         let mut keys = Vec::new();
         let mut retired = self.graphs.retired.lock();
         pools.retain(|p| {
-            let gone = p.refs == 0 && p.captures.is_empty();
+            let gone = p.unreferenced();
             if gone {
                 keys.push(p.key);
                 retired.push((p.key, p.id));

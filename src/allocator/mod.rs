@@ -28,6 +28,7 @@ mod host;
 mod kv;
 mod kvregion;
 mod live;
+mod mempools;
 mod owner;
 mod places;
 mod planted;

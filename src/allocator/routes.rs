@@ -1,5 +1,6 @@
-//! Where a capture's allocations go: each shard's copy of the routes from running captures to
-//! graph pools, and the allocator-wide registry of pools (`graphs.rs` acts on both).
+//! Where a capture's allocations go: each shard's copy of the routes from running captures (and
+//! from threads, PyTorch's `use_mem_pool`) to graph pools, and the allocator-wide registry of
+//! pools (`graphs.rs` and `mempools.rs` act on both).
 //!
 //! A replayed graph writes to the addresses it was captured with, freed or not. So memory
 //! freed during a capture must never be handed to code outside that graph while the graph
@@ -11,29 +12,38 @@
 //! - Every shard holds the same routes and the same held keys (they change under each shard's
 //!   lock in turn, in index order).
 //! - A held pool's memory is never released, moved or unmapped (`releasable`).
-//! - Routing costs the cached path one length check while no capture is routed; while one is,
-//!   every allocation asks the driver which capture its stream is in, as PyTorch's allocator
-//!   does during a capture.
+//! - Routing costs the cached path one length check while nothing is routed; while a capture
+//!   is, every allocation asks the driver which capture its stream is in, as PyTorch's
+//!   allocator does during a capture. The route registered last that matches wins, so pools
+//!   used one inside another serve the inner one.
 
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 
 use super::owner::{Owner, PoolKey};
 use crate::driver::{Capture, Driver, GraphPool, StreamId};
 
+/// What is routed to a pool: a running capture (by the driver's capture id), or every
+/// allocation a thread makes ([`this_thread`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Route {
+    Capture(u64),
+    Thread(u64),
+}
+
 /// What one shard knows of graph pools.
 #[derive(Default, Debug)]
 pub(crate) struct GraphRoutes {
-    /// (capture id, pool key) for each capture routed to a pool.
-    pub(crate) routes: Vec<(u64, PoolKey)>,
+    /// Each capture or thread routed to a pool, in the order they were routed.
+    pub(crate) routes: Vec<(Route, PoolKey)>,
     /// Keys of the pools that graphs still reference.
     pub(crate) held: Vec<PoolKey>,
 }
 
 impl GraphRoutes {
-    /// Whose memory serves an allocation on `stream`: the pool its capture is routed to, or
-    /// the stream's own.
+    /// Whose memory serves an allocation on `stream` by this thread: the pool its capture or
+    /// this thread is routed to, or the stream's own.
     #[inline]
     pub(crate) fn owner<D: Driver>(&self, driver: &D, stream: StreamId) -> Owner {
         if self.routes.is_empty() {
@@ -44,21 +54,31 @@ impl GraphRoutes {
 
     #[cold]
     fn route<D: Driver>(&self, driver: &D, stream: StreamId) -> Owner {
-        match driver.capture(stream) {
-            Capture::Active(id) => self
-                .routes
-                .iter()
-                .find(|&&(c, _)| c == id)
-                .map_or(Owner::of_stream(stream), |&(_, key)| Owner::of_pool(key)),
-            Capture::None | Capture::Unknown => Owner::of_stream(stream),
-        }
+        // Asked of the driver at most once, and only when a capture is routed.
+        let mut capture = None;
+        let mut in_capture = |c: u64| {
+            *capture.get_or_insert_with(|| match driver.capture(stream) {
+                Capture::Active(id) => Some(id),
+                Capture::None | Capture::Unknown => None,
+            }) == Some(c)
+        };
+        self.routes
+            .iter()
+            .rev()
+            .find(|&&(r, _)| match r {
+                Route::Thread(t) => t == this_thread(),
+                Route::Capture(c) => in_capture(c),
+            })
+            .map_or(Owner::of_stream(stream), |&(_, key)| Owner::of_pool(key))
     }
 
     /// Whether a capture is routed to a pool now, anywhere (every shard holds every route):
     /// moves between shards synchronise the device, which would spoil it.
     #[inline]
     pub(crate) fn capturing(&self) -> bool {
-        !self.routes.is_empty()
+        self.routes
+            .iter()
+            .any(|(r, _)| matches!(r, Route::Capture(_)))
     }
 
     /// Whether the memory of `owner` may be released or moved.
@@ -78,6 +98,30 @@ pub(crate) struct PoolEntry {
     /// Captures in progress: (capture id, the stream it began on, memory outside the
     /// allocator when it began).
     pub(crate) captures: Vec<(u64, StreamId, Option<u64>)>,
+    /// The threads routed to the pool now ([`this_thread`]; one entry per `use_mem_pool` in
+    /// progress).
+    pub(crate) threads: Vec<u64>,
+}
+
+impl PoolEntry {
+    /// Whether nothing holds the pool any more: no graph or pool object references it, and no
+    /// capture or thread is routed to it.
+    pub(crate) fn unreferenced(&self) -> bool {
+        self.refs == 0 && self.captures.is_empty() && self.threads.is_empty()
+    }
+}
+
+static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// This thread's name in thread routes: dealt out once per thread, never twice, so a route
+    /// a thread left behind when it ended matches no other thread.
+    static THREAD: u64 = NEXT_THREAD.fetch_add(1, Relaxed);
+}
+
+/// This thread's name in [`Route::Thread`].
+pub(crate) fn this_thread() -> u64 {
+    THREAD.with(|t| *t)
 }
 
 /// The allocator's graph pools. Its lock is never taken while a shard lock is held (its

@@ -85,6 +85,21 @@ pub(super) const SIGNATURES: &[Signature] = &[
         &["int", "uint64_t", "uint64_t"],
     ),
     sig(
+        "vram_ledger_pool_hold",
+        "int",
+        &["int", "uint64_t", "uint64_t"],
+    ),
+    sig(
+        "vram_ledger_pool_begin",
+        "int",
+        &["int", "uint64_t", "uint64_t"],
+    ),
+    sig(
+        "vram_ledger_pool_end",
+        "int",
+        &["int", "uint64_t", "uint64_t"],
+    ),
+    sig(
         "vram_ledger_profile_begin",
         "int",
         &["int", "double", "int64_t"],

@@ -96,13 +96,19 @@ def run(config, test_file, pytest_args):
     env = dict(os.environ)
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-p", COMPAT, f"--junitxml={junit}"]
+    cmd = [sys.executable, "-m", "pytest", test_file, "-p", "no:cacheprovider", "-p", COMPAT, f"--junitxml={junit}"]
     if config != "torch":
         env["VRAM_LEDGER_UPSTREAM_MODE"] = config
         cmd += ["-p", PLUGIN]
-    r = subprocess.run(cmd + pytest_args, env=env, capture_output=True, text=True)
+    # pytest's report goes to a file as it runs, one line per test (-v) with the slowest tests
+    # at the end: a run killed from outside still shows how far it got and where it stood.
+    log_path = os.path.join(results_dir(), f"{config}.log")
+    with open(log_path, "w") as log:
+        r = subprocess.run(cmd + ["-v", "--durations=20"] + pytest_args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(log_path, errors="replace") as log:
+        tail = log.read()[-4000:]
     found = outcomes(junit) if os.path.exists(junit) else {}
-    result = {"config": config, "returncode": r.returncode, "outcomes": found, "tail": r.stdout[-2000:] + r.stderr[-2000:]}
+    result = {"config": config, "returncode": r.returncode, "outcomes": found, "tail": tail}
     with open(os.path.join(results_dir(), f"{config}.json"), "w") as f:
         json.dump(result, f)
     return result

@@ -1,0 +1,125 @@
+"""torch.cuda.MemPool and use_mem_pool under install().
+
+PyTorch's MemPool asks the allocator to create its pool (createOrIncrefPool), which a pluggable
+allocator refuses, and use_mem_pool's routing calls reach the pluggable allocator, which passes
+none of them on. install() puts the library's pools in their place: the MemPool below holds a
+pool of the library's (`vram_ledger_pool_hold`), and use_mem_pool routes the calling thread's
+allocations to it on every stream (`vram_ledger_pool_begin` / `_end`, then
+`vram_ledger_graph_release` as PyTorch's releasePool). Its memory survives empty_cache while
+the pool lives, is kept apart from every other allocation, and goes back to the driver once
+the pool object and every use of it are gone; what is still allocated then goes with the next
+empty_cache, as with PyTorch's allocator.
+
+What PyTorch's MemPool does and this one refuses, each with an error that says so: a pool with
+its own allocator (`MemPool(allocator)`), `use_on_oom` and `no_split`."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import Counter
+from typing import Any, List, Optional, Tuple
+
+from . import _args
+from ._lib import _LOG, VramLedgerError, _check, _last_error, load
+
+# Routes in progress by pool id (use_mem_pool blocks not yet ended, every thread's), for
+# use_count().
+_IN_USE: Counter = Counter()
+_IN_USE_LOCK = threading.Lock()
+
+
+def _pool(pool_id: Any) -> Tuple[int, int]:
+    """PyTorch's MempoolId_t, a pair of ints, as the two uint64_t the library takes."""
+    a, b = pool_id
+    return tuple(_args.integer(x, "a pool id's part", maximum=(1 << 64) - 1, c_type="uint64_t") for x in (a, b))  # type: ignore[return-value]
+
+
+def _release(device: int, pool_id: Tuple[int, int]) -> None:
+    if load().vram_ledger_graph_release(device, *pool_id) != 0:
+        _LOG.error("releasing memory pool %s failed: %s", pool_id, _last_error())
+
+
+class MemPool:
+    """A pool of vram-ledger's memory that `torch.cuda.use_mem_pool(pool)` allocates into, in
+    the place of torch.cuda.MemPool under install(): the same id, allocator, use_count() and
+    snapshot(). Made on the current device."""
+
+    def __init__(self, allocator: Any = None, use_on_oom: bool = False, no_split: bool = False, **unsupported: Any) -> None:
+        refused = [name for name, on in [("allocator", allocator is not None), ("use_on_oom", use_on_oom), ("no_split", no_split)] if on]
+        refused += sorted(unsupported)
+        if refused:
+            raise VramLedgerError(
+                f"torch.cuda.MemPool({', '.join(refused)}=...) is not supported under vram_ledger.install(): its pools "
+                "take memory from vram-ledger (MemPool() with no arguments works; tag() attributes memory)"
+            )
+        import torch
+
+        self._id: Tuple[int, int] = _pool(torch.cuda.graph_pool_handle())
+        self._device = int(torch.cuda.current_device())
+        _check(load().vram_ledger_pool_hold(self._device, *self._id))
+        self._finalizer = weakref.finalize(self, _release, self._device, self._id)
+
+    @property
+    def id(self) -> Tuple[int, int]:
+        return self._id
+
+    @property
+    def allocator(self) -> None:
+        return None
+
+    @property
+    def is_symmetric(self) -> bool:
+        return False
+
+    def use_count(self) -> int:
+        """This object's reference and one per use_mem_pool block in progress, as PyTorch counts."""
+        with _IN_USE_LOCK:
+            return 1 + _IN_USE[self._id]
+
+    def snapshot(self) -> List[Any]:
+        """The pool's segments, as torch.cuda.memory_snapshot(self.id) gives them."""
+        import torch
+
+        return torch.cuda.memory_snapshot(self._id)
+
+
+def patch(torch: Any) -> None:
+    """Put MemPool in torch.cuda's place, and route use_mem_pool's calls to the library."""
+    lib = load()
+    memory = torch.cuda.memory
+
+    def begin(device: int, pool_id: Any) -> None:
+        pool = _pool(pool_id)
+        _check(lib.vram_ledger_pool_begin(_args.device(device), *pool))
+        with _IN_USE_LOCK:
+            _IN_USE[pool] += 1
+
+    def end(device: int, pool_id: Any) -> None:
+        pool = _pool(pool_id)
+        _check(lib.vram_ledger_pool_end(_args.device(device), *pool))
+        with _IN_USE_LOCK:
+            _IN_USE[pool] -= 1
+            if _IN_USE[pool] <= 0:
+                del _IN_USE[pool]
+
+    def release(device: int, pool_id: Any) -> None:
+        _check(lib.vram_ledger_graph_release(_args.device(device), *_pool(pool_id)))
+
+    for name, fn in [
+        ("_cuda_beginAllocateCurrentThreadToPool", begin),
+        ("_cuda_endAllocateToPool", end),
+        ("_cuda_releasePool", release),
+    ]:
+        setattr(memory, name, fn)
+    memory.MemPool = MemPool
+    torch.cuda.MemPool = MemPool
+
+
+def pool_filter(snapshot: Any, pool_id: Optional[Any]) -> Any:
+    """A snapshot cut to one pool's segments (torch.cuda.memory_snapshot(mempool_id))."""
+    if pool_id is None:
+        return snapshot
+    want = tuple(int(x) for x in pool_id)
+    snapshot["segments"] = [s for s in snapshot["segments"] if tuple(s.get("segment_pool_id", (0, 0))) == want]
+    return snapshot
