@@ -59,7 +59,8 @@ torch.cuda = types.SimpleNamespace(
     is_initialized=lambda: state["initialized"], memory=memory, CUDAGraph=Graph, current_device=lambda: 0,
     current_stream=lambda d: types.SimpleNamespace(cuda_stream=0), MemPool=lambda raw: ["pool"], use_mem_pool=use_mem_pool,
     graph_pool_handle=lambda: (0, next(pool_ids)),
-    memory_snapshot=lambda mempool_id=None: torch._C._cuda_memorySnapshot(mempool_id)["segments"],
+    # As torch 2.11 asks: the pool id's two parts ((0, 0): every pool) and include_traces.
+    memory_snapshot=lambda mempool_id=None: torch._C._cuda_memorySnapshot((*(mempool_id or (0, 0)), True))["segments"],
 )
 utils = types.ModuleType("torch.cuda._utils")
 utils._get_device_index = lambda d, optional: 0 if d is None else d
@@ -417,6 +418,7 @@ def test_mempool_under_install_is_the_librarys_pool():
             b = lib.vram_ledger_malloc(1 << 20, 0, None)
         plain = lib.vram_ledger_malloc(1 << 20, 0, None)
         seen["nested"] = [inside(inner.snapshot(), a), inside(outer.snapshot(), b), inside(outer.snapshot(), a)]
+        seen["all_pools_listed"] = inside(torch.cuda.memory_snapshot(), a) and inside(torch.cuda.memory_snapshot(), plain)
         seen["plain_in_a_pool"] = any(inside(p.snapshot(), plain) for p in (pool, outer, inner))
         ids = []
         threads = [threading.Thread(target=lambda: ids.append(M().id)) for _ in range(4)]
@@ -453,6 +455,7 @@ def test_mempool_under_install_is_the_librarys_pool():
     assert [r["count_before"], r["count_inside"], r["count_after"]] == [1, 2, 1], r
     assert r["segments_kept"] == 1 and r["x_in_pool"], "empty_cache inside the pool kept its segment"
     assert r["nested"] == [True, True, False] and not r["plain_in_a_pool"], r
+    assert r["all_pools_listed"], "memory_snapshot() lists every pool's segments and the rest"
     assert r["thread_ids"] == 4, r
     assert len(r["refused"]) == 3 and all("not supported under vram_ledger.install()" in e for e in r["refused"]), r
     assert "allocator" in r["refused"][0] and "use_on_oom" in r["refused"][1], r

@@ -116,10 +116,16 @@ def patch(torch: Any) -> None:
     torch.cuda.MemPool = MemPool
 
 
-def pool_filter(snapshot: Any, pool_id: Optional[Any]) -> Any:
-    """A snapshot cut to one pool's segments (torch.cuda.memory_snapshot(mempool_id))."""
-    if pool_id is None:
+def pool_filter(snapshot: Any, arg: Optional[Any]) -> Any:
+    """The snapshot as torch._C._cuda_memorySnapshot(arg) gives it: torch 2.11 passes
+    (pool id's two parts, include_traces), older versions the pool id or None. A pool id of
+    (0, 0), no pool, leaves every segment; include_traces false leaves the history out."""
+    if arg is None:
         return snapshot
-    want = tuple(int(x) for x in pool_id)
-    snapshot["segments"] = [s for s in snapshot["segments"] if tuple(s.get("segment_pool_id", (0, 0))) == want]
+    parts = tuple(arg)
+    want = tuple(int(x) for x in parts[:2])
+    if len(parts) > 2 and not parts[2]:
+        snapshot["device_traces"] = [[] for _ in snapshot.get("device_traces", [])]
+    if want != (0, 0):
+        snapshot["segments"] = [s for s in snapshot["segments"] if tuple(s.get("segment_pool_id", (0, 0))) == want]
     return snapshot

@@ -112,8 +112,8 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
         stacks = "all" if record_context_cpp else "python"
         _record(torch.cuda.current_device(), bool(enabled), trace_alloc_max_entries, clear_history, context, stacks, skip_actions)
 
-    def snapshot(mempool_id: Any = None, *_: Any, **__: Any) -> Dict[str, Any]:
-        return _mempool.pool_filter(_snapshot(torch.cuda.current_device()), mempool_id)
+    def snapshot(arg: Any = None, *_: Any, **__: Any) -> Dict[str, Any]:
+        return _mempool.pool_filter(_snapshot(torch.cuda.current_device()), arg)
 
     set_fraction = getattr(C, "_cuda_setMemoryFraction", None)
 
