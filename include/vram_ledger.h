@@ -42,6 +42,26 @@ typedef uint64_t (*vram_ledger_context_source)(int kind);
  */
 typedef void (*vram_ledger_oom_observer)(int device, int64_t size, int64_t allocated, int64_t device_free);
 
+/* A pool's own allocation function, as PyTorch's pluggable allocator takes it: `size` bytes
+ * on `device` for use on `stream`, or NULL.
+ */
+typedef void *(*vram_ledger_pool_alloc)(size_t size, int device, void *stream);
+
+/* A pool's own free function: give back what its allocation function returned. */
+typedef void (*vram_ledger_pool_free)(void *ptr, size_t size, int device, void *stream);
+
+/* Whether a profiler that records memory is active on this thread (`c10::memoryProfilingEnabled`;
+ * its `bool` read as one byte, 0 or 1).
+ */
+typedef uint8_t (*vram_ledger_memory_profiling)(void);
+
+/* A memory event (`c10::reportMemoryUsageToProfiler`): the pointer, the bytes allocated
+ * (negative for a free), the bytes allocated and reserved on the device after it, and the
+ * device as c10 passes a `c10::Device` by value (its type, CUDA = 1, in the low byte and its
+ * index in the high byte).
+ */
+typedef void (*vram_ledger_memory_report)(void *ptr, int64_t size, uint64_t allocated, uint64_t reserved, uint16_t device);
+
 /* ---- src/ffi/boundary.rs ----------------------------------------------------
  * The boundary every C entry point goes through: errors and panics become return values and a
  * per-thread message, failures are logged, and arguments from C are checked.
@@ -308,9 +328,8 @@ int vram_ledger_set_retain_host(int device, int retain);
 int vram_ledger_set_zero_discarded(int device, int zero);
 
 /* ---- src/ffi/graphs.rs ------------------------------------------------------
- * CUDA graph pools and memory pools (PyTorch's private pools and `torch.cuda.MemPool`, which
- * its pluggable allocator does not forward: the Python package calls these around
- * `torch.cuda.CUDAGraph`'s capture and release, and for its MemPool and `use_mem_pool`).
+ * CUDA graph pools (PyTorch's private pools, which its pluggable allocator does not forward:
+ * the Python package calls these around `torch.cuda.CUDAGraph`'s capture and release).
  */
 
 /* Route the capture running on `stream` to graph pool (`pool_a`, `pool_b`), PyTorch's
@@ -334,11 +353,21 @@ int vram_ledger_graph_end(int device, void *stream, uint64_t pool_a, uint64_t po
  */
 int vram_ledger_graph_release(int device, uint64_t pool_a, uint64_t pool_b);
 
-/* Count one reference to pool (`pool_a`, `pool_b`), making it if it is new (PyTorch's
- * `createOrIncrefPool`, as a `torch.cuda.MemPool` is made); `vram_ledger_graph_release` drops
- * it.
+/* ---- src/ffi/pools.rs -------------------------------------------------------
+ * Memory pools (PyTorch's `torch.cuda.MemPool` and `use_mem_pool`, which its pluggable
+ * allocator does not forward: the Python package calls these for its MemPool), and the
+ * allocators of their own that pools may have.
  */
-int vram_ledger_pool_hold(int device, uint64_t pool_a, uint64_t pool_b);
+
+/* Make pool (`pool_a`, `pool_b`) if it is new, and count one reference to it (PyTorch's
+ * `createOrIncrefPool`, as a `torch.cuda.MemPool` is made); `vram_ledger_graph_release` drops
+ * it. With `alloc` and `free` (both or neither), the pool's segments come from them, in every
+ * mode: they must behave as PyTorch's pluggable-allocator functions, may be called from any
+ * thread until the pool's last segment is given back, and must not unwind. With `use_on_oom`
+ * non-zero, the pool's free blocks serve an allocation that would otherwise run out of
+ * memory. A pool that exists keeps how it was made (another allocator is refused, -1).
+ */
+int vram_ledger_pool_hold(int device, uint64_t pool_a, uint64_t pool_b, vram_ledger_pool_alloc alloc, vram_ledger_pool_free free, int use_on_oom);
 
 /* Route every allocation the calling thread makes on `device` to the pool, on any stream,
  * until `vram_ledger_pool_end` (PyTorch's `beginAllocateToPool` with a filter for the current
@@ -351,6 +380,20 @@ int vram_ledger_pool_begin(int device, uint64_t pool_a, uint64_t pool_b);
  * has none.
  */
 int vram_ledger_pool_end(int device, uint64_t pool_a, uint64_t pool_b);
+
+/* ---- src/ffi/profiler.rs ----------------------------------------------------
+ * Memory events for PyTorch's profiler (`torch.profiler.profile(profile_memory=True)` and the
+ * memory timeline built on it): PyTorch's caching allocator reports each allocation and free
+ * to c10 (`c10::reportMemoryUsageToProfiler`) while a profiler that records memory is active;
+ * a pluggable allocator reports nothing. The host names c10's two functions here, and every
+ * allocation and free through the PyTorch hooks is reported as PyTorch's allocator reports it.
+ */
+
+/* Report allocations and frees through the PyTorch hooks to `report` while `profiling` says
+ * so (both NULL: stop). Both run on the allocating or freeing thread with no lock of the
+ * allocator held, and must not unwind.
+ */
+void vram_ledger_set_memory_reporter(vram_ledger_memory_profiling profiling, vram_ledger_memory_report report);
 
 /* ---- src/ffi/abi.rs ---------------------------------------------------------
  * The library describing itself to hosts that bind it at run time (the Python package builds

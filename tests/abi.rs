@@ -296,3 +296,84 @@ fn abi_and_the_rust_api_share_one_allocator_per_device() {
         Err(vram_ledger::Error::WrongBackend { .. })
     ));
 }
+
+unsafe extern "C" fn pool_alloc(_size: usize, _device: i32, _stream: *mut c_void) -> *mut c_void {
+    null_mut()
+}
+
+#[test]
+fn abi_memory_pools_refuse_half_an_allocator_and_unknown_routes() {
+    setup();
+    assert_eq!(
+        vram_ledger_pool_hold(5, 0, 9, Some(pool_alloc), None, 0),
+        -1
+    );
+    assert!(last_error().contains("both"), "{}", last_error());
+    assert_eq!(vram_ledger_pool_end(5, 0, 9), -1);
+    assert!(last_error().contains("graph pool"), "{}", last_error());
+    // A pool whose allocator returns NULL: out of memory, and the device keeps working.
+    unsafe extern "C" fn pool_free(_p: *mut c_void, _size: usize, _device: i32, _s: *mut c_void) {}
+    assert_eq!(
+        vram_ledger_pool_hold(5, 0, 9, Some(pool_alloc), Some(pool_free), 0),
+        0
+    );
+    assert_eq!(vram_ledger_pool_begin(5, 0, 9), 0);
+    assert!(malloc(4096, 5).is_null());
+    assert!(last_error().contains("NULL"), "{}", last_error());
+    assert_eq!(vram_ledger_pool_end(5, 0, 9), 0);
+    assert_eq!(vram_ledger_graph_release(5, 0, 9), 0);
+    assert_eq!(vram_ledger_graph_release(5, 0, 9), 0);
+    let p = malloc(4096, 5);
+    assert!(!p.is_null(), "{}", last_error());
+    free(p, 4096, 5);
+}
+
+static PROFILING: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+type Event = (usize, i64, u64, u64, u16);
+static EVENTS: std::sync::Mutex<Vec<Event>> = std::sync::Mutex::new(Vec::new());
+
+unsafe extern "C" fn profiling() -> u8 {
+    PROFILING.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+unsafe extern "C" fn report(ptr: *mut c_void, size: i64, allocated: u64, reserved: u64, d: u16) {
+    EVENTS
+        .lock()
+        .unwrap()
+        .push((ptr as usize, size, allocated, reserved, d));
+}
+
+#[test]
+fn abi_allocations_and_frees_are_reported_to_a_profiler_that_records_memory() {
+    setup();
+    vram_ledger_set_memory_reporter(Some(profiling), Some(report));
+    let mine = |e: &&Event| e.4 == (6 << 8) | 1;
+    let quiet = malloc(4096, 6);
+    free(quiet, 4096, 6);
+    PROFILING.store(1, std::sync::atomic::Ordering::Relaxed);
+    let p = malloc(3000, 6);
+    free(p, 3000, 6);
+    PROFILING.store(0, std::sync::atomic::Ordering::Relaxed);
+    vram_ledger_set_memory_reporter(None, None);
+    let events: Vec<Event> = EVENTS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(mine)
+        .copied()
+        .collect();
+    assert_eq!(
+        events.len(),
+        2,
+        "only while the profiler records: {events:?}"
+    );
+    let (ptr, size, allocated, reserved, _) = events[0];
+    assert_eq!((ptr, size), (p as usize, 3000));
+    assert!(allocated >= 3000 && reserved >= allocated, "{events:?}");
+    assert_eq!((events[1].0, events[1].1), (p as usize, -3000));
+    assert_eq!(
+        events[1].2,
+        allocated - 3072,
+        "the block (3000 rounded to 512) went back"
+    );
+}

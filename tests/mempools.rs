@@ -2,17 +2,29 @@
 //! simulated device, in every segment mode: a thread's route takes its allocations on every
 //! stream and no other thread's; the innermost of nested pools serves; a held pool keeps its
 //! memory through `empty_cache` and gives it back once released; a block freed in a pool waits
-//! for the stream it was used on before another stream reuses it; and a route ended that was
-//! never begun is an error that changes nothing.
+//! for the stream it was used on before another stream reuses it; a route ended that was never
+//! begun is an error that changes nothing. A pool with an allocator of its own takes its
+//! segments from it and gives them back to it, also after the pool is gone, its failures are
+//! out of memory, and the cap counts it; a `use_on_oom` pool's free blocks serve what nothing
+//! else can, and no other pool's do.
 
 #[path = "common/sim.rs"]
 mod common;
 
 use common::{check_graphs as check, sim};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use common::sim_with;
+use vram_ledger::driver::external::{SegmentSource, Source};
 use vram_ledger::driver::sim::SimDriver;
-use vram_ledger::driver::StreamId;
+use vram_ledger::driver::{
+    DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, StreamId,
+};
 use vram_ledger::units::MIB;
-use vram_ledger::{Allocation, Allocator, Error, GraphPool, SegmentMode, Tag};
+use vram_ledger::{
+    Allocation, Allocator, Config, Error, GraphPool, Limit, PoolOptions, SegmentMode, Tag,
+};
 
 const S0: StreamId = StreamId(0x100);
 const S1: StreamId = StreamId(0x200);
@@ -38,7 +50,7 @@ fn pool_of(a: &Allocator<SimDriver>, x: &Allocation) -> Option<GraphPool> {
 fn a_thread_route_takes_that_threads_allocations_on_every_stream_and_no_other_threads() {
     for mode in SegmentMode::ALL {
         let a = sim(mode);
-        a.hold_pool(P).unwrap();
+        a.hold_pool(P, PoolOptions::default()).unwrap();
         a.begin_thread_pool(P).unwrap();
         let here: Vec<_> = [S0, S1].map(|s| alloc(&a, 3 * MIB, s)).into();
         let elsewhere = std::thread::scope(|t| t.spawn(|| alloc(&a, 3 * MIB, S0)).join().unwrap());
@@ -82,7 +94,7 @@ fn a_held_pool_keeps_its_memory_through_empty_cache_and_gives_it_back_once_relea
         let a = sim(mode);
         // As torch.cuda.MemPool() and `with use_mem_pool(pool)`: a hold, then a route (its own
         // reference), ended and released.
-        a.hold_pool(P).unwrap();
+        a.hold_pool(P, PoolOptions::default()).unwrap();
         a.begin_thread_pool(P).unwrap();
         let x = alloc(&a, 8 * MIB, S0);
         a.free_on(x.ptr, S0).unwrap();
@@ -182,4 +194,193 @@ fn ending_a_route_this_thread_never_began_is_an_error_that_changes_nothing() {
         Err(Error::UnknownGraphPool(_))
     ));
     check(&a);
+}
+
+/// A pool's own allocator: another process on the same simulated device, counting its calls
+/// and the bytes it holds, failing while `fail` is set.
+struct Own {
+    d: SimDriver,
+    allocs: AtomicU64,
+    frees: AtomicU64,
+    held: AtomicU64,
+    fail: AtomicBool,
+}
+
+impl std::fmt::Debug for Own {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the test's own allocator")
+    }
+}
+
+impl SegmentSource for Own {
+    fn alloc(&self, bytes: u64, stream: StreamId) -> DriverResult<DevicePtr> {
+        if self.fail.load(Relaxed) {
+            return Err(DriverError::new(
+                DriverCall::AllocSegment,
+                DriverErrorKind::OutOfMemory,
+                "refused",
+            ));
+        }
+        let p = self.d.alloc_segment(bytes, stream)?;
+        self.allocs.fetch_add(1, Relaxed);
+        self.held.fetch_add(bytes, Relaxed);
+        Ok(p)
+    }
+
+    fn free(&self, ptr: DevicePtr, bytes: u64, _stream: StreamId) -> DriverResult<()> {
+        self.d.free_segment(ptr, bytes)?;
+        self.frees.fetch_add(1, Relaxed);
+        self.held.fetch_sub(bytes, Relaxed);
+        Ok(())
+    }
+}
+
+fn own(a: &Allocator<SimDriver>) -> Arc<Own> {
+    Arc::new(Own {
+        d: a.driver().device().spawn_process().unwrap(),
+        allocs: AtomicU64::new(0),
+        frees: AtomicU64::new(0),
+        held: AtomicU64::new(0),
+        fail: AtomicBool::new(false),
+    })
+}
+
+fn with_source(o: &Arc<Own>) -> PoolOptions {
+    PoolOptions {
+        source: Some(o.clone() as Source),
+        use_on_oom: false,
+    }
+}
+
+#[test]
+fn a_pool_with_its_own_allocator_takes_its_segments_from_it_and_gives_them_back() {
+    for mode in SegmentMode::ALL {
+        let a = sim(mode);
+        let o = own(&a);
+        let segments_before = a.snapshot().driver_calls[DriverCall::AllocSegment];
+        a.hold_pool(P, with_source(&o)).unwrap();
+        a.begin_thread_pool(P).unwrap();
+        let big = alloc(&a, 3 * MIB, S0);
+        let small = alloc(&a, 700, S0);
+        let plain_before = alloc(&a, MIB, S1);
+        a.end_thread_pool(P).unwrap();
+        // The route's reference and the pool object's.
+        a.release_graph_pool(P).unwrap();
+        a.release_graph_pool(P).unwrap();
+        // A small and a large segment in S0's shard, one in S1's.
+        assert_eq!(o.allocs.load(Relaxed), 3, "{mode}");
+        assert_eq!(pool_of(&a, &big), Some(P), "{mode}");
+        assert_eq!(pool_of(&a, &small), Some(P), "{mode}");
+        assert_eq!(
+            pool_of(&a, &plain_before),
+            Some(P),
+            "{mode}: on every stream"
+        );
+        let held = o.held.load(Relaxed);
+        assert_eq!(
+            a.snapshot().reserved_bytes.current,
+            held,
+            "{mode}: counted as reserved"
+        );
+        if mode == SegmentMode::Native {
+            assert_eq!(
+                a.snapshot().driver_calls[DriverCall::AllocSegment],
+                segments_before,
+                "{mode}: no segment from the driver"
+            );
+        }
+        check(&a);
+        // The pool object is gone; the memory goes back to its allocator once freed.
+        for x in [&big, &small, &plain_before] {
+            a.free(x.ptr).unwrap();
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(o.frees.load(Relaxed), 3, "{mode}");
+        assert_eq!(o.held.load(Relaxed), 0, "{mode}");
+        assert_eq!(a.snapshot().reserved_bytes.current, 0, "{mode}");
+        check(&a);
+    }
+}
+
+#[test]
+fn a_pools_own_allocator_refusing_is_out_of_memory_and_the_cap_counts_its_memory() {
+    let a = sim_with(Config {
+        limit: Some(Limit::Bytes(64 * MIB)),
+        ..Config::with_mode(SegmentMode::Remap)
+    });
+    let o = own(&a);
+    a.hold_pool(P, with_source(&o)).unwrap();
+    a.begin_thread_pool(P).unwrap();
+    o.fail.store(true, Relaxed);
+    let refused = a.allocate_tagged(8 * MIB, S0, Tag::Activation);
+    assert!(matches!(refused, Err(Error::OutOfMemory(_))), "{refused:?}");
+    o.fail.store(false, Relaxed);
+    let x = alloc(&a, 40 * MIB, S0);
+    let over = a.allocate_tagged(30 * MIB, S0, Tag::Activation);
+    assert!(
+        matches!(over, Err(Error::OutOfMemory(_))),
+        "the cap counts the pool: {over:?}"
+    );
+    assert_eq!(o.allocs.load(Relaxed), 1);
+    a.free(x.ptr).unwrap();
+    a.end_thread_pool(P).unwrap();
+    check(&a);
+}
+
+#[test]
+fn a_pool_keeps_how_it_was_made() {
+    let a = sim(SegmentMode::Native);
+    let (o, other) = (own(&a), own(&a));
+    a.hold_pool(P, with_source(&o)).unwrap();
+    a.hold_pool(P, with_source(&o)).unwrap();
+    a.hold_pool(P, PoolOptions::default()).unwrap();
+    let refused = a.hold_pool(P, with_source(&other));
+    assert!(
+        matches!(refused, Err(Error::InvalidArgument(_))),
+        "{refused:?}"
+    );
+    a.begin_thread_pool(P).unwrap();
+    alloc(&a, MIB, S0);
+    assert_eq!((o.allocs.load(Relaxed), other.allocs.load(Relaxed)), (1, 0));
+    a.end_thread_pool(P).unwrap();
+}
+
+#[test]
+fn a_use_on_oom_pools_free_blocks_serve_what_nothing_else_can() {
+    for mode in SegmentMode::ALL {
+        let a = sim_with(Config {
+            limit: Some(Limit::Bytes(100 * MIB)),
+            ..Config::with_mode(mode)
+        });
+        let on_oom = PoolOptions {
+            source: None,
+            use_on_oom: true,
+        };
+        a.hold_pool(P, PoolOptions::default()).unwrap();
+        a.hold_pool(Q, on_oom).unwrap();
+        let mut kept = Vec::new();
+        for pool in [P, Q] {
+            a.begin_thread_pool(pool).unwrap();
+            kept.push(alloc(&a, 40 * MIB, S0));
+            a.end_thread_pool(pool).unwrap();
+        }
+        for x in &kept {
+            a.free(x.ptr).unwrap();
+        }
+        // The cap leaves no room for 30 MiB more: Q's free block serves it, P's never does.
+        let c = alloc(&a, 30 * MIB, S0);
+        assert_eq!(pool_of(&a, &c), Some(Q), "{mode}");
+        assert_eq!(c.ptr, kept[1].ptr, "{mode}: Q's block, reused");
+        let d = a.allocate_tagged(30 * MIB, S0, Tag::Activation);
+        assert!(
+            matches!(d, Err(Error::OutOfMemory(_))),
+            "{mode}: P is not for this: {d:?}"
+        );
+        a.free(c.ptr).unwrap();
+        a.begin_thread_pool(Q).unwrap();
+        let e = alloc(&a, 20 * MIB, S0);
+        assert_eq!(e.ptr, c.ptr, "{mode}: the block went back to Q");
+        a.end_thread_pool(Q).unwrap();
+        check(&a);
+    }
 }

@@ -426,11 +426,29 @@ def test_mempool_under_install_is_the_librarys_pool():
         for t in threads: t.join()
         seen["thread_ids"] = len(set(ids))
         seen["refused"] = []
-        for kw in [{"allocator": object()}, {"use_on_oom": True}, {"no_split": True}]:
+        for kw in [{"allocator": object()}, {"no_split": True}]:
             try:
                 M(**kw)
             except vl.VramLedgerError as e:
                 seen["refused"].append(str(e))
+        # A pool with its own allocator: libc's malloc and free stand in for a CUDA allocator's
+        # (the simulated device never touches the memory; the extra arguments are ignored).
+        plug = torch.cuda.memory.CUDAPluggableAllocator("libc.so.6", "malloc", "free")
+        own = M(plug.allocator(), use_on_oom=True)
+        seen["own_allocator"] = own.allocator is plug.allocator()
+        with use(own):
+            o = lib.vram_ledger_malloc(1 << 20, 0, None)
+        own_segments = own.snapshot()
+        seen["own_segment"] = [inside(own_segments, o), len(own_segments)]
+        # malloc's large blocks are mapped near the top of the address space; the simulated
+        # device's addresses start at 1 TiB.
+        seen["own_from_malloc"] = o >= 1 << 45
+        seen["own_reserved"] = vl.stats(0)["reserved_bytes"]["current"]
+        lib.vram_ledger_free(o, 1 << 20, 0, None)
+        del own
+        import gc; gc.collect()
+        lib.vram_ledger_reset()
+        seen["own_given_back"] = vl.stats(0)["reserved_bytes"]["current"] - seen["own_reserved"]
         with vl.mempool("kv") as kv:
             seen["kv_tag"] = vl.current_tag()
             k = lib.vram_ledger_malloc(1 << 20, 0, None)
@@ -457,8 +475,10 @@ def test_mempool_under_install_is_the_librarys_pool():
     assert r["nested"] == [True, True, False] and not r["plain_in_a_pool"], r
     assert r["all_pools_listed"], "memory_snapshot() lists every pool's segments and the rest"
     assert r["thread_ids"] == 4, r
-    assert len(r["refused"]) == 3 and all("not supported under vram_ledger.install()" in e for e in r["refused"]), r
-    assert "allocator" in r["refused"][0] and "use_on_oom" in r["refused"][1], r
+    assert "CUDAPluggableAllocator(path, alloc_name, free_name) after install()" in r["refused"][0], r
+    assert "no_split=...) is not supported under vram_ledger.install()" in r["refused"][1], r
+    assert r["own_allocator"] and r["own_segment"] == [True, 1] and r["own_from_malloc"], r
+    assert r["own_given_back"] < -(1 << 20), "the pool's segment went back to its allocator"
     assert r["kv_tag"] == "kv_cache" and r["kv_in_its_pool"], r
     assert r["left"] == [], "every pool's memory went back with its last reference"
     assert r["end_without_begin"] and "pool" in r["end_without_begin"], r

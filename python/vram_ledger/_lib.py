@@ -59,6 +59,10 @@ _CTYPES: Dict[str, Any] = {
     "void (*)(int, const char *)": ctypes.c_void_p,
     "void (*)(int, int64_t, int64_t, int64_t)": ctypes.c_void_p,
     "uint64_t (*)(int)": ctypes.c_void_p,
+    "void * (*)(size_t, int, void *)": ctypes.c_void_p,
+    "void (*)(void *, size_t, int, void *)": ctypes.c_void_p,
+    "uint8_t (*)(void)": ctypes.c_void_p,
+    "void (*)(void *, int64_t, uint64_t, uint64_t, uint16_t)": ctypes.c_void_p,
 }
 
 # Every entry point this package calls, or hands to PyTorch by name or by address: a library
@@ -99,6 +103,7 @@ USED = (
     "vram_ledger_record_stream",
     "vram_ledger_set_oom_observer",
     "vram_ledger_set_context_source",
+    "vram_ledger_set_memory_reporter",
     "vram_ledger_set_history_metadata",
     "vram_ledger_reset_accumulated",
     "vram_ledger_separate_tags",

@@ -10,15 +10,19 @@ the pool lives, is kept apart from every other allocation, and goes back to the 
 the pool object and every use of it are gone; what is still allocated then goes with the next
 empty_cache, as with PyTorch's allocator.
 
-What PyTorch's MemPool does and this one refuses, each with an error that says so: a pool with
-its own allocator (`MemPool(allocator)`), `use_on_oom` and `no_split`."""
+A MemPool with its own allocator (`MemPool(CUDAPluggableAllocator(...).allocator())`) takes
+its segments from that allocator's functions, in every mode, and gives them back to them; the
+library caches and splits them as its own, and counts them against the cap. install() records
+the functions of every CUDAPluggableAllocator made after it. `use_on_oom=True` lets the pool's
+free blocks serve an allocation that nothing else can. `no_split` is refused with an error."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 from collections import Counter
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import _args
 from ._lib import _LOG, VramLedgerError, _check, _last_error, load
@@ -27,6 +31,10 @@ from ._lib import _LOG, VramLedgerError, _check, _last_error, load
 # use_count().
 _IN_USE: Counter = Counter()
 _IN_USE_LOCK = threading.Lock()
+
+# The functions of each CUDAPluggableAllocator made since install(), by id() of its
+# allocator() object: (that object, kept alive with its id; alloc and free addresses).
+_FUNCTIONS: Dict[int, Tuple[Any, int, int]] = {}
 
 
 def _pool(pool_id: Any) -> Tuple[int, int]:
@@ -46,18 +54,27 @@ class MemPool:
     snapshot(). Made on the current device."""
 
     def __init__(self, allocator: Any = None, use_on_oom: bool = False, no_split: bool = False, **unsupported: Any) -> None:
-        refused = [name for name, on in [("allocator", allocator is not None), ("use_on_oom", use_on_oom), ("no_split", no_split)] if on]
-        refused += sorted(unsupported)
+        refused = (["no_split"] if no_split else []) + sorted(unsupported)
         if refused:
             raise VramLedgerError(
-                f"torch.cuda.MemPool({', '.join(refused)}=...) is not supported under vram_ledger.install(): its pools "
-                "take memory from vram-ledger (MemPool() with no arguments works; tag() attributes memory)"
+                f"torch.cuda.MemPool({', '.join(refused)}=...) is not supported under vram_ledger.install() "
+                "(MemPool(), MemPool(allocator) and use_on_oom are)"
             )
+        functions = (None, None)
+        if allocator is not None:
+            known = _FUNCTIONS.get(id(allocator))
+            if known is None or known[0] is not allocator:
+                raise VramLedgerError(
+                    "torch.cuda.MemPool(allocator): this allocator's functions are not known to vram-ledger; make it "
+                    "with torch.cuda.memory.CUDAPluggableAllocator(path, alloc_name, free_name) after install()"
+                )
+            functions = known[1:]
         import torch
 
         self._id: Tuple[int, int] = _pool(torch.cuda.graph_pool_handle())
         self._device = int(torch.cuda.current_device())
-        _check(load().vram_ledger_pool_hold(self._device, *self._id))
+        self._allocator = allocator
+        _check(load().vram_ledger_pool_hold(self._device, *self._id, *functions, 1 if use_on_oom else 0))
         self._finalizer = weakref.finalize(self, _release, self._device, self._id)
 
     @property
@@ -65,8 +82,8 @@ class MemPool:
         return self._id
 
     @property
-    def allocator(self) -> None:
-        return None
+    def allocator(self) -> Any:
+        return self._allocator
 
     @property
     def is_symmetric(self) -> bool:
@@ -114,6 +131,20 @@ def patch(torch: Any) -> None:
         setattr(memory, name, fn)
     memory.MemPool = MemPool
     torch.cuda.MemPool = MemPool
+
+    class CUDAPluggableAllocator(memory.CUDAPluggableAllocator):  # type: ignore[misc, valid-type]
+        """PyTorch's, and its functions recorded for MemPool(allocator)."""
+
+        def __init__(self, path_to_so_file: str, alloc_fn_name: str, free_fn_name: str) -> None:
+            super().__init__(path_to_so_file, alloc_fn_name, free_fn_name)
+            so = ctypes.CDLL(path_to_so_file)
+            raw = self.allocator()
+            address = lambda name: ctypes.cast(getattr(so, name), ctypes.c_void_p).value  # noqa: E731
+            _FUNCTIONS[id(raw)] = (raw, address(alloc_fn_name), address(free_fn_name))
+
+    memory.CUDAPluggableAllocator = CUDAPluggableAllocator
+    if hasattr(torch.cuda, "CUDAPluggableAllocator"):
+        torch.cuda.CUDAPluggableAllocator = CUDAPluggableAllocator
 
 
 def pool_filter(snapshot: Any, arg: Optional[Any]) -> Any:

@@ -87,12 +87,40 @@ def install(
     torch.cuda.memory.change_current_allocator(alloc)
     _patch_graphs(torch)
     _mempool.patch(torch)
+    _report_to_profiler(torch)
     if torch_stats:
         _torch_stats.patch(torch)
     if not cudagraph_trees:
         _plain_inductor_graphs()
     _INSTALLED["allocator"] = alloc
     return alloc
+
+
+# c10's profiler entry points, as libc10 exports them (the report's totals are size_t in some
+# versions, int64_t in others: the same registers).
+_PROFILING = "_ZN3c1022memoryProfilingEnabledEv"
+_REPORTS = ["_ZN3c1027reportMemoryUsageToProfilerEPvlmmNS_6DeviceE", "_ZN3c1027reportMemoryUsageToProfilerEPvlllNS_6DeviceE"]
+
+
+def _report_to_profiler(torch: Any) -> None:
+    """Report allocations and frees to torch.profiler while it records memory, as PyTorch's
+    allocator does (`src/ffi/profiler.rs`); without c10's entry points, nothing is reported."""
+    import os
+
+    where = getattr(torch, "__file__", None)
+    if where is None:  # no installed torch (a stand-in)
+        return
+    try:
+        c10 = ctypes.CDLL(os.path.join(os.path.dirname(where), "lib", "libc10.so"))
+    except OSError as e:
+        _LOG.debug("torch.profiler will see no memory events: %s", e)
+        return
+    profiling = getattr(c10, _PROFILING, None)
+    report = next((f for f in (getattr(c10, n, None) for n in _REPORTS) if f is not None), None)
+    if profiling is None or report is None:
+        _LOG.debug("torch.profiler will see no memory events: libc10 exports no %s", _PROFILING if profiling is None else "reportMemoryUsageToProfiler")
+        return
+    load().vram_ledger_set_memory_reporter(_address(profiling), _address(report))
 
 
 def _plain_inductor_graphs() -> None:

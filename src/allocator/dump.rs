@@ -38,6 +38,8 @@ pub struct SegmentDump {
     pub region: Option<Tag>,
     pub size: u64,
     pub expandable: bool,
+    /// Whether the segment came from its pool's own allocator (not from the driver).
+    pub external: bool,
     /// Mapped ranges, `(addr, len)`; the whole segment for a plain one.
     pub mapped: Vec<(u64, u64)>,
     /// Ranges of an asleep tag whose memory was given back (`(addr, len)`): its allocations

@@ -23,7 +23,7 @@ use crossbeam::utils::CachePadded;
 use super::config::{Config, Limit, SegmentMode};
 use super::core::{Allocation, Core, GrowError, Profiled, NONE};
 use super::dump::{PoolStats, StateDump};
-use super::growth::{At, Growth, Request, SyncFirst};
+use super::growth::{At, Grown, Growth, Request, SyncFirst};
 use super::history::{Action, HistoryEntry};
 use super::host::SleepState;
 use super::kvregion::KvRegion;
@@ -279,11 +279,24 @@ impl<D: Driver> Allocator<D> {
         if sh.sleeps(owner) {
             return Err(Error::Asleep(tag));
         }
+        let grown = match sh.graphs.source(owner).cloned() {
+            Some(source) => sh.grow_external(&self.core, owner, stream, rounded, &source),
+            None => self.grow(sh, owner, stream, rounded),
+        };
+        match grown {
+            Ok(id) => Ok(Ok(sh.take(&self.core, id, rounded, size, tag))),
+            Err(GrowError::Memory(cause)) => Ok(Err(cause)),
+            Err(GrowError::Driver(e)) => Err(e.into()),
+        }
+    }
+
+    /// The mode's growth for `owner`.
+    fn grow(&self, sh: &mut Shard, owner: Owner, stream: StreamId, rounded: u64) -> Grown {
         let at = At {
             core: &self.core,
             shards: &self.shards,
         };
-        match self.growth.grow(
+        self.growth.grow(
             at,
             sh,
             Request {
@@ -291,11 +304,7 @@ impl<D: Driver> Allocator<D> {
                 stream,
                 rounded,
             },
-        ) {
-            Ok(id) => Ok(Ok(sh.take(&self.core, id, rounded, size, tag))),
-            Err(GrowError::Memory(cause)) => Ok(Err(cause)),
-            Err(GrowError::Driver(e)) => Err(e.into()),
-        }
+        )
     }
 
     /// The slow end of an allocation: release every shard's cache, try once more, and report
@@ -329,6 +338,9 @@ impl<D: Driver> Allocator<D> {
             Ok(t) => return Ok(self.hand_out(&mut sh, owner, t.allocation(size, stream, tag))),
             Err(cause) => cause,
         };
+        if let Some((pool, t)) = self.take_from_pools_on_oom(&mut sh, rounded, size, tag) {
+            return Ok(self.hand_out(&mut sh, pool, t.allocation(size, stream, tag)));
+        }
         drop(sh);
         self.core.ledger.ooms.fetch_add(1, Relaxed);
         // Returned, not logged: the caller has the report (the C boundary logs what it does not

@@ -19,7 +19,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use super::front::Allocator;
 use super::owner::PoolKey;
-use super::routes::{GraphRoutes, PoolEntry, Route};
+use super::routes::{GraphRoutes, PoolEntry, PoolOptions, Route};
 use crate::driver::{Capture, Driver, GraphPool, StreamId};
 use crate::error::{Error, Result};
 
@@ -53,10 +53,9 @@ impl<D: Driver> Allocator<D> {
         let p = self.entry(&mut pools, pool);
         p.refs += 1;
         p.captures.push((capture, stream, outside));
-        let key = p.key;
         // Under the registry's lock, as every change of routes: every shard sees them in the
         // same order.
-        self.route_to(key, Some(Route::Capture(capture)))
+        self.route_to(p, Some(Route::Capture(capture)))
     }
 
     /// The registry's entry for `pool`, made (unreferenced) if there is none.
@@ -75,6 +74,7 @@ impl<D: Driver> Allocator<D> {
                     refs: 0,
                     captures: Vec::new(),
                     threads: Vec::new(),
+                    options: PoolOptions::default(),
                 });
                 pools.len() - 1
             }
@@ -82,13 +82,20 @@ impl<D: Driver> Allocator<D> {
         &mut pools[i]
     }
 
-    /// Hold `key` in every shard (its memory is then never released or moved) and, with a
-    /// route, send what the route matches to it.
-    pub(super) fn route_to(&self, key: PoolKey, route: Option<Route>) -> Result<()> {
+    /// Hold `key` in every shard (its memory is then never released or moved, and how it was
+    /// made is known there) and, with a route, send what the route matches to it.
+    pub(super) fn route_to(&self, p: &PoolEntry, route: Option<Route>) -> Result<()> {
+        let key = p.key;
         self.each_shard(|r| {
             r.routes.extend(route.map(|route| (route, key)));
             if !r.held.contains(&key) {
                 r.held.push(key);
+                if let Some(source) = &p.options.source {
+                    r.sources.push((key, source.clone()));
+                }
+                if p.options.use_on_oom {
+                    r.on_oom.push(key);
+                }
             }
         })
     }
@@ -175,7 +182,12 @@ impl<D: Driver> Allocator<D> {
         if keys.is_empty() {
             return Ok(());
         }
-        self.each_shard(|r| r.held.retain(|k| !keys.contains(k)))?;
+        self.each_shard(|r| {
+            r.held.retain(|k| !keys.contains(k));
+            // Segments keep their own source until they are given back to it.
+            r.sources.retain(|(k, _)| !keys.contains(k));
+            r.on_oom.retain(|k| !keys.contains(k));
+        })?;
         drop(pools);
         let mut first = None;
         for i in 0..self.shards.len() {

@@ -324,6 +324,7 @@ impl KvRegion {
             region: None,
             size: self.reserved,
             expandable: !self.plain,
+            external: false,
             mapped: if self.mapped > 0 {
                 vec![(self.base, self.mapped)]
             } else {

@@ -15,21 +15,43 @@
 
 use super::core::Allocation;
 use super::front::Allocator;
-use super::routes::{this_thread, Route};
-use super::shard::Shard;
+use super::owner::Owner;
+use super::routes::{this_thread, PoolOptions, Route};
+use super::shard::{Shard, Taken};
 use crate::driver::{Driver, GraphPool};
 use crate::error::{Error, Result};
+use crate::tag::Tag;
+use std::sync::Arc;
 
 impl<D: Driver> Allocator<D> {
-    /// Count one reference to `pool`, making it if it is new (a pool object was made). The
-    /// pool keeps its memory until the last reference is dropped
-    /// ([`Allocator::release_graph_pool`]).
-    pub fn hold_pool(&self, pool: GraphPool) -> Result<()> {
+    /// Count one reference to `pool`, making it with `options` if it is new (a pool object was
+    /// made, PyTorch's `createOrIncrefPool`). The pool keeps its memory until the last
+    /// reference is dropped ([`Allocator::release_graph_pool`]). A pool that exists keeps how
+    /// it was made: asking for another allocator of its own is an error that changes nothing.
+    pub fn hold_pool(&self, pool: GraphPool, options: PoolOptions) -> Result<()> {
         let mut pools = self.graphs.pools.lock();
         let p = self.entry(&mut pools, pool);
+        let fresh = p.unreferenced() && p.options.source.is_none() && !p.options.use_on_oom;
+        if fresh {
+            p.options = options;
+        } else if let Some(asked) = &options.source {
+            let same = p
+                .options
+                .source
+                .as_ref()
+                .is_some_and(|s| Arc::ptr_eq(s, asked));
+            if !same {
+                return Err(Error::InvalidArgument(format!(
+                    "pool {pool:?} exists with {}; it cannot take another allocator",
+                    p.options
+                        .source
+                        .as_ref()
+                        .map_or("the library's memory".to_owned(), |s| format!("{s:?}"))
+                )));
+            }
+        }
         p.refs += 1;
-        let key = p.key;
-        self.route_to(key, None)
+        self.route_to(p, None)
     }
 
     /// Route every allocation this thread makes to `pool`, on any stream, until
@@ -41,10 +63,9 @@ impl<D: Driver> Allocator<D> {
         let p = self.entry(&mut pools, pool);
         p.refs += 1;
         p.threads.push(this_thread());
-        let key = p.key;
         // Under the registry's lock, as every change of routes: every shard sees them in the
         // same order.
-        self.route_to(key, Some(Route::Thread(this_thread())))
+        self.route_to(p, Some(Route::Thread(this_thread())))
     }
 
     /// Stop routing this thread's allocations to `pool` (the route its last
@@ -77,5 +98,26 @@ impl<D: Driver> Allocator<D> {
             let marked = sh.record_stream(a.ptr, a.stream);
             debug_assert!(marked.is_ok(), "the block was just handed out");
         }
+    }
+
+    /// A free block of a `use_on_oom` pool for a request nothing else could serve (the cache
+    /// released, the driver out of memory): the oldest such pool first, as PyTorch does. The
+    /// pools' memory is only reused, never grown, for it; the block stays the pool's.
+    pub(super) fn take_from_pools_on_oom(
+        &self,
+        sh: &mut Shard,
+        rounded: u64,
+        size: u64,
+        tag: Tag,
+    ) -> Option<(Owner, Taken)> {
+        let keys = sh.graphs.on_oom.clone();
+        keys.into_iter().find_map(|key| {
+            let owner = self.core.region(Owner::of_pool(key), tag);
+            if sh.sleeps(owner) {
+                return None;
+            }
+            sh.try_alloc(&self.core, owner, rounded, size, tag)
+                .map(|t| (owner, t))
+        })
     }
 }

@@ -49,5 +49,6 @@ pub use self::front::Allocator;
 pub use self::graphs::GraphMemory;
 pub use self::history::{Action, HistoryEntry};
 pub use self::kv::{KvCache, KvCommit, KvRoom};
+pub use self::routes::PoolOptions;
 pub use self::sleep::{SleepReport, WakeReport};
 pub use crate::driver::GraphPool;

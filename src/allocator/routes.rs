@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use parking_lot::Mutex;
 
 use super::owner::{Owner, PoolKey};
+use crate::driver::external::Source;
 use crate::driver::{Capture, Driver, GraphPool, StreamId};
 
 /// What is routed to a pool: a running capture (by the driver's capture id), or every
@@ -39,6 +40,11 @@ pub(crate) struct GraphRoutes {
     pub(crate) routes: Vec<(Route, PoolKey)>,
     /// Keys of the pools that graphs still reference.
     pub(crate) held: Vec<PoolKey>,
+    /// The held pools whose segments come from an allocator of their own.
+    pub(crate) sources: Vec<(PoolKey, Source)>,
+    /// The held pools whose free blocks serve an allocation that would otherwise fail
+    /// (PyTorch's `use_on_oom`), oldest first.
+    pub(crate) on_oom: Vec<PoolKey>,
 }
 
 impl GraphRoutes {
@@ -81,6 +87,12 @@ impl GraphRoutes {
             .any(|(r, _)| matches!(r, Route::Capture(_)))
     }
 
+    /// The allocator of `owner`'s pool, when it has one of its own.
+    pub(crate) fn source(&self, owner: Owner) -> Option<&Source> {
+        let key = owner.pool()?;
+        self.sources.iter().find(|(k, _)| *k == key).map(|(_, s)| s)
+    }
+
     /// Whether the memory of `owner` may be released or moved.
     #[inline]
     pub(crate) fn releasable(&self, owner: Owner) -> bool {
@@ -101,6 +113,19 @@ pub(crate) struct PoolEntry {
     /// The threads routed to the pool now ([`this_thread`]; one entry per `use_mem_pool` in
     /// progress).
     pub(crate) threads: Vec<u64>,
+    /// How the pool was made.
+    pub(crate) options: PoolOptions,
+}
+
+/// How a pool is made (PyTorch's `MemPool(allocator, use_on_oom)`); a graph's pool has the
+/// defaults.
+#[derive(Clone, Debug, Default)]
+pub struct PoolOptions {
+    /// Where the pool's segments come from: an allocator of its own, or (None) the driver, as
+    /// the allocator's mode says.
+    pub source: Option<Source>,
+    /// Whether the pool's free blocks may serve an allocation that nothing else can.
+    pub use_on_oom: bool,
 }
 
 impl PoolEntry {

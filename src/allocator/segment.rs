@@ -1,5 +1,6 @@
-//! Segments as the shards hold them: a plain `cuMemAlloc` segment, or a virtual reservation
-//! with the physical memory mapped into it; and remap mode's spare physical pieces. Plain
+//! Segments as the shards hold them: a plain `cuMemAlloc` segment, one from a pool's own
+//! allocator, or a virtual reservation with the physical memory mapped into it; and remap
+//! mode's spare physical pieces. Plain
 //! data: the policies that make and release segments live in `growth/`.
 //!
 //! Invariants (kept by `growth/`, checked by `shard/check.rs`):
@@ -14,12 +15,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use super::block::BlockId;
 use super::owner::Owner;
 use super::rules::PoolKind;
+use crate::driver::external::Source;
 use crate::driver::{DevicePtr, PhysHandle};
 
 #[derive(Debug)]
 pub(crate) enum SegmentKind {
     /// One `cuMemAlloc` of the whole segment.
     Plain,
+    /// One allocation of the whole segment from its pool's own allocator, given back to it.
+    External(Source),
     /// A virtual reservation with physical memory mapped on demand.
     Virtual(VirtualMap),
 }
@@ -44,14 +48,14 @@ impl Segment {
     pub(crate) fn virt(&self) -> &VirtualMap {
         match &self.kind {
             SegmentKind::Virtual(v) => v,
-            SegmentKind::Plain => panic!("segment at {:#x} is plain, not virtual", self.base),
+            _ => panic!("segment at {:#x} is plain, not virtual", self.base),
         }
     }
 
     pub(crate) fn virt_mut(&mut self) -> &mut VirtualMap {
         match &mut self.kind {
             SegmentKind::Virtual(v) => v,
-            SegmentKind::Plain => panic!("segment at {:#x} is plain, not virtual", self.base),
+            _ => panic!("segment at {:#x} is plain, not virtual", self.base),
         }
     }
 
@@ -59,7 +63,7 @@ impl Segment {
     /// is not).
     pub(crate) fn backed_bytes(&self) -> u64 {
         match &self.kind {
-            SegmentKind::Plain => self.size,
+            SegmentKind::Plain | SegmentKind::External(_) => self.size,
             SegmentKind::Virtual(v) => v
                 .mappings
                 .values()

@@ -16,6 +16,7 @@
 pub mod cost;
 pub mod counting;
 pub mod cuda;
+pub mod external;
 mod host_room;
 pub mod nvml;
 mod pinned;

@@ -41,6 +41,18 @@ pub(super) const OOM_OBSERVER: &str = "void (*)(int, int64_t, int64_t, int64_t)"
 /// What the context source's parameter is in C (`ContextSource`, or NULL).
 pub(super) const CONTEXT_SOURCE: &str = "uint64_t (*)(int)";
 
+/// What a pool's own allocation function is in C (`PoolAlloc`, or NULL).
+pub(super) const POOL_ALLOC: &str = "void * (*)(size_t, int, void *)";
+
+/// What a pool's own free function is in C (`PoolFree`, or NULL).
+pub(super) const POOL_FREE: &str = "void (*)(void *, size_t, int, void *)";
+
+/// What the profiler's check is in C (`MemoryProfiling`, or NULL).
+pub(super) const MEMORY_PROFILING: &str = "uint8_t (*)(void)";
+
+/// What the profiler's memory report is in C (`MemoryReport`, or NULL).
+pub(super) const MEMORY_REPORT: &str = "void (*)(void *, int64_t, uint64_t, uint64_t, uint16_t)";
+
 /// Every `vram_ledger_*` function the library exports. A `char *` result is the caller's, to
 /// free with `vram_ledger_string_free`; a `const char *` one stays the library's. The test
 /// below holds this table to the declarations in src/ffi.
@@ -87,7 +99,7 @@ pub(super) const SIGNATURES: &[Signature] = &[
     sig(
         "vram_ledger_pool_hold",
         "int",
-        &["int", "uint64_t", "uint64_t"],
+        &["int", "uint64_t", "uint64_t", POOL_ALLOC, POOL_FREE, "int"],
     ),
     sig(
         "vram_ledger_pool_begin",
@@ -125,6 +137,11 @@ pub(super) const SIGNATURES: &[Signature] = &[
     sig("vram_ledger_memory_fraction", "void", &["double", "int"]),
     sig("vram_ledger_record_stream", "void", &["void *", "void *"]),
     sig("vram_ledger_set_oom_observer", "void", &[OOM_OBSERVER]),
+    sig(
+        "vram_ledger_set_memory_reporter",
+        "void",
+        &[MEMORY_PROFILING, MEMORY_REPORT],
+    ),
     sig(
         "vram_ledger_set_context_source",
         "void",

@@ -3,7 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use super::abi::{CONTEXT_SOURCE, LOG_CALLBACK, OOM_OBSERVER};
+use super::abi::{
+    CONTEXT_SOURCE, LOG_CALLBACK, MEMORY_PROFILING, MEMORY_REPORT, OOM_OBSERVER, POOL_ALLOC,
+    POOL_FREE,
+};
 
 /// An exported `vram_ledger_*` function, or a `pub type` naming an `extern "C" fn`.
 #[derive(Debug, PartialEq)]
@@ -33,6 +36,13 @@ pub(super) fn c_type(rust: &str) -> Option<&'static str> {
         "Option<LogCallback>" => LOG_CALLBACK,
         "Option<OomObserver>" => OOM_OBSERVER,
         "Option<ContextSource>" => CONTEXT_SOURCE,
+        "Option<PoolAlloc>" => POOL_ALLOC,
+        "Option<PoolFree>" => POOL_FREE,
+        "usize" => "size_t",
+        "u8" => "uint8_t",
+        "u16" => "uint16_t",
+        "Option<MemoryProfiling>" => MEMORY_PROFILING,
+        "Option<MemoryReport>" => MEMORY_REPORT,
         _ => return None,
     })
 }

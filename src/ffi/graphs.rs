@@ -1,6 +1,5 @@
-//! CUDA graph pools and memory pools (PyTorch's private pools and `torch.cuda.MemPool`, which
-//! its pluggable allocator does not forward: the Python package calls these around
-//! `torch.cuda.CUDAGraph`'s capture and release, and for its MemPool and `use_mem_pool`).
+//! CUDA graph pools (PyTorch's private pools, which its pluggable allocator does not forward:
+//! the Python package calls these around `torch.cuda.CUDAGraph`'s capture and release).
 
 use std::ffi::{c_int, c_void};
 
@@ -55,38 +54,5 @@ pub extern "C" fn vram_ledger_graph_release(device: c_int, pool_a: u64, pool_b: 
     guard(-1, || {
         let pool = crate::GraphPool(pool_a, pool_b);
         status(on_device!(state(device)?, d => d.allocator().release_graph_pool(pool)))
-    })
-}
-
-/// Count one reference to pool (`pool_a`, `pool_b`), making it if it is new (PyTorch's
-/// `createOrIncrefPool`, as a `torch.cuda.MemPool` is made); `vram_ledger_graph_release` drops
-/// it.
-#[no_mangle]
-pub extern "C" fn vram_ledger_pool_hold(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
-    guard(-1, || {
-        let pool = crate::GraphPool(pool_a, pool_b);
-        status(on_device!(state(device)?, d => d.allocator().hold_pool(pool)))
-    })
-}
-
-/// Route every allocation the calling thread makes on `device` to the pool, on any stream,
-/// until `vram_ledger_pool_end` (PyTorch's `beginAllocateToPool` with a filter for the current
-/// thread, as `use_mem_pool` begins). Counts one reference, which `vram_ledger_graph_release`
-/// drops.
-#[no_mangle]
-pub extern "C" fn vram_ledger_pool_begin(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
-    guard(-1, || {
-        let pool = crate::GraphPool(pool_a, pool_b);
-        status(on_device!(state(device)?, d => d.allocator().begin_thread_pool(pool)))
-    })
-}
-
-/// End the calling thread's last route to the pool (`use_mem_pool`'s end). -1 when the thread
-/// has none.
-#[no_mangle]
-pub extern "C" fn vram_ledger_pool_end(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
-    guard(-1, || {
-        let pool = crate::GraphPool(pool_a, pool_b);
-        status(on_device!(state(device)?, d => d.allocator().end_thread_pool(pool)))
     })
 }

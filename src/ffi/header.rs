@@ -9,7 +9,10 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use super::abi::{CONTEXT_SOURCE, LOG_CALLBACK, OOM_OBSERVER, SIGNATURES};
+use super::abi::{
+    CONTEXT_SOURCE, LOG_CALLBACK, MEMORY_PROFILING, MEMORY_REPORT, OOM_OBSERVER, POOL_ALLOC,
+    POOL_FREE, SIGNATURES,
+};
 use super::declarations::{c_type, callback_types, exported, module_doc, sources, Declared};
 
 /// The header, from the repository's root.
@@ -25,6 +28,8 @@ const FILES: &[&str] = &[
     "kv.rs",
     "sleep.rs",
     "graphs.rs",
+    "pools.rs",
+    "profiler.rs",
     "abi.rs",
 ];
 
@@ -267,6 +272,14 @@ mod tests {
                 OOM_OBSERVER.to_owned()
             } else if ty == typedef_name("ContextSource") {
                 CONTEXT_SOURCE.to_owned()
+            } else if ty == typedef_name("PoolAlloc") {
+                POOL_ALLOC.to_owned()
+            } else if ty == typedef_name("PoolFree") {
+                POOL_FREE.to_owned()
+            } else if ty == typedef_name("MemoryProfiling") {
+                MEMORY_PROFILING.to_owned()
+            } else if ty == typedef_name("MemoryReport") {
+                MEMORY_REPORT.to_owned()
             } else if let Some(base) = ty.strip_suffix('*') {
                 format!("{} *", base.trim())
             } else {

@@ -48,7 +48,9 @@ mod graphs;
 mod header;
 mod kv;
 mod ledger;
+mod pools;
 mod profile;
+mod profiler;
 mod pytorch;
 mod sleep;
 
@@ -59,6 +61,8 @@ pub use self::boundary::{
 pub use self::graphs::*;
 pub use self::kv::*;
 pub use self::ledger::*;
+pub use self::pools::*;
 pub use self::profile::*;
+pub use self::profiler::*;
 pub use self::pytorch::*;
 pub use self::sleep::*;

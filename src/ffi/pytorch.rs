@@ -33,7 +33,11 @@ fn malloc(size: isize, device: c_int, stream: *mut c_void) -> Result<*mut c_void
         0 => allocate_on(state, size, stream),
         c => history::with_context(c, || allocate_on(state, size, stream)),
     };
-    r.map(|x| x.ptr as *mut c_void).map_err(|e| match e {
+    r.map(|x| {
+        super::profiler::report(state, device, x.ptr as *mut c_void, x.requested as i64);
+        x.ptr as *mut c_void
+    })
+    .map_err(|e| match e {
         Error::OutOfMemory(report) => {
             notify_oom(device, &report);
             // Worded as PyTorch words it, for the tools that read PyTorch's message.
@@ -169,7 +173,7 @@ pub unsafe extern "C-unwind" fn vram_ledger_malloc_or_throw(
 #[no_mangle]
 pub unsafe extern "C" fn vram_ledger_free(
     ptr: *mut c_void,
-    _size: isize,
+    size: isize,
     device: c_int,
     stream: *mut c_void,
 ) {
@@ -179,7 +183,9 @@ pub unsafe extern "C" fn vram_ledger_free(
             0 => free_on(state, ptr, stream),
             c => history::with_context(c, || free_on(state, ptr, stream)),
         };
-        r.map_err(|e| format!("free of {ptr:?} on device {device} failed: {e}"))
+        // The size PyTorch passes is the one it asked for, as the allocation reported.
+        r.map(|()| super::profiler::report(state, device, ptr, -(size as i64)))
+            .map_err(|e| format!("free of {ptr:?} on device {device} failed: {e}"))
     })
 }
 

@@ -68,7 +68,9 @@ impl Shard {
                 id = b.next;
             }
             let (mapped, asleep) = match &s.kind {
-                SegmentKind::Plain => (vec![(s.base, s.size)], Vec::new()),
+                SegmentKind::Plain | SegmentKind::External(_) => {
+                    (vec![(s.base, s.size)], Vec::new())
+                }
                 SegmentKind::Virtual(v) => v
                     .mappings
                     .iter()
@@ -82,6 +84,7 @@ impl Shard {
                 region: s.owner.region(),
                 size: s.size,
                 expandable: s.is_virtual(),
+                external: matches!(s.kind, SegmentKind::External(_)),
                 mapped,
                 asleep,
                 blocks,
@@ -173,7 +176,7 @@ impl Shard {
                             "unmapped block at {:#x} is not in the unmapped set",
                             b.addr
                         )),
-                        SegmentKind::Plain => {
+                        SegmentKind::Plain | SegmentKind::External(_) => {
                             problems.push("a plain segment has an unmapped block".into())
                         }
                     },
