@@ -384,3 +384,31 @@ fn a_use_on_oom_pools_free_blocks_serve_what_nothing_else_can() {
         check(&a);
     }
 }
+
+#[test]
+fn a_pool_whose_blocks_were_all_freed_gives_its_memory_back_as_it_goes() {
+    for mode in SegmentMode::ALL {
+        let a = sim(mode);
+        let o = own(&a);
+        a.hold_pool(P, with_source(&o)).unwrap();
+        a.begin_thread_pool(P).unwrap();
+        let x = alloc(&a, 3 * MIB, S0);
+        // Freed while work queued on its stream may still use it: pending, not yet free.
+        a.driver().device().submit(S0);
+        a.free_on(x.ptr, S0).unwrap();
+        a.end_thread_pool(P).unwrap();
+        a.release_graph_pool(P).unwrap();
+        a.release_graph_pool(P).unwrap();
+        assert_eq!(
+            a.graph_memory().reserved,
+            0,
+            "{mode}: without another empty_cache"
+        );
+        assert_eq!(
+            o.held.load(Relaxed),
+            0,
+            "{mode}: back to the pool's allocator"
+        );
+        check(&a);
+    }
+}

@@ -111,8 +111,10 @@ impl<D: Driver> Allocator<D> {
         let bytes = match limit {
             None => NONE,
             Some(Limit::Bytes(b)) => b,
+            // Rounded, not truncated: a fraction computed as bytes / total comes back as those
+            // bytes, where truncating the product can lose one.
             Some(Limit::Fraction(f)) if f > 0.0 && f <= 1.0 => {
-                (self.core.device_total as f64 * f) as u64
+                (self.core.device_total as f64 * f).round() as u64
             }
             Some(Limit::Fraction(f)) => {
                 return Err(Error::InvalidLimit(format!(

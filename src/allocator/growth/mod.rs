@@ -174,8 +174,11 @@ impl Shard {
     }
 
     /// Release the free memory of pool `key` (no graph references it any more), in each of its
-    /// regions; an asleep region's is released once it wakes, by the next `empty_cache`.
+    /// regions; an asleep region's is released once it wakes, by the next `empty_cache`. Blocks
+    /// freed while their streams still ran are waited for first, so that a pool whose tensors
+    /// were all freed gives everything back now, as PyTorch's MemPool does when it goes.
     pub(crate) fn release_pool<D: Driver>(&mut self, core: &Core<D>, key: PoolKey) -> Result<()> {
+        self.process_pending(core, true)?;
         for seg in self.segments.ids_where(|s| s.owner.pool() == Some(key)) {
             self.release_segment(core, seg, SyncFirst::Owner)?;
         }
