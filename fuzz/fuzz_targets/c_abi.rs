@@ -30,7 +30,35 @@ enum Call {
     Reset,
     Sleep { device: i8, offload: i32, discard: i32 },
     Wake { device: i8, mask: i32 },
+    PoolHold { device: i8, id: u8, own: bool, half: bool, on_oom: bool },
+    PoolBegin { device: i8, id: u8 },
+    PoolEnd { device: i8, id: u8 },
+    PoolRelease { device: i8, id: u8 },
+    Reporter { on: bool, profiling: u8 },
 }
+
+/// A pool's own allocator for the fuzzer: host memory, refused above 64 MiB (the library sees
+/// only addresses on the simulated backend).
+unsafe extern "C" fn own_alloc(size: usize, _device: i32, _stream: *mut c_void) -> *mut c_void {
+    match std::alloc::Layout::from_size_align(size, 512) {
+        Ok(l) if size > 0 && size <= 64 << 20 => unsafe { std::alloc::alloc(l).cast() },
+        _ => std::ptr::null_mut(),
+    }
+}
+
+unsafe extern "C" fn own_free(ptr: *mut c_void, size: usize, _device: i32, _stream: *mut c_void) {
+    let l = std::alloc::Layout::from_size_align(size, 512).unwrap();
+    // SAFETY: `ptr` came from `own_alloc` with this size (the library gives back what it got).
+    unsafe { std::alloc::dealloc(ptr.cast(), l) };
+}
+
+static PROFILING: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+unsafe extern "C" fn profiling() -> u8 {
+    PROFILING.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+unsafe extern "C" fn report(_p: *mut c_void, _size: i64, _allocated: u64, _reserved: u64, _d: u16) {}
 
 fuzz_target!(|calls: Vec<Call>| {
     static ONCE: Once = Once::new();
@@ -41,6 +69,9 @@ fuzz_target!(|calls: Vec<Call>| {
         std::env::set_var("VRAM_LEDGER_LOG", "off");
     });
     let mut live: Vec<(*mut c_void, i32)> = Vec::new();
+    // References this input took (holds and routes), dropped at its end: inputs share the
+    // library's state.
+    let (mut refs, mut routes): (Vec<(i32, u64)>, Vec<(i32, u64)>) = (Vec::new(), Vec::new());
     for c in calls.into_iter().take(100) {
         match c {
             Call::Malloc { size, device, stream } => {
@@ -106,6 +137,47 @@ fuzz_target!(|calls: Vec<Call>| {
                 vram_ledger_string_free(vram_ledger_sleep(i32::from(device % 3), offload, discard))
             },
             Call::Wake { device, mask } => unsafe { vram_ledger_string_free(vram_ledger_wake(i32::from(device % 3), mask)) },
+            Call::PoolHold { device, id, own, half, on_oom } => {
+                let d = i32::from(device % 3);
+                let (alloc, free): (Option<PoolAlloc>, Option<PoolFree>) = match (own, half) {
+                    (true, false) => (Some(own_alloc), Some(own_free)),
+                    (true, true) => (Some(own_alloc), None),
+                    (false, _) => (None, None),
+                };
+                if vram_ledger_pool_hold(d, 0, u64::from(id % 8), alloc, free, i32::from(on_oom)) == 0 {
+                    refs.push((d, u64::from(id % 8)));
+                }
+            }
+            Call::PoolBegin { device, id } => {
+                let d = i32::from(device % 3);
+                if vram_ledger_pool_begin(d, 0, u64::from(id % 8)) == 0 {
+                    refs.push((d, u64::from(id % 8)));
+                    routes.push((d, u64::from(id % 8)));
+                }
+            }
+            Call::PoolEnd { device, id } => {
+                let d = i32::from(device % 3);
+                if vram_ledger_pool_end(d, 0, u64::from(id % 8)) == 0 {
+                    if let Some(i) = routes.iter().rposition(|&r| r == (d, u64::from(id % 8))) {
+                        routes.remove(i);
+                    }
+                }
+            }
+            Call::PoolRelease { device, id } => {
+                let d = i32::from(device % 3);
+                if let Some(i) = refs.iter().rposition(|&r| r == (d, u64::from(id % 8))) {
+                    refs.remove(i);
+                    vram_ledger_graph_release(d, 0, u64::from(id % 8));
+                }
+            }
+            Call::Reporter { on, profiling: p } => {
+                PROFILING.store(p, std::sync::atomic::Ordering::Relaxed);
+                if on {
+                    vram_ledger_set_memory_reporter(Some(profiling), Some(report));
+                } else {
+                    vram_ledger_set_memory_reporter(None, None);
+                }
+            }
         }
         let _ = vram_ledger_last_error();
     }
@@ -113,6 +185,13 @@ fuzz_target!(|calls: Vec<Call>| {
         // SAFETY: pointers from malloc, freed once; a NULL stream is the default one.
         unsafe { vram_ledger_free(p, 0, d, std::ptr::null_mut()) };
     }
+    for (d, id) in routes.into_iter().rev() {
+        assert_eq!(vram_ledger_pool_end(d, 0, id), 0, "a route this input began ends");
+    }
+    for (d, id) in refs {
+        assert_eq!(vram_ledger_graph_release(d, 0, id), 0, "a pool this input holds is known");
+    }
+    vram_ledger_set_memory_reporter(None, None);
     while vram_ledger_pop_tag() == 0 {}
     vram_ledger_memory_fraction(1.0, 0);
     vram_ledger_memory_fraction(1.0, 1);
