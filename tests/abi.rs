@@ -317,12 +317,34 @@ fn abi_memory_pools_refuse_half_an_allocator_and_unknown_routes() {
         vram_ledger_pool_hold(5, 0, 9, Some(pool_alloc), Some(pool_free), 0),
         0
     );
+    // Held again with the same functions: the same allocator; with others: refused.
+    assert_eq!(
+        vram_ledger_pool_hold(5, 0, 9, Some(pool_alloc), Some(pool_free), 0),
+        0,
+        "{}",
+        last_error()
+    );
+    // A body of its own: identical functions may be folded into one address.
+    static OTHER_FREES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    unsafe extern "C" fn other_free(_p: *mut c_void, _n: usize, _d: i32, _s: *mut c_void) {
+        OTHER_FREES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    assert_eq!(
+        vram_ledger_pool_hold(5, 0, 9, Some(pool_alloc), Some(other_free), 0),
+        -1
+    );
+    assert!(
+        last_error().contains("another allocator"),
+        "{}",
+        last_error()
+    );
     assert_eq!(vram_ledger_pool_begin(5, 0, 9), 0);
     assert!(malloc(4096, 5).is_null());
     assert!(last_error().contains("NULL"), "{}", last_error());
     assert_eq!(vram_ledger_pool_end(5, 0, 9), 0);
-    assert_eq!(vram_ledger_graph_release(5, 0, 9), 0);
-    assert_eq!(vram_ledger_graph_release(5, 0, 9), 0);
+    for _ in 0..3 {
+        assert_eq!(vram_ledger_graph_release(5, 0, 9), 0);
+    }
     let p = malloc(4096, 5);
     assert!(!p.is_null(), "{}", last_error());
     free(p, 4096, 5);
@@ -376,4 +398,35 @@ fn abi_allocations_and_frees_are_reported_to_a_profiler_that_records_memory() {
         allocated - 3072,
         "the block (3000 rounded to 512) went back"
     );
+}
+
+static MISALIGNED_FREES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+unsafe extern "C" fn misaligned_alloc(_size: usize, _d: i32, _s: *mut c_void) -> *mut c_void {
+    0x7000_0010 as *mut c_void
+}
+
+unsafe extern "C" fn misaligned_free(p: *mut c_void, _size: usize, _d: i32, _s: *mut c_void) {
+    assert_eq!(p as usize, 0x7000_0010);
+    MISALIGNED_FREES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[test]
+fn abi_a_pools_allocator_that_returns_misaligned_memory_gets_it_back_and_an_error() {
+    setup();
+    assert_eq!(
+        vram_ledger_pool_hold(7, 0, 3, Some(misaligned_alloc), Some(misaligned_free), 0),
+        0
+    );
+    assert_eq!(vram_ledger_pool_begin(7, 0, 3), 0);
+    assert!(malloc(4096, 7).is_null());
+    assert!(
+        last_error().contains("not aligned to 512 bytes"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(vram_ledger_pool_end(7, 0, 3), 0);
+    assert!(MISALIGNED_FREES.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    assert_eq!(vram_ledger_graph_release(7, 0, 3), 0);
+    assert_eq!(vram_ledger_graph_release(7, 0, 3), 0);
 }

@@ -412,3 +412,43 @@ fn a_pool_whose_blocks_were_all_freed_gives_its_memory_back_as_it_goes() {
         check(&a);
     }
 }
+
+#[test]
+fn a_capture_never_takes_a_use_on_oom_pools_block() {
+    let a = sim(SegmentMode::Remap);
+    let on_oom = PoolOptions {
+        source: None,
+        use_on_oom: true,
+    };
+    let first = alloc(&a, 4096, S0);
+    a.begin_thread_pool(P).unwrap();
+    let t = sharing_s0(&a);
+    a.end_thread_pool(P).unwrap();
+    a.release_graph_pool(P).unwrap();
+    a.free(first.ptr).unwrap();
+    a.empty_cache().unwrap();
+    a.set_limit(Some(Limit::Bytes(64 * MIB))).unwrap();
+    a.hold_pool(Q, on_oom).unwrap();
+    a.begin_thread_pool(Q).unwrap();
+    let q = alloc(&a, 40 * MIB, S0);
+    a.end_thread_pool(Q).unwrap();
+    a.free(q.ptr).unwrap();
+    // Settles the freed block (it waited for S0) and keeps it: Q is held.
+    a.empty_cache().unwrap();
+    // A graph made from this capture would keep writing into Q's block after Q reused it.
+    // The capture runs on a stream of Q's block's shard, where the fallback looks.
+    let dev = a.driver().device().clone();
+    dev.begin_capture(t);
+    a.begin_graph_pool(GraphPool(7, 0), t).unwrap();
+    let captured = a.allocate_tagged(30 * MIB, t, Tag::Activation);
+    assert!(dev.end_capture(t));
+    a.end_graph_pool(GraphPool(7, 0), t).unwrap();
+    assert!(
+        matches!(captured, Err(Error::OutOfMemory(_))),
+        "{captured:?}"
+    );
+    // Eager code may take it.
+    let eager = alloc(&a, 30 * MIB, S0);
+    assert_eq!(eager.ptr, q.ptr);
+    check(&a);
+}

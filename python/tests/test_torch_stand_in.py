@@ -431,16 +431,17 @@ def test_mempool_under_install_is_the_librarys_pool():
                 M(**kw)
             except vl.VramLedgerError as e:
                 seen["refused"].append(str(e))
-        # A pool with its own allocator: libc's malloc and free stand in for a CUDA allocator's
-        # (the simulated device never touches the memory; the extra arguments are ignored).
-        plug = torch.cuda.memory.CUDAPluggableAllocator("libc.so.6", "malloc", "free")
+        # A pool with its own allocator: libc's valloc (page-aligned) and free stand in for a
+        # CUDA allocator's (the simulated device never touches the memory; the extra arguments
+        # are ignored).
+        plug = torch.cuda.memory.CUDAPluggableAllocator("libc.so.6", "valloc", "free")
         own = M(plug.allocator(), use_on_oom=True)
         seen["own_allocator"] = own.allocator is plug.allocator()
         with use(own):
             o = lib.vram_ledger_malloc(1 << 20, 0, None)
         own_segments = own.snapshot()
         seen["own_segment"] = [inside(own_segments, o), len(own_segments)]
-        # malloc's large blocks are mapped near the top of the address space; the simulated
+        # libc's large blocks are mapped near the top of the address space; the simulated
         # device's addresses start at 1 TiB.
         seen["own_from_malloc"] = o >= 1 << 45
         seen["own_reserved"] = vl.stats(0)["reserved_bytes"]["current"]

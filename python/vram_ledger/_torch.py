@@ -120,7 +120,12 @@ def _report_to_profiler(torch: Any) -> None:
     if profiling is None or report is None:
         _LOG.debug("torch.profiler will see no memory events: libc10 exports no %s", _PROFILING if profiling is None else "reportMemoryUsageToProfiler")
         return
-    load().vram_ledger_set_memory_reporter(_address(profiling), _address(report))
+    lib = load()
+    lib.vram_ledger_set_memory_reporter(_address(profiling), _address(report))
+    # Handed back before the interpreter shuts down, when libc10 may be going too.
+    import atexit
+
+    atexit.register(lib.vram_ledger_set_memory_reporter, None, None)
 
 
 def _plain_inductor_graphs() -> None:

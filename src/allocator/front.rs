@@ -340,7 +340,7 @@ impl<D: Driver> Allocator<D> {
             Ok(t) => return Ok(self.hand_out(&mut sh, owner, t.allocation(size, stream, tag))),
             Err(cause) => cause,
         };
-        if let Some((pool, t)) = self.take_from_pools_on_oom(&mut sh, rounded, size, tag) {
+        if let Some((pool, t)) = self.take_from_pools_on_oom(&mut sh, stream, rounded, size, tag) {
             return Ok(self.hand_out(&mut sh, pool, t.allocation(size, stream, tag)));
         }
         drop(sh);

@@ -64,9 +64,24 @@ impl<D: Driver> Allocator<D> {
         pools: &'a mut Vec<PoolEntry>,
         pool: GraphPool,
     ) -> &'a mut PoolEntry {
+        self.entry_made(pools, pool, None).0
+    }
+
+    /// As [`Allocator::entry`]; a new entry is made with `options` (the defaults when None),
+    /// and the flag says whether it was made now. Only a new entry takes options: its key is
+    /// new too, so no shard holds it yet, and [`Allocator::route_to`] gives every shard the
+    /// options with the key.
+    pub(super) fn entry_made<'a>(
+        &self,
+        pools: &'a mut Vec<PoolEntry>,
+        pool: GraphPool,
+        options: Option<PoolOptions>,
+    ) -> (&'a mut PoolEntry, bool) {
+        let mut made = false;
         let i = match pools.iter().position(|p| p.id == pool) {
             Some(i) => i,
             None => {
+                made = true;
                 let n = self.graphs.last_key.fetch_add(1, Relaxed) + 1;
                 pools.push(PoolEntry {
                     id: pool,
@@ -74,12 +89,12 @@ impl<D: Driver> Allocator<D> {
                     refs: 0,
                     captures: Vec::new(),
                     threads: Vec::new(),
-                    options: PoolOptions::default(),
+                    options: options.unwrap_or_default(),
                 });
                 pools.len() - 1
             }
         };
-        &mut pools[i]
+        (&mut pools[i], made)
     }
 
     /// Hold `key` in every shard (its memory is then never released or moved, and how it was

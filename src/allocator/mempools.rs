@@ -18,10 +18,9 @@ use super::front::Allocator;
 use super::owner::Owner;
 use super::routes::{this_thread, PoolOptions, Route};
 use super::shard::{Shard, Taken};
-use crate::driver::{Driver, GraphPool};
+use crate::driver::{Driver, GraphPool, StreamId};
 use crate::error::{Error, Result};
 use crate::tag::Tag;
-use std::sync::Arc;
 
 impl<D: Driver> Allocator<D> {
     /// Count one reference to `pool`, making it with `options` if it is new (a pool object was
@@ -30,24 +29,24 @@ impl<D: Driver> Allocator<D> {
     /// it was made: asking for another allocator of its own is an error that changes nothing.
     pub fn hold_pool(&self, pool: GraphPool, options: PoolOptions) -> Result<()> {
         let mut pools = self.graphs.pools.lock();
-        let p = self.entry(&mut pools, pool);
-        let fresh = p.unreferenced() && p.options.source.is_none() && !p.options.use_on_oom;
-        if fresh {
-            p.options = options;
-        } else if let Some(asked) = &options.source {
-            let same = p
-                .options
-                .source
-                .as_ref()
-                .is_some_and(|s| Arc::ptr_eq(s, asked));
-            if !same {
-                return Err(Error::InvalidArgument(format!(
-                    "pool {pool:?} exists with {}; it cannot take another allocator",
-                    p.options
-                        .source
-                        .as_ref()
-                        .map_or("the library's memory".to_owned(), |s| format!("{s:?}"))
-                )));
+        let asked = options.source.clone();
+        let (p, made) = self.entry_made(&mut pools, pool, Some(options));
+        if !made {
+            if let Some(asked) = &asked {
+                let same = p
+                    .options
+                    .source
+                    .as_ref()
+                    .is_some_and(|s| s.key() == asked.key());
+                if !same {
+                    return Err(Error::InvalidArgument(format!(
+                        "pool {pool:?} exists with {}; it cannot take another allocator",
+                        p.options
+                            .source
+                            .as_ref()
+                            .map_or("the library's memory".to_owned(), |s| format!("{s:?}"))
+                    )));
+                }
             }
         }
         p.refs += 1;
@@ -106,10 +105,15 @@ impl<D: Driver> Allocator<D> {
     pub(super) fn take_from_pools_on_oom(
         &self,
         sh: &mut Shard,
+        stream: StreamId,
         rounded: u64,
         size: u64,
         tag: Tag,
     ) -> Option<(Owner, Taken)> {
+        // A capture must not take a block whose pool no graph of it holds.
+        if self.core.driver.is_capturing(stream) {
+            return None;
+        }
         let keys = sh.graphs.on_oom.clone();
         keys.into_iter().find_map(|key| {
             let owner = self.core.region(Owner::of_pool(key), tag);

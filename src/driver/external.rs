@@ -18,6 +18,11 @@ pub trait SegmentSource: Send + Sync + fmt::Debug {
     fn alloc(&self, bytes: u64, stream: StreamId) -> DriverResult<DevicePtr>;
     /// Give back a segment `alloc` returned (`bytes` as it was asked for).
     fn free(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) -> DriverResult<()>;
+    /// What makes two sources the same allocator (a pool held again with the same one is
+    /// not a different one): by default this object's address.
+    fn key(&self) -> [usize; 3] {
+        [self as *const Self as *const u8 as usize, 0, 0]
+    }
 }
 
 /// A source, shared by its pool and every segment it gave.

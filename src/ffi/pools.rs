@@ -115,7 +115,25 @@ impl SegmentSource for HostAllocator {
                 format!("the pool's own allocator returned NULL for {bytes} bytes"),
             ));
         }
+        // Blocks are cut at 512-byte steps from the segment's start, and kernels expect the
+        // alignment cudaMalloc gives: a misaligned segment goes back at once.
+        if !(p as usize).is_multiple_of(512) {
+            self.free(p as DevicePtr, bytes, stream)?;
+            return Err(DriverError::new(
+                DriverCall::AllocSegment,
+                DriverErrorKind::InvalidValue,
+                format!("the pool's own allocator returned {p:?}, not aligned to 512 bytes"),
+            ));
+        }
         Ok(p as DevicePtr)
+    }
+
+    fn key(&self) -> [usize; 3] {
+        [
+            self.alloc as usize,
+            self.free as usize,
+            self.device as usize,
+        ]
     }
 
     fn free(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) -> DriverResult<()> {
