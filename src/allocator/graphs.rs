@@ -130,10 +130,7 @@ impl<D: Driver> Allocator<D> {
     /// this process's usage. Pools released while captures ran are given back once none runs.
     pub fn end_graph_pool(&self, pool: GraphPool, stream: StreamId) -> Result<()> {
         let mut pools = self.graphs.pools.lock();
-        let p = pools
-            .iter_mut()
-            .find(|p| p.id == pool)
-            .ok_or(Error::UnknownGraphPool(pool))?;
+        let p = known(&mut pools, pool)?;
         let i = p
             .captures
             .iter()
@@ -254,4 +251,12 @@ impl<D: Driver> Allocator<D> {
         }
         first.map_or(Ok(()), Err)
     }
+}
+
+/// The registry's entry for `pool`, which must be there.
+pub(super) fn known(pools: &mut [PoolEntry], pool: GraphPool) -> Result<&mut PoolEntry> {
+    pools
+        .iter_mut()
+        .find(|p| p.id == pool)
+        .ok_or(Error::UnknownGraphPool(pool))
 }

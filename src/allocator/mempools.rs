@@ -15,6 +15,7 @@
 
 use super::core::Allocation;
 use super::front::Allocator;
+use super::graphs::known;
 use super::owner::Owner;
 use super::routes::{this_thread, PoolOptions, Route};
 use super::shard::{Shard, Taken};
@@ -73,10 +74,7 @@ impl<D: Driver> Allocator<D> {
     pub fn end_thread_pool(&self, pool: GraphPool) -> Result<()> {
         let me = this_thread();
         let mut pools = self.graphs.pools.lock();
-        let p = pools
-            .iter_mut()
-            .find(|p| p.id == pool)
-            .ok_or(Error::UnknownGraphPool(pool))?;
+        let p = known(&mut pools, pool)?;
         let i = p
             .threads
             .iter()
