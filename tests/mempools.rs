@@ -452,3 +452,22 @@ fn a_capture_never_takes_a_use_on_oom_pools_block() {
     assert_eq!(eager.ptr, q.ptr);
     check(&a);
 }
+
+#[test]
+fn a_pool_released_while_a_thread_is_routed_to_it_goes_when_the_route_ends() {
+    for mode in SegmentMode::ALL {
+        let a = sim(mode);
+        a.hold_pool(P, PoolOptions::default()).unwrap();
+        a.begin_thread_pool(P).unwrap();
+        let x = alloc(&a, 3 * MIB, S0);
+        a.free(x.ptr).unwrap();
+        // Over the C ABI the references may go before the route ends.
+        a.release_graph_pool(P).unwrap();
+        a.release_graph_pool(P).unwrap();
+        assert_eq!(a.graph_memory().pools, 1, "{mode}: still routed");
+        a.end_thread_pool(P).unwrap();
+        assert_eq!(a.graph_memory().pools, 0, "{mode}");
+        assert_eq!(a.graph_memory().reserved, 0, "{mode}: its memory went back");
+        check(&a);
+    }
+}

@@ -70,7 +70,8 @@ impl<D: Driver> Allocator<D> {
 
     /// Stop routing this thread's allocations to `pool` (the route its last
     /// [`Allocator::begin_thread_pool`] of that pool made). The reference that began it stays
-    /// until [`Allocator::release_graph_pool`].
+    /// until [`Allocator::release_graph_pool`]; when every reference went while the route ran,
+    /// the pool's free memory goes back now (unless a capture runs: then when it ends).
     pub fn end_thread_pool(&self, pool: GraphPool) -> Result<()> {
         let me = this_thread();
         let mut pools = self.graphs.pools.lock();
@@ -82,7 +83,14 @@ impl<D: Driver> Allocator<D> {
             .ok_or(Error::UnknownGraphPool(pool))?;
         p.threads.remove(i);
         let key = p.key;
-        self.unroute(key, Route::Thread(me))
+        // The last references may have gone while the route ran: then the pool goes now.
+        let gone = p.unreferenced() && pools.iter().all(|p| p.captures.is_empty());
+        self.unroute(key, Route::Thread(me))?;
+        drop(pools);
+        if gone {
+            self.retire_unreferenced()?;
+        }
+        Ok(())
     }
 
     /// A block of a pool was handed out for `a.stream`: outside a capture, mark it used by
