@@ -471,3 +471,37 @@ fn a_pool_released_while_a_thread_is_routed_to_it_goes_when_the_route_ends() {
         check(&a);
     }
 }
+
+#[test]
+fn pool_after_pool_leaves_no_free_lists_behind() {
+    for mode in SegmentMode::ALL {
+        let a = sim(mode);
+        let o = own(&a);
+        let mut slots = Vec::new();
+        for n in 0..200u64 {
+            let pool = GraphPool(0, 100 + n);
+            let options = if n % 2 == 0 {
+                with_source(&o)
+            } else {
+                PoolOptions::default()
+            };
+            a.hold_pool(pool, options).unwrap();
+            a.begin_thread_pool(pool).unwrap();
+            let x = alloc(&a, MIB + n * 4096, S0);
+            a.end_thread_pool(pool).unwrap();
+            a.release_graph_pool(pool).unwrap();
+            a.release_graph_pool(pool).unwrap();
+            // Freed after its pool went: given back with the next empty_cache.
+            a.free(x.ptr).unwrap();
+            a.empty_cache().unwrap();
+            slots.push(a.dump().free_list_slots);
+        }
+        assert!(
+            slots.iter().all(|&s| s <= 2),
+            "{mode}: free-list slots {slots:?}"
+        );
+        assert_eq!(a.graph_memory().reserved, 0, "{mode}");
+        assert_eq!(o.held.load(Relaxed), 0, "{mode}");
+        check(&a);
+    }
+}

@@ -41,12 +41,19 @@ enum Call {
 /// only addresses on the simulated backend).
 unsafe extern "C" fn own_alloc(size: usize, _device: i32, _stream: *mut c_void) -> *mut c_void {
     match std::alloc::Layout::from_size_align(size, 512) {
-        Ok(l) if size > 0 && size <= 64 << 20 => unsafe { std::alloc::alloc(l).cast() },
+        Ok(l) if size > 0 && size <= 64 << 20 => {
+            OWN_HELD.fetch_add(size, std::sync::atomic::Ordering::Relaxed);
+            unsafe { std::alloc::alloc(l).cast() }
+        }
         _ => std::ptr::null_mut(),
     }
 }
 
+/// Bytes the pools' own allocator has given and not had back.
+static OWN_HELD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 unsafe extern "C" fn own_free(ptr: *mut c_void, size: usize, _device: i32, _stream: *mut c_void) {
+    OWN_HELD.fetch_sub(size, std::sync::atomic::Ordering::Relaxed);
     let l = std::alloc::Layout::from_size_align(size, 512).unwrap();
     // SAFETY: `ptr` came from `own_alloc` with this size (the library gives back what it got).
     unsafe { std::alloc::dealloc(ptr.cast(), l) };
@@ -196,6 +203,11 @@ fuzz_target!(|calls: Vec<Call>| {
     // empty_cache, as PyTorch's does: given back here, so inputs do not pile it up.
     vram_ledger_empty_cache(0);
     vram_ledger_empty_cache(1);
+    assert_eq!(
+        OWN_HELD.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "every pool this input made went, and its memory back to its allocator"
+    );
     while vram_ledger_pop_tag() == 0 {}
     vram_ledger_memory_fraction(1.0, 0);
     vram_ledger_memory_fraction(1.0, 1);

@@ -68,6 +68,8 @@ pub struct StateDump {
     pub driver_held: Option<u64>,
     /// Internal inconsistencies found while dumping.
     pub problems: Vec<String>,
+    /// Free-list slots in use over every shard (one per owner that holds memory in a shard).
+    pub free_list_slots: usize,
 }
 
 /// The figures `memory_stats` reports per pool, as they are now.

@@ -32,6 +32,8 @@ const STREAM: u32 = 0;
 const POOL: u32 = u32::MAX;
 /// The lowest kind of a pool or pool region.
 const POOL_REGIONS: u32 = POOL - Tag::COUNT as u32;
+/// No owner: a free-list slot given up, for the next owner to take.
+const VACANT: u32 = POOL_REGIONS - 1;
 
 impl Owner {
     /// A stream's own memory.
@@ -52,18 +54,33 @@ impl Owner {
         }
     }
 
+    /// No one's: a free-list slot that a retired pool gave up. Compares equal to no owner of
+    /// a stream or a pool; it has no stream, region or pool.
+    #[inline]
+    pub(crate) const fn vacant() -> Owner {
+        Owner {
+            id: u64::MAX,
+            kind: VACANT,
+        }
+    }
+
+    #[inline]
+    pub(crate) fn is_vacant(self) -> bool {
+        self.kind == VACANT
+    }
+
     /// The stream whose work uses this memory; none for a graph pool (graphs replay on streams
     /// the allocator never sees).
     #[inline]
     pub(crate) fn stream(self) -> Option<StreamId> {
-        (!self.is_pool()).then_some(StreamId(self.id))
+        (!self.is_pool() && !self.is_vacant()).then_some(StreamId(self.id))
     }
 
     /// The tag whose region (of a stream or of a pool) this is, if it is one.
     #[inline]
     pub(crate) fn region(self) -> Option<Tag> {
         match self.kind {
-            STREAM | POOL => None,
+            STREAM | POOL | VACANT => None,
             k if k >= POOL_REGIONS => Some(Tag::ALL[(POOL - 1 - k) as usize]),
             k => Some(Tag::ALL[k as usize - 1]),
         }
@@ -96,6 +113,9 @@ impl Owner {
 
 impl std::fmt::Debug for Owner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_vacant() {
+            return f.write_str("vacant");
+        }
         match (self.pool(), self.region()) {
             (Some(key), Some(t)) => write!(f, "pool {}, {t}", key.0),
             (Some(key), None) => write!(f, "pool {}", key.0),

@@ -155,6 +155,7 @@ impl Shard {
         if let Err(e) = self.release_spare(core) {
             first_err.get_or_insert(e);
         }
+        self.vacate_retired_lists();
         first_err.map_or(Ok(()), Err)
     }
 
@@ -182,6 +183,7 @@ impl Shard {
         for seg in self.segments.ids_where(|s| s.owner.pool() == Some(key)) {
             self.release_segment(core, seg, SyncFirst::Owner)?;
         }
+        self.vacate_retired_lists();
         Ok(())
     }
 }

@@ -47,6 +47,7 @@ impl Shard {
     /// Append a copy of this shard's segments and blocks to `out`.
     pub(crate) fn dump_into(&self, out: &mut StateDump) {
         out.spare += self.spare_bytes();
+        out.free_list_slots += self.lists.iter().filter(|l| !l.owner.is_vacant()).count();
         for (_, s) in self.segments.iter() {
             let mut blocks = Vec::new();
             let mut id = s.first;

@@ -130,17 +130,48 @@ impl Shard {
         self.lists.iter().position(serves)
     }
 
-    /// The slot of `owner`'s free lists, made on first use.
+    /// The slot of `owner`'s free lists, made on first use (in a slot a retired pool gave
+    /// up, when there is one: slots are never moved, blocks name theirs).
     pub(crate) fn list_for(&mut self, owner: Owner) -> u32 {
-        match self.lists.iter().position(|l| l.owner == owner) {
-            Some(i) => i as u32,
+        if let Some(i) = self.lists.iter().position(|l| l.owner == owner) {
+            return i as u32;
+        }
+        let lists = OwnerLists {
+            owner,
+            pools: Default::default(),
+            asleep: self.sleeps(owner),
+        };
+        match self.lists.iter().position(|l| l.owner.is_vacant()) {
+            Some(i) => {
+                self.lists[i] = lists;
+                i as u32
+            }
             None => {
-                self.lists.push(OwnerLists {
-                    owner,
-                    pools: Default::default(),
-                    asleep: self.sleeps(owner),
-                });
+                self.lists.push(lists);
                 (self.lists.len() - 1) as u32
+            }
+        }
+    }
+
+    /// Give up the free-list slots of retired pools (no shard holds them: no new block will be
+    /// filed under them) that hold nothing here any more. A program that makes pool after pool
+    /// (graphs captured again and again) would otherwise grow the slots, and every search of
+    /// them, without end.
+    pub(crate) fn vacate_retired_lists(&mut self) {
+        for i in 0..self.lists.len() {
+            let owner = self.lists[i].owner;
+            if owner.pool().is_none_or(|k| self.graphs.held.contains(&k)) {
+                continue;
+            }
+            let used = self.segments.iter().any(|(_, s)| s.owner == owner)
+                || self.reservations.iter().any(|r| r.0 == owner);
+            if !used {
+                debug_assert!(self.lists[i].pools.iter().all(|p| p.len() == 0));
+                self.lists[i] = OwnerLists {
+                    owner: Owner::vacant(),
+                    pools: Default::default(),
+                    asleep: false,
+                };
             }
         }
     }
