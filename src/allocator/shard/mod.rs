@@ -8,8 +8,10 @@
 //! the tables whole (self-check, dump, pool figures).
 //!
 //! Invariants (checked by `check.rs` and by `invariants::check` on a dump):
-//! - Each owner (a stream, its tag's region of it, or a graph pool) has one slot in `lists`,
-//!   kept for the shard's life; every block names its owner's slot. The free index of a slot
+//! - Each owner (a stream, its tag's region of it, or a graph pool) has one slot in `lists`;
+//!   every block names its owner's slot, and slots never move. A retired pool's slot holding
+//!   nothing is marked vacant and taken by the next new owner; every other slot is kept for
+//!   the shard's life. The free index of a slot
 //!   and pool holds exactly the `Free` blocks of that owner and pool; its best fit is the
 //!   smallest block that holds the request (within a bin, any). While a tag sleeps its
 //!   regions' slots are marked asleep (nothing is served from them) and frees of its memory
