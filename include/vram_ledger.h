@@ -307,7 +307,7 @@ int vram_ledger_kv_release(int device);
  */
 int vram_ledger_separate_tags(int enabled);
 
-/* Put the `offload` tags (copied to page-locked host memory) and the `discard` tags to sleep.
+/* Put the `offload` tags (copied to host memory) and the `discard` tags to sleep.
  * Returns a JSON report per device (free it with `vram_ledger_string_free`), NULL on error.
  * When one of several devices fails, those this call already put to sleep are woken again,
  * so that an error means nothing was left asleep by it.
@@ -319,7 +319,7 @@ char *vram_ledger_sleep(int device, int offload, int discard);
  */
 char *vram_ledger_wake(int device, int mask);
 
-/* Keep (non-zero) or free (0, the default) offloaded tags' page-locked host memory at wake. */
+/* Keep (non-zero, page-locked) or free (0, the default) offloaded tags' host memory at wake. */
 int vram_ledger_set_retain_host(int device, int retain);
 
 /* Fill discarded tags' memory with zeros at wake (non-zero, the default), or leave it as fresh

@@ -15,7 +15,7 @@ def _per_device(ptr: Optional[int]) -> Dict[int, Dict[str, Any]]:
 
 
 def sleep(offload: Tags = (), discard: Tags = (), device: Optional[int] = None, force: bool = False) -> Dict[int, Dict[str, Any]]:
-    """Give the memory of the `offload` tags (copied to page-locked host memory first) and of
+    """Give the memory of the `offload` tags (copied to host memory first) and of
     the `discard` tags (contents lost) back to the GPU, keeping their addresses: pointers and
     captured CUDA graphs stay valid for after `wake()`. The cache of every tag is given back
     too. Needs `install(mode=..., sleep=True)`. Every device in use unless `device` is given;
@@ -44,8 +44,10 @@ def wake(tags: Tags = None, device: Optional[int] = None) -> Dict[int, Dict[str,
 
 
 def set_retain_host(retain: bool = True, device: Optional[int] = None) -> None:
-    """Keep the page-locked host memory of offloaded tags after wake, so that the next sleep
-    does not pin it again (default: freed at wake)."""
+    """Keep the host memory of offloaded tags after wake, for the next sleep (default: freed at
+    wake). Memory retained from the start of a sleep is page-locked: later sleeps and wakes copy
+    at the copy engine's full speed and pin nothing. Without it, sleep copies through a small
+    page-locked ring into pageable memory."""
     _check(load().vram_ledger_set_retain_host(_args.devices(device), 1 if retain else 0))
 
 

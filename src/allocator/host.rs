@@ -1,17 +1,20 @@
-//! Sleep's state beside the shards: the copy stream and each tag's page-locked host memory,
-//! and the copies between device memory and it. Needs only the driver: the allocator's sleep
-//! and wake (`sleep.rs`) decide what is copied where.
+//! Sleep's state beside the shards: the copy stream, the staging ring, and each tag's host
+//! memory, with the copies between device memory and page-locked host memory. Needs only the
+//! driver: the allocator's sleep and wake (`sleep.rs`) decide what is copied where.
 //!
 //! Invariants:
-//! - Host memory is pinned in chunks, reused while a tag sleeps again if asked to retain it,
-//!   and otherwise freed once the tag is awake. A chunk that cannot be freed is kept (and
-//!   freed by a later wake), never forgotten.
-//! - No host memory is freed, and the copy stream is not destroyed, while a copy queued on it
-//!   may still run: the stream is synchronised first, and if that fails both are kept.
+//! - A tag's host memory is pageable (one buffer, reached through the staging ring, freed once
+//!   the tag is awake) unless host memory is retained: then it is pinned in chunks and reused
+//!   while the tag sleeps again. Memory that cannot be freed is kept (and freed by a later
+//!   wake), never forgotten; an arena holds one kind only.
+//! - No host memory is freed, and neither the copy stream nor the ring is destroyed, while a
+//!   copy queued on them may still run: their streams are synchronised first, and if that
+//!   fails all of them are kept.
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc;
 
+use super::staging::{self, Ring};
 use crate::driver::{DevicePtr, Driver, DriverResult, HostPtr, StreamId};
 use crate::tag::Tag;
 use crate::units::MIB;
@@ -20,15 +23,34 @@ use crate::units::MIB;
 /// piece is reused whole.
 const CHUNK: u64 = 256 * MIB;
 
-/// Page-locked host memory of one tag: chunks that together hold its offloaded contents.
+/// Host memory of one tag: chunks that together hold its offloaded contents.
 #[derive(Default, Debug)]
 pub(crate) struct HostArena {
     chunks: Vec<(HostPtr, u64)>,
+    /// The chunks are pageable: copies go through the staging ring.
+    pageable: bool,
 }
 
 impl HostArena {
     pub(crate) fn capacity(&self) -> u64 {
         self.chunks.iter().map(|c| c.1).sum()
+    }
+
+    pub(crate) fn is_pageable(&self) -> bool {
+        self.pageable
+    }
+
+    /// Grow to `need` bytes with one pageable buffer (none when the arena holds enough).
+    /// Page-locked chunks are never mixed in.
+    pub(crate) fn grow_pageable<D: Driver>(&mut self, d: &D, need: u64) -> DriverResult<()> {
+        debug_assert!(self.pageable || self.chunks.is_empty());
+        let have = self.capacity();
+        if have < need {
+            let p = d.host_alloc_pageable(need - have)?;
+            self.chunks.push((p, need - have));
+            self.pageable = true;
+        }
+        Ok(())
     }
 
     /// Pin chunks until `need` bytes fit, on several threads (pinning is the kernel faulting in
@@ -43,6 +65,10 @@ impl HostArena {
         need: u64,
         mut ready: impl FnMut(&HostArena) -> DriverResult<()>,
     ) -> DriverResult<()> {
+        debug_assert!(
+            !self.pageable,
+            "page-locked chunks are not mixed with pageable ones"
+        );
         let mut sizes = Vec::new();
         let mut have = self.capacity();
         while have < need {
@@ -120,6 +146,7 @@ impl HostArena {
                 self.chunks.push(c);
             }
         }
+        self.pageable &= !self.chunks.is_empty();
     }
 
     /// The host pieces of `[off, off + len)` of the arena.
@@ -171,10 +198,14 @@ pub(crate) fn queue_copies<D: Driver>(
     Ok(())
 }
 
-/// Sleep's state beside the shards: the copy stream and each tag's host memory.
+/// Sleep's state beside the shards: the copy stream, the staging ring (made for a sleep or a
+/// wake, and freed after it) and each tag's host memory.
 #[derive(Default, Debug)]
 pub(crate) struct SleepState {
     pub(crate) stream: Option<StreamId>,
+    ring: Option<Ring>,
+    /// Staging slots that could not be freed, freed again with the next ring.
+    stale_slots: Vec<HostPtr>,
     pub(crate) host: [HostArena; Tag::COUNT],
     pub(crate) retain_host: bool,
     /// Wake leaves discarded memory as fresh memory comes (stale data), instead of zeros.
@@ -192,13 +223,40 @@ impl SleepState {
     }
 
     pub(crate) fn host_bytes(&self) -> u64 {
-        self.host.iter().map(HostArena::capacity).sum()
+        self.host.iter().map(HostArena::capacity).sum::<u64>()
+            + self.ring.as_ref().map_or(0, Ring::bytes)
+            + staging::SLOT * self.stale_slots.len() as u64
     }
 
-    /// At the allocator's drop, first: wait for the copy stream. A sleep or wake whose
+    /// The staging ring, made if there is none.
+    pub(crate) fn ring<D: Driver>(&mut self, d: &D) -> DriverResult<&Ring> {
+        if self.ring.is_none() {
+            self.ring = Some(Ring::new(d, staging::workers(), &mut self.stale_slots)?);
+        }
+        Ok(self.ring.as_ref().expect("made above"))
+    }
+
+    /// Free the staging ring once nothing queued on it can still run (else it is kept, for a
+    /// later try).
+    pub(crate) fn drop_ring<D: Driver>(&mut self, d: &D) {
+        if self.ring.as_ref().is_some_and(|r| r.settle(d)) {
+            let kept = self.ring.take().expect("checked").release(d);
+            self.stale_slots.extend(kept);
+        }
+        if self.ring.is_none() {
+            // No copy uses them: they held one only while their ring was settled.
+            self.stale_slots = staging::free_slots(d, std::mem::take(&mut self.stale_slots));
+        }
+    }
+
+    /// At the allocator's drop (and before a wake frees host memory), first: wait for the copy
+    /// stream and the ring's streams. A sleep or wake whose
     /// synchronisation failed may have left copies queued between device memory and the host
     /// memory kept for the next sleep; false when even this fails (then neither may be freed).
     pub(crate) fn settle<D: Driver>(&self, d: &D) -> bool {
+        if self.ring.as_ref().is_some_and(|r| !r.settle(d)) {
+            return false;
+        }
         let Some(s) = self.stream else {
             return true;
         };
@@ -214,6 +272,16 @@ impl SleepState {
     /// At the allocator's drop, last: the copy stream and the host memory kept for the next
     /// sleep go.
     pub(crate) fn release<D: Driver>(&mut self, d: &D) {
+        if let Some(r) = self.ring.take() {
+            self.stale_slots.extend(r.release(d));
+        }
+        let kept = staging::free_slots(d, std::mem::take(&mut self.stale_slots));
+        if !kept.is_empty() {
+            tracing::error!(
+                slots = kept.len(),
+                "staging slots could not be freed at the end"
+            );
+        }
         if let Some(s) = self.stream.take() {
             if let Err(e) = d.destroy_stream(s) {
                 tracing::error!(error = %e, "could not destroy the copy stream");

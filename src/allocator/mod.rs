@@ -38,6 +38,7 @@ mod segment;
 mod shard;
 mod sleep;
 mod spin;
+mod staging;
 mod stranded;
 mod streams;
 

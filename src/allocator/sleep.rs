@@ -4,12 +4,13 @@
 //! in segments of its own).
 //!
 //! Sleep synchronises the device, gives back every shard's cache (all tags), copies the
-//! offloaded tags' mappings to page-locked host memory on a stream of its own (each copy
-//! queued as soon as the host memory it goes to is pinned, one synchronisation), then releases
-//! and unmaps the sleeping tags' memory. Wake maps
-//! fresh memory at the same addresses, queues the copies back, and synchronises once. When the
-//! allocator is dropped, the copy stream is synchronised before anything is freed, then
-//! destroyed with the host memory.
+//! offloaded tags' mappings to host memory, then releases and unmaps the sleeping tags'
+//! memory. Wake maps fresh memory at the same addresses and copies the contents back. The host
+//! memory is pageable, reached through a small page-locked ring on several threads
+//! (`staging.rs`), and freed at wake; when it is retained it is page-locked instead, copied on
+//! a stream of its own (each copy queued as soon as the memory it goes to is pinned) and kept
+//! for the next sleep. When the allocator is dropped, the copy streams are synchronised before
+//! anything is freed, then destroyed with the host memory.
 //!
 //! Invariants:
 //! - A tag is wholly asleep or wholly awake, in every shard at once: sleep and wake take every
@@ -32,6 +33,7 @@ use super::host::{queue_copies, Direction, SleepState};
 use super::segment::DISCARDED;
 use super::shard::Shard;
 use super::spin::SpinGuard;
+use super::staging;
 use crate::driver::counting::Counting;
 use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle, StreamId};
 use crate::error::{Error, Result};
@@ -51,7 +53,7 @@ pub struct SleepReport {
     pub given_back_bytes: u64,
     /// Bytes of sleeping tags still held because a release or unmap failed.
     pub held_bytes: u64,
-    /// Page-locked host memory holding the offloaded tags.
+    /// Host memory holding the offloaded tags (pageable, or page-locked where retained).
     pub host_bytes: u64,
     pub seconds: f64,
 }
@@ -66,7 +68,7 @@ pub struct WakeReport {
     pub restored_bytes: u64,
     /// Bytes of discarded tags filled with zeros.
     pub zeroed_bytes: u64,
-    /// Page-locked host memory still held after the wake (retained, or not freeable).
+    /// Host memory still held after the wake (retained, or not freeable).
     pub host_bytes_after: u64,
     pub seconds: f64,
 }
@@ -113,8 +115,10 @@ impl<D: Driver> Allocator<D> {
         Tag::ALL.into_iter().filter(|&t| sh.tag_asleep(t)).collect()
     }
 
-    /// Keep the page-locked host memory of offloaded tags after they wake, for the next sleep
-    /// (default: freed at wake).
+    /// Keep the host memory of offloaded tags after they wake, for the next sleep (default:
+    /// freed at wake). Memory retained from the start of a tag's sleep is page-locked: later
+    /// sleeps and wakes copy at the copy engine's full speed and pin nothing. Without it, a
+    /// sleep copies through a small page-locked ring into pageable memory, freed at wake.
     pub fn set_retain_host(&self, retain: bool) {
         self.sleep.lock().retain_host = retain;
     }
@@ -125,7 +129,7 @@ impl<D: Driver> Allocator<D> {
         self.sleep.lock().leave_discarded = !zero;
     }
 
-    /// Put tags to sleep: the `offload` tags' contents are copied to page-locked host memory,
+    /// Put tags to sleep: the `offload` tags' contents are copied to host memory,
     /// the `discard` tags' are dropped (they read as zeros after wake, unless
     /// [`Allocator::set_zero_discarded`] says otherwise); then their
     /// device memory is given back, keeping its addresses. The cache of every tag is given back
@@ -169,6 +173,8 @@ impl<D: Driver> Allocator<D> {
         // failure wakes every tag of the plan again.
         let mut report = SleepReport::default();
         let copied = self.offload(&mut st, &plan, &maps, &mut report);
+        // The ring serves one sleep or wake: host memory held while asleep is the tags' own.
+        st.drop_ring(d);
         let mut shards = self.lock_all()?;
         let hosts = match copied {
             Ok(h) => h,
@@ -212,9 +218,11 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// Copy the offloaded tags of `plan` to host memory; returns each mapping's host offset
-    /// (by plan entry, shard, mapping), [`DISCARDED`] for discarded tags. Each tag's copies are
-    /// queued as its host memory is pinned (`HostArena::grow_streaming`). On failure, whether
-    /// no copy can still be running (host memory may then be freed).
+    /// (by plan entry, shard, mapping), [`DISCARDED`] for discarded tags. A tag whose host
+    /// memory is pageable goes through the staging ring (all such tags at once, after the
+    /// others are queued); one whose memory is retained is copied to page-locked memory, its
+    /// copies queued as that memory is pinned (`HostArena::grow_streaming`). On failure,
+    /// whether no copy can still be running (host memory may then be freed).
     #[allow(clippy::type_complexity)]
     fn offload(
         &self,
@@ -226,6 +234,7 @@ impl<D: Driver> Allocator<D> {
         let d = &self.core.driver;
         let stream = st.stream(d).map_err(|e| (e.into(), true))?;
         let mut hosts = Vec::with_capacity(plan.len());
+        let mut staged = Vec::new();
         for (k, &(t, keep)) in plan.iter().enumerate() {
             if !keep {
                 hosts.push(maps[k].iter().map(|m| vec![DISCARDED; m.len()]).collect());
@@ -251,7 +260,24 @@ impl<D: Driver> Allocator<D> {
                 .zip(&per_shard)
                 .flat_map(|(ms, offs)| ms.iter().zip(offs))
                 .peekable();
-            let copied = st.host[t.index()].grow_streaming(d, need, |arena| {
+            let arena = &mut st.host[t.index()];
+            if arena.is_pageable() || (arena.capacity() == 0 && !st.retain_host) {
+                if let Err(e) = arena.grow_pageable(d, need) {
+                    return Err((e.into(), d.sync_stream(stream).is_ok()));
+                }
+                let copies = todo.flat_map(|(m, &off)| {
+                    let mut dev = m.va;
+                    arena.pieces(off, m.bytes).into_iter().map(move |(h, n)| {
+                        dev += n;
+                        (dev - n, h, n)
+                    })
+                });
+                staged.extend(staging::pieces(copies));
+                report.offloaded_bytes += need;
+                hosts.push(per_shard);
+                continue;
+            }
+            let copied = arena.grow_streaming(d, need, |arena| {
                 while let Some((m, &off)) =
                     todo.next_if(|(m, &off)| off + m.bytes <= arena.capacity())
                 {
@@ -274,6 +300,15 @@ impl<D: Driver> Allocator<D> {
             }
             report.offloaded_bytes += need;
             hosts.push(per_shard);
+        }
+        if !staged.is_empty() {
+            let ran = match st.ring(d) {
+                Ok(ring) => staging::run(d, ring, &staged, Direction::ToHost),
+                Err(e) => Err((e, true)),
+            };
+            if let Err((e, settled)) = ran {
+                return Err((e.into(), settled && d.sync_stream(stream).is_ok()));
+            }
         }
         d.sync_stream(stream).map_err(|e| (e.into(), false))?;
         Ok(hosts)
@@ -337,6 +372,7 @@ impl<D: Driver> Allocator<D> {
                 st.host[t.index()].free_all(&self.core.driver);
             }
         }
+        st.drop_ring(&self.core.driver);
         if let Some(e) = failed {
             return Err(e);
         }
@@ -444,27 +480,49 @@ impl<D: Driver> Allocator<D> {
         Ok(())
     }
 
-    /// Put `tag`'s contents back: offloaded ones copied from host memory, discarded ones filled
-    /// with zeros (unless told to leave them), all queued, one synchronisation; returns the
-    /// bytes copied and the bytes zeroed.
+    /// Put `tag`'s contents back: offloaded ones copied from host memory (through the staging
+    /// ring when it is pageable), discarded ones filled with zeros (unless told to leave
+    /// them), one synchronisation; returns the bytes copied and the bytes zeroed.
     fn restore(&self, st: &mut SleepState, tag: Tag, work: &[Contents]) -> Result<(u64, u64)> {
         let (mut restored, mut zeroed) = (0, 0);
         let d = &self.core.driver;
         let stream = st.stream(d)?;
-        let arena = &st.host[tag.index()];
         for w in work {
-            for &(va, bytes, off) in &w.offloaded {
-                let queued = queue_copies(d, arena, off, va, bytes, stream, Direction::ToDevice);
-                if let Err(e) = queued {
-                    return Err(Self::abandon(d, stream, e));
-                }
-                restored += bytes;
-            }
             for &(va, bytes) in &w.discarded {
                 if let Err(e) = d.fill_zero(va, bytes, stream) {
                     return Err(Self::abandon(d, stream, e));
                 }
                 zeroed += bytes;
+            }
+        }
+        let arena = &st.host[tag.index()];
+        if arena.is_pageable() {
+            let copies = work
+                .iter()
+                .flat_map(|w| &w.offloaded)
+                .flat_map(|&(va, bytes, off)| {
+                    let mut dev = va;
+                    arena.pieces(off, bytes).into_iter().map(move |(h, n)| {
+                        dev += n;
+                        (dev - n, h, n)
+                    })
+                });
+            let pieces = staging::pieces(copies);
+            restored = pieces.iter().map(|p| p.bytes).sum();
+            let ran = match st.ring(d) {
+                Ok(ring) => staging::run(d, ring, &pieces, Direction::ToDevice),
+                Err(e) => Err((e, true)),
+            };
+            if let Err((e, _)) = ran {
+                return Err(Self::abandon(d, stream, e));
+            }
+        } else {
+            for &(va, bytes, off) in work.iter().flat_map(|w| &w.offloaded) {
+                let queued = queue_copies(d, arena, off, va, bytes, stream, Direction::ToDevice);
+                if let Err(e) = queued {
+                    return Err(Self::abandon(d, stream, e));
+                }
+                restored += bytes;
             }
         }
         d.sync_stream(stream)?;

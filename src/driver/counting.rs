@@ -227,6 +227,14 @@ impl<D: Driver> Driver for Counting<D> {
         self.counts.bump(DriverCall::HostFree);
         self.inner.host_free(ptr)
     }
+    fn host_alloc_pageable(&self, bytes: u64) -> DriverResult<HostPtr> {
+        self.counts.bump(DriverCall::HostAllocPageable);
+        self.inner.host_alloc_pageable(bytes)
+    }
+    fn host_copy(&self, dst: HostPtr, src: HostPtr, bytes: u64) -> DriverResult<()> {
+        self.counts.bump(DriverCall::HostCopy);
+        self.inner.host_copy(dst, src, bytes)
+    }
     fn create_stream(&self) -> DriverResult<StreamId> {
         self.counts.bump(DriverCall::CreateStream);
         self.inner.create_stream()

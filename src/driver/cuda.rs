@@ -16,6 +16,7 @@
 //! - [`probe`] is the one place that tells "no driver" and "no device" (nothing to run on)
 //!   from a driver that loads and fails (a broken install, reported as such).
 
+use std::collections::BTreeMap;
 use std::ffi::CStr;
 
 use cudarc::driver::sys::{self, CUresult};
@@ -165,7 +166,9 @@ pub struct CudaDriver {
     nvml: Result<Nvml, String>,
     events: Mutex<Vec<sys::CUevent>>,
     /// Page-locked host buffers by address, with their sizes (`pinned.rs`).
-    pinned: Mutex<std::collections::HashMap<u64, usize>>,
+    pinned: Mutex<BTreeMap<u64, usize>>,
+    /// Pageable host buffers by address, with their sizes.
+    pageable: Mutex<BTreeMap<u64, usize>>,
 }
 
 // SAFETY: CUDA contexts, events and device pointers may be used from any thread; the context is
@@ -206,7 +209,8 @@ impl CudaDriver {
             uuid: String::new(),
             nvml: Err("not opened".into()),
             events: Mutex::new(Vec::new()),
-            pinned: Mutex::new(std::collections::HashMap::new()),
+            pinned: Mutex::new(BTreeMap::new()),
+            pageable: Mutex::new(BTreeMap::new()),
         };
         d.current(DriverCall::PrimaryContext)?;
         let mut uuid = sys::CUuuid { bytes: [0; 16] };
@@ -307,11 +311,16 @@ fn pin_error(call: DriverCall, e: super::pinned::PinError) -> DriverError {
             };
             DriverError::new(call, kind, format!("host memory: {e}"))
         }
-        super::pinned::PinError::Exhausted { wanted, room } => DriverError::new(
+        super::pinned::PinError::Exhausted {
+            wanted,
+            room,
+            pinned,
+        } => DriverError::new(
             call,
             DriverErrorKind::OutOfMemory,
             format!(
-                "host memory exhausted: pinning {} needs more than the {} this host can spare",
+                "host memory exhausted: {} {} needs more than the {} this host can spare",
+                if pinned { "pinning" } else { "keeping" },
                 crate::units::Bytes(wanted),
                 crate::units::Bytes(room)
             ),
@@ -512,6 +521,15 @@ impl Driver for CudaDriver {
 
     fn host_free(&self, ptr: HostPtr) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::HostFree;
+        if let Some(size) = self.pageable.lock().remove(&ptr.0) {
+            return super::pinned::free_pageable(ptr.0 as *mut std::ffi::c_void, size).map_err(
+                |e| {
+                    // Still mapped: kept, to be freed again.
+                    self.pageable.lock().insert(ptr.0, size);
+                    pin_error(CALL, e)
+                },
+            );
+        }
         self.current(CALL)?;
         // Out of the table first, so that an address reused by a concurrent host_alloc is
         // never confused with this one; back in only if the buffer is still registered.
@@ -528,6 +546,41 @@ impl Driver for CudaDriver {
             }
             return Err(pin_error(CALL, e));
         }
+        Ok(())
+    }
+
+    fn host_alloc_pageable(&self, bytes: u64) -> DriverResult<HostPtr> {
+        const CALL: DriverCall = DriverCall::HostAllocPageable;
+        let (p, size) = super::pinned::alloc_pageable(bytes).map_err(|e| pin_error(CALL, e))?;
+        self.pageable.lock().insert(p as u64, size);
+        Ok(HostPtr(p as u64))
+    }
+
+    fn host_copy(&self, dst: HostPtr, src: HostPtr, bytes: u64) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::HostCopy;
+        let inside = |p: HostPtr| {
+            let within = |t: &BTreeMap<u64, usize>| {
+                t.range(..=p.0).next_back().is_some_and(|(&b, &n)| {
+                    p.0.checked_add(bytes).is_some_and(|e| e <= b + n as u64)
+                })
+            };
+            within(&self.pinned.lock()) || within(&self.pageable.lock())
+        };
+        if !inside(dst) || !inside(src) {
+            return Err(DriverError::new(
+                CALL,
+                DriverErrorKind::InvalidValue,
+                format!(
+                    "a host copy of {bytes} bytes from {:#x} to {:#x} leaves its buffers",
+                    src.0, dst.0
+                ),
+            ));
+        }
+        // SAFETY: both ranges lie inside live host buffers of this driver (checked above), no
+        // device copy uses them (the caller's contract), and two buffers never overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.0 as *mut u8, bytes as usize)
+        };
         Ok(())
     }
 

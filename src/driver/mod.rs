@@ -58,7 +58,7 @@ pub struct MemInfo {
     pub total: u64,
 }
 
-/// A driver call, named in every [`DriverError`]. The first twenty-four are the allocator's
+/// A driver call, named in every [`DriverError`]. The first twenty-six are the allocator's
 /// primitives ([`DriverCall::ALL`]: counted and faulted by the simulated driver); the rest
 /// ([`DriverCall::SETUP`]) are the CUDA backend's one-off set-up of a device, which no allocator
 /// path makes and no simulated device counts.
@@ -89,6 +89,8 @@ pub enum DriverCall {
     CopyToHost,
     CopyToDevice,
     FillZero,
+    HostAllocPageable,
+    HostCopy,
     // Set-up calls: after the primitives, so that a primitive's discriminant is its index.
     Init,
     DeviceCount,
@@ -99,7 +101,7 @@ pub enum DriverCall {
 }
 
 impl DriverCall {
-    pub const ALL: [DriverCall; 24] = [
+    pub const ALL: [DriverCall; 26] = [
         DriverCall::AllocSegment,
         DriverCall::FreeSegment,
         DriverCall::ReserveVa,
@@ -124,6 +126,8 @@ impl DriverCall {
         DriverCall::CopyToHost,
         DriverCall::CopyToDevice,
         DriverCall::FillZero,
+        DriverCall::HostAllocPageable,
+        DriverCall::HostCopy,
     ];
 
     /// The CUDA backend's set-up calls, none of which is in [`DriverCall::ALL`].
@@ -172,6 +176,8 @@ impl DriverCall {
             DriverCall::SyncDevice => "sync_device",
             DriverCall::HostAlloc => "host_alloc",
             DriverCall::HostFree => "host_free",
+            DriverCall::HostAllocPageable => "host_alloc_pageable",
+            DriverCall::HostCopy => "host_copy",
             DriverCall::CreateStream => "create_stream",
             DriverCall::DestroyStream => "destroy_stream",
             DriverCall::CopyToHost => "copy_to_host",
@@ -303,8 +309,18 @@ pub trait Driver: Send + Sync + 'static {
     /// Allocate `bytes` of page-locked host memory (`cuMemHostAlloc`): copies to and from it
     /// run at the copy engine's full speed.
     fn host_alloc(&self, bytes: u64) -> DriverResult<HostPtr>;
-    /// Free page-locked host memory (`cuMemFreeHost`). No copy queued on it may be pending.
+    /// Free host memory from [`Driver::host_alloc`] or [`Driver::host_alloc_pageable`]
+    /// (`cuMemFreeHost`, or unmapped). No copy queued on it may be pending.
     fn host_free(&self, ptr: HostPtr) -> DriverResult<()>;
+    /// Allocate `bytes` of ordinary (pageable) host memory, not page-locked: the host's pages
+    /// come as it is first written, and no device copy may use it, only [`Driver::host_copy`]
+    /// (through page-locked memory). Refused, before a page is touched, when the host cannot
+    /// spare that much.
+    fn host_alloc_pageable(&self, bytes: u64) -> DriverResult<HostPtr>;
+    /// Copy `bytes` between two host buffers on the calling thread (a CPU copy). Neither range
+    /// may be used by a device copy that can still run: its stream synchronised, or an event
+    /// recorded after it waited for.
+    fn host_copy(&self, dst: HostPtr, src: HostPtr, bytes: u64) -> DriverResult<()>;
     /// A stream of the allocator's own that does not wait for the legacy default stream
     /// (`cuStreamCreate`, non-blocking): sleep's and wake's copies.
     fn create_stream(&self) -> DriverResult<StreamId>;

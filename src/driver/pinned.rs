@@ -4,8 +4,12 @@
 //! huge pages, is faulted in by several threads at once, and is then registered with the
 //! driver (`cuMemHostRegister`), which pins pages that are already there.
 //!
-//! Invariant: every buffer handed out is registered and mapped until `free` unregisters and
-//! unmaps it, with the size it was made with.
+//! Pageable buffers (`alloc_pageable`) are the same anonymous huge-page memory, neither faulted
+//! in nor registered: their pages come as the CPU first writes them.
+//!
+//! Invariant: every buffer handed out by `alloc` is registered and mapped until `free`
+//! unregisters and unmaps it, with the size it was made with; every one from `alloc_pageable`
+//! is mapped until `free_pageable` unmaps it.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,19 +25,39 @@ pub(super) fn alloc(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
     // Buffers being faulted in on other threads count against the room too: the host's
     // figure does not show them yet (or only in part, which errs on the safe side).
     let others = PINNING.fetch_add(bytes, Ordering::Relaxed);
-    let r = check_room(others, bytes).and_then(|()| alloc_unchecked(bytes));
+    let r = check_room(others, bytes, true).and_then(|()| alloc_unchecked(bytes));
     PINNING.fetch_sub(bytes, Ordering::Relaxed);
     r
+}
+
+/// A pageable buffer of at least `bytes`, refused when the host cannot spare that much now:
+/// its pages are faulted in later, by the copies into it, when a shortfall could no longer be
+/// reported.
+pub(super) fn alloc_pageable(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
+    check_room(0, bytes, false)?;
+    let size = (bytes as usize).div_ceil(HUGE) * HUGE;
+    Ok((map_huge(size)?, size))
+}
+
+/// Unmap a buffer from [`alloc_pageable`].
+pub(super) fn free_pageable(p: *mut c_void, size: usize) -> Result<(), PinError> {
+    // SAFETY: the mapping of `size` bytes made by `alloc_pageable`, used by no one any more
+    // (the caller's contract).
+    if unsafe { libc::munmap(p, size) } != 0 {
+        return Err(PinError::Os(std::io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 /// Bytes of buffers being made now, by every thread.
 static PINNING: AtomicU64 = AtomicU64::new(0);
 
-fn check_room(others: u64, bytes: u64) -> Result<(), PinError> {
+fn check_room(others: u64, bytes: u64, pinned: bool) -> Result<(), PinError> {
     match super::host_room::pinnable_now() {
         Some(room) if others.saturating_add(bytes) > room => Err(PinError::Exhausted {
             wanted: bytes,
             room: room.saturating_sub(others),
+            pinned,
         }),
         _ => Ok(()),
     }
@@ -41,6 +65,36 @@ fn check_room(others: u64, bytes: u64) -> Result<(), PinError> {
 
 fn alloc_unchecked(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
     let size = (bytes as usize).div_ceil(HUGE) * HUGE;
+    let start = map_huge(size)? as usize;
+    // Fault the pages in on several threads: the kernel zero-fills them in parallel.
+    let per = size.div_ceil(THREADS).next_multiple_of(HUGE);
+    let touch = move |lo: usize, hi: usize| {
+        let mut off = lo;
+        while off < hi {
+            // SAFETY: inside the mapping, which no one else uses yet.
+            unsafe { std::ptr::write_volatile((start + off) as *mut u8, 0) };
+            off += 4096;
+        }
+    };
+    let ranges: Vec<(usize, usize)> = (0..THREADS)
+        .map(|k| (k * per, ((k + 1) * per).min(size)))
+        .filter(|(lo, hi)| lo < hi)
+        .collect();
+    crate::threads::on_threads(&ranges, |&(lo, hi)| touch(lo, hi));
+    let p = start as *mut c_void;
+    // SAFETY: a mapped, writable range of `size` bytes.
+    let r = unsafe { sys::cuMemHostRegister_v2(p, size, sys::CU_MEMHOSTREGISTER_PORTABLE) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: the mapping made above, not registered.
+        unsafe { libc::munmap(p, size) };
+        return Err(PinError::Driver(r));
+    }
+    Ok((p, size))
+}
+
+/// `size` bytes (a multiple of a huge page) of anonymous memory on a huge-page boundary, with
+/// transparent huge pages asked for; nothing faulted in.
+fn map_huge(size: usize) -> Result<*mut c_void, PinError> {
     // Over-map by a huge page so that the buffer can start on a huge-page boundary.
     let span = size + HUGE;
     // SAFETY: an anonymous private mapping; no file, no fixed address.
@@ -70,29 +124,7 @@ fn alloc_unchecked(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
         // Advice only: without transparent huge pages the memory is still correct.
         libc::madvise(start as *mut c_void, size, libc::MADV_HUGEPAGE);
     }
-    // Fault the pages in on several threads: the kernel zero-fills them in parallel.
-    let per = size.div_ceil(THREADS).next_multiple_of(HUGE);
-    let touch = move |lo: usize, hi: usize| {
-        let mut off = lo;
-        while off < hi {
-            // SAFETY: inside the mapping, which no one else uses yet.
-            unsafe { std::ptr::write_volatile((start + off) as *mut u8, 0) };
-            off += 4096;
-        }
-    };
-    let ranges: Vec<(usize, usize)> = (0..THREADS)
-        .map(|k| (k * per, ((k + 1) * per).min(size)))
-        .collect();
-    crate::threads::on_threads(&ranges, |&(lo, hi)| touch(lo, hi));
-    let p = start as *mut c_void;
-    // SAFETY: a mapped, writable range of `size` bytes.
-    let r = unsafe { sys::cuMemHostRegister_v2(p, size, sys::CU_MEMHOSTREGISTER_PORTABLE) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        // SAFETY: the mapping made above, not registered.
-        unsafe { libc::munmap(p, size) };
-        return Err(PinError::Driver(r));
-    }
-    Ok((p, size))
+    Ok(start as *mut c_void)
 }
 
 /// Unregister and unmap a buffer from [`alloc`].
@@ -118,5 +150,7 @@ pub(super) enum PinError {
     Exhausted {
         wanted: u64,
         room: u64,
+        /// Page-locked (else pageable) memory was asked for.
+        pinned: bool,
     },
 }

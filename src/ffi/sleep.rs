@@ -64,7 +64,7 @@ pub extern "C" fn vram_ledger_separate_tags(enabled: c_int) -> c_int {
     })
 }
 
-/// Put the `offload` tags (copied to page-locked host memory) and the `discard` tags to sleep.
+/// Put the `offload` tags (copied to host memory) and the `discard` tags to sleep.
 /// Returns a JSON report per device (free it with `vram_ledger_string_free`), NULL on error.
 /// When one of several devices fails, those this call already put to sleep are woken again,
 /// so that an error means nothing was left asleep by it.
@@ -102,7 +102,7 @@ pub extern "C" fn vram_ledger_wake(device: c_int, mask: c_int) -> *mut c_char {
     })
 }
 
-/// Keep (non-zero) or free (0, the default) offloaded tags' page-locked host memory at wake.
+/// Keep (non-zero, page-locked) or free (0, the default) offloaded tags' host memory at wake.
 #[no_mangle]
 pub extern "C" fn vram_ledger_set_retain_host(device: c_int, retain: c_int) -> c_int {
     guard(-1, || {

@@ -5,9 +5,11 @@ per case and exits 1 if any case failed.
 
 - bench: 16 GiB of weights (offloaded) and 32 GiB of KV cache (discarded): sleep and wake
   seconds and GB/s, this process's NVML usage at its start (CUDA context, before any
-  allocation), with everything allocated, asleep and after wake; page-locked host memory after
-  wake; the weights' contents checked after wake against checksums taken before. Three rounds:
-  two with host memory freed at wake (the default), one more with it retained and reused.
+  allocation), with everything allocated, asleep and after wake; the library's host memory after
+  wake and the process's resident set before sleep, asleep and after wake; the weights'
+  contents checked after wake against checksums taken before. Three rounds with host memory
+  freed at wake (the default: pageable, through the staging ring), then one with it retained
+  (page-locked) and one that reuses it.
 - model: a transformers Llama (random bf16 weights) and a CUDA graph of its forward captured
   before sleep; after sleep and wake the eager forward and the graph's replay must be
   bit-identical to the outputs before.
@@ -22,10 +24,11 @@ per case and exits 1 if any case failed.
 Marks (a missing NVML reading misses its mark): contents and addresses intact after every
 wake; asleep, usage within 1% of what was held above the process's start; with host memory
 retained, a sleep that reuses it and every wake that keeps it ≤ 0.5 s; host memory back to its
-start after a wake that does not retain it; NVML's usage lower asleep by at least half of what
+start after a wake that does not retain it (the library's figure is 0, and the resident set is
+within 256 MiB of what it was before the sleep); NVML's usage lower asleep by at least half of what
 sleep gave back; the discarded KV tensor all zeros after wake; the second process's data
-checked. Goals not reached yet are printed under `open_goals` and do not fail the case: the
-first round's sleep and wake ≤ 0.5 s.
+checked. Goals not reached yet are printed under `open_goals` and do not fail the case: every
+round's sleep and wake ≤ 0.5 s without retained host memory.
 """
 
 import subprocess
@@ -82,14 +85,16 @@ def case_bench(mode):
     sums = checksum(weights)
     ptrs = [w.data_ptr() for w in weights] + [k.data_ptr() for k in kv]
     rounds = []
-    for r in range(3):
-        if r == 2:
+    for r in range(4):
+        if r == 3:
             vl.set_retain_host(True)
         usage_full = nvml_usage()
+        rss_before = rss()
         t0 = time.perf_counter()
         s = vl.sleep(offload="weights", discard="kv")[0]
         t_sleep = time.perf_counter() - t0
         usage_asleep = nvml_usage()
+        rss_asleep = rss()
         t1 = time.perf_counter()
         w = vl.wake()[0]
         t_wake = time.perf_counter() - t1
@@ -103,10 +108,11 @@ def case_bench(mode):
             sleep_gbps=round(s["offloaded_bytes"] / t_sleep / 1e9, 1), wake_gbps=round(w["restored_bytes"] / t_wake / 1e9, 1),
             offloaded=s["offloaded_bytes"], discarded=s["discarded_bytes"], given_back=s["given_back_bytes"], held=s["held_bytes"],
             usage_start=usage_start, usage_full=usage_full, usage_asleep=usage_asleep, usage_after=usage_after,
-            asleep_over_start=round(usage_asleep / usage_start - 1, 5), host_after=w["host_bytes_after"], rss_after=rss(),
-            retained=r == 2, intact=intact,
+            asleep_over_start=round(usage_asleep / usage_start - 1, 5), host_asleep=s["host_bytes"],
+            host_after=w["host_bytes_after"], rss_before=rss_before, rss_asleep=rss_asleep, rss_after=rss(),
+            retained=r == 3, intact=intact,
         ))
-        if r == 2:
+        if r == 3:
             # With the host memory retained, the next sleep pins nothing: its time is the copy's.
             t0 = time.perf_counter()
             s = vl.sleep(offload="weights", discard="kv")[0]
@@ -132,13 +138,16 @@ def case_bench(mode):
         m.at_most(f"round{i}_asleep_within_1pct", excess, limit if limit is not None else -1, 0)
         if not r["retained"]:
             m.at_most(f"round{i}_host_back", r["host_after"], 0, -1)
+            grew = None if None in (r["rss_before"], r["rss_after"]) else r["rss_after"] - r["rss_before"]
+            m.at_most(f"round{i}_rss_back", grew, 256 << 20, -1)
     # With host memory retained, a sleep that reuses it pins nothing, and no wake frees it.
     reuse = [r for r in rounds if r.get("retained_reuse")]
     kept = [r for r in rounds if r.get("retained") or r.get("retained_reuse")]
     m.at_most("retained_sleep_0_5s", max(r["sleep_s"] for r in reuse), 0.5, 0.001)
     m.at_most("retained_wake_0_5s", max(r["wake_s"] for r in kept), 0.5, 0.001)
-    first = rounds[0]
-    open_goals = {"first_round_sleep_0_5s": first["sleep_s"] <= 0.5, "first_round_wake_0_5s": first["wake_s"] <= 0.5}
+    plain = [r for r in rounds if r.get("retained") is False]
+    open_goals = {"sleep_0_5s_every_round": max(r["sleep_s"] for r in plain) <= 0.5,
+                  "wake_0_5s_every_round": max(r["wake_s"] for r in plain) <= 0.5}
     ok = m.ok
     emit(case="bench", mode=mode, ok=ok, marks=m.met, missed=m.missed(), open_goals=open_goals, rounds=rounds)
 

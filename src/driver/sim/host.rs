@@ -10,8 +10,11 @@
 //!   since (and no copy to the device overwrote it after). Copies carry written words only, so
 //!   zeros offloaded and restored read stale again: a test can trust zeros, never be fooled by
 //!   them.
-//! - A copy touches only accessible mapped memory and the inside of one host buffer; anything
-//!   else fails as an invalid value and copies nothing (a real copy would fault).
+//! - A copy touches only accessible mapped memory and the inside of one page-locked host
+//!   buffer; anything else (pageable memory included) fails as an invalid value and copies
+//!   nothing (a real copy would fault, or crawl).
+//! - A host copy reads and writes the insides of host buffers of either kind, and neither of
+//!   them while a device copy queued on it may still run.
 //! - Copies complete when queued (a simulated stream has nothing to overlap them with), but
 //!   count as work of their stream until it is synchronised, as a real copy may still run: a
 //!   host buffer freed before the stream of its last copy is synchronised is an invalid use.
@@ -33,6 +36,8 @@ pub(super) struct HostBuf {
     /// The stream of the last copy queued on the buffer, and its work count then: the copy
     /// may run until that stream has completed as much.
     last_copy: Option<(StreamId, u64)>,
+    /// Ordinary host memory (`host_alloc_pageable`): no device copy may use it.
+    pageable: bool,
 }
 
 impl SimDevice {
@@ -82,12 +87,14 @@ pub(super) enum Direction {
 }
 
 impl SimDriver {
-    pub(super) fn alloc_host(&self, bytes: u64) -> DriverResult<HostPtr> {
+    pub(super) fn alloc_host(&self, bytes: u64, pageable: bool) -> DriverResult<HostPtr> {
         if bytes == 0 {
-            return Err(Self::invalid(
-                DriverCall::HostAlloc,
-                "zero-byte host buffer",
-            ));
+            let call = if pageable {
+                DriverCall::HostAllocPageable
+            } else {
+                DriverCall::HostAlloc
+            };
+            return Err(Self::invalid(call, "zero-byte host buffer"));
         }
         let mut st = self.device.state.lock();
         let p = st.processes.get_mut(&self.pid).expect("process exists");
@@ -101,6 +108,7 @@ impl SimDriver {
                 bytes,
                 words: BTreeMap::new(),
                 last_copy: None,
+                pageable,
             },
         );
         Ok(HostPtr(base))
@@ -161,6 +169,12 @@ impl SimDriver {
             .filter(|(&b, h)| host.0 + bytes <= b + h.bytes)
             .map(|(&b, _)| b)
             .ok_or_else(|| Self::invalid(call, "host range is not inside one host buffer"))?;
+        if p.host[&base].pageable {
+            return Err(Self::invalid(
+                call,
+                "a device copy to or from pageable host memory",
+            ));
+        }
         let host_off = host.0 - base;
         let pieces = Self::device_pieces(p, call, dev, bytes)?;
         for (handle, dev_off, copy_off, len) in pieces {
@@ -202,6 +216,47 @@ impl SimDriver {
         let upto = s.submitted;
         let p = st.processes.get_mut(&self.pid).expect("process exists");
         p.host.get_mut(&base).expect("found above").last_copy = Some((stream, upto));
+        Ok(())
+    }
+
+    /// Copy `bytes` from host `src` to host `dst`, each inside one buffer, neither used by a
+    /// device copy that may still run.
+    pub(super) fn copy_host(&self, dst: HostPtr, src: HostPtr, bytes: u64) -> DriverResult<()> {
+        const CALL: DriverCall = DriverCall::HostCopy;
+        let mut st = self.device.state.lock();
+        let streams = &st.streams;
+        let p = &st.processes[&self.pid];
+        let find = |at: HostPtr| {
+            let (&b, h) = p
+                .host
+                .range(..=at.0)
+                .next_back()
+                .filter(|(&b, h)| at.0.checked_add(bytes).is_some_and(|e| e <= b + h.bytes))
+                .ok_or_else(|| Self::invalid(CALL, "host range is not inside one host buffer"))?;
+            if let Some((s, n)) = h.last_copy {
+                if streams.get(&s).is_some_and(|s| s.completed < n) {
+                    return Err(Self::invalid(
+                        CALL,
+                        format!(
+                            "{:#x} copied on the host while a copy queued on stream {:#x} may still use it",
+                            at.0, s.0
+                        ),
+                    ));
+                }
+            }
+            Ok((b, at.0 - b))
+        };
+        let (db, doff) = find(dst)?;
+        let (sb, soff) = find(src)?;
+        let words: Vec<(u64, u64)> = p.host[&sb]
+            .words
+            .range(soff..soff + bytes)
+            .map(|(&o, &w)| (o - soff + doff, w))
+            .collect();
+        let p = st.processes.get_mut(&self.pid).expect("process exists");
+        let hb = p.host.get_mut(&db).expect("found above");
+        hb.words.retain(|&o, _| o < doff || o >= doff + bytes);
+        hb.words.extend(words);
         Ok(())
     }
 
@@ -255,6 +310,13 @@ impl SimDriver {
     pub fn host_bytes(&self) -> u64 {
         let st = self.device.state.lock();
         st.processes[&self.pid].host.values().map(|h| h.bytes).sum()
+    }
+
+    /// Bytes of this process's page-locked host buffers (of [`SimDriver::host_bytes`]).
+    pub fn pinned_host_bytes(&self) -> u64 {
+        let st = self.device.state.lock();
+        let host = st.processes[&self.pid].host.values();
+        host.filter(|h| !h.pageable).map(|h| h.bytes).sum()
     }
 
     /// `[dev, dev + bytes)` mapping by mapping: (handle, offset in it, offset from `dev`,

@@ -617,7 +617,17 @@ impl Driver for SimDriver {
 
     fn host_alloc(&self, bytes: u64) -> DriverResult<HostPtr> {
         self.count(DriverCall::HostAlloc, bytes)?;
-        self.alloc_host(bytes)
+        self.alloc_host(bytes, false)
+    }
+
+    fn host_alloc_pageable(&self, bytes: u64) -> DriverResult<HostPtr> {
+        self.count(DriverCall::HostAllocPageable, bytes)?;
+        self.alloc_host(bytes, true)
+    }
+
+    fn host_copy(&self, dst: HostPtr, src: HostPtr, bytes: u64) -> DriverResult<()> {
+        self.count(DriverCall::HostCopy, bytes)?;
+        self.copy_host(dst, src, bytes)
     }
 
     fn host_free(&self, ptr: HostPtr) -> DriverResult<()> {
