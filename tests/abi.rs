@@ -430,3 +430,54 @@ fn abi_a_pools_allocator_that_returns_misaligned_memory_gets_it_back_and_an_erro
     assert_eq!(vram_ledger_graph_release(7, 0, 3), 0);
     assert_eq!(vram_ledger_graph_release(7, 0, 3), 0);
 }
+
+static SMALL_ALLOCS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static SMALL_FREES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+unsafe extern "C" fn small_alloc(size: usize, _d: i32, _s: *mut c_void) -> *mut c_void {
+    let k = SMALL_ALLOCS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    assert!(size <= 64 << 20, "{size}");
+    (0x5000_0000_0000usize + k * (64 << 20)) as *mut c_void
+}
+
+unsafe extern "C" fn small_free(_p: *mut c_void, _size: usize, _d: i32, _s: *mut c_void) {
+    SMALL_FREES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[test]
+fn abi_a_pool_dropped_while_its_tensor_lives_frees_its_segment_only_after_the_tensor() {
+    // PyTorch's test_tensor_delete_after_allocator_delete, as use_mem_pool drives the C ABI:
+    // hold, begin, a 16-byte allocation, end and release (the block's end), the pool's own
+    // release (del pool); the segment goes back to its allocator only once the tensor is freed
+    // and the cache emptied.
+    setup();
+    use std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(
+        vram_ledger_pool_hold(4, 0, 21, Some(small_alloc), Some(small_free), 0),
+        0
+    );
+    assert_eq!(vram_ledger_pool_begin(4, 0, 21), 0);
+    let p = malloc(16, 4);
+    assert!(!p.is_null(), "{}", last_error());
+    assert_eq!(vram_ledger_pool_end(4, 0, 21), 0);
+    assert_eq!(vram_ledger_graph_release(4, 0, 21), 0, "{}", last_error());
+    assert_eq!(SMALL_ALLOCS.load(Relaxed), 1);
+    assert_eq!(
+        SMALL_FREES.load(Relaxed),
+        0,
+        "the block's end frees nothing"
+    );
+    assert_eq!(vram_ledger_graph_release(4, 0, 21), 0, "{}", last_error());
+    assert_eq!(
+        SMALL_FREES.load(Relaxed),
+        0,
+        "the pool's release frees nothing in use"
+    );
+    free(p, 16, 4);
+    assert_eq!(vram_ledger_empty_cache(4), 0);
+    assert_eq!(
+        SMALL_FREES.load(Relaxed),
+        1,
+        "the segment went back once the tensor did"
+    );
+}

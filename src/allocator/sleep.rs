@@ -56,6 +56,10 @@ pub struct SleepReport {
     /// Host memory holding the offloaded tags (pageable, or page-locked where retained).
     pub host_bytes: u64,
     pub seconds: f64,
+    /// Of `seconds`, the copies to host memory (with the host memory's allocation).
+    pub copy_seconds: f64,
+    /// Threads that copied through the staging ring (0: none staged).
+    pub copy_workers: usize,
 }
 
 /// What one wake did.
@@ -71,6 +75,8 @@ pub struct WakeReport {
     /// Host memory still held after the wake (retained, or not freeable).
     pub host_bytes_after: u64,
     pub seconds: f64,
+    /// Of `seconds`, putting contents back (copies and zero fills).
+    pub copy_seconds: f64,
 }
 
 /// What a wake puts back in one shard: offloaded mappings (address, bytes, host offset) and
@@ -172,7 +178,9 @@ impl<D: Driver> Allocator<D> {
         // queued and waited for once: until they are complete nothing is given back, and a
         // failure wakes every tag of the plan again.
         let mut report = SleepReport::default();
+        let t_copy = Instant::now();
         let copied = self.offload(&mut st, &plan, &maps, &mut report);
+        report.copy_seconds = t_copy.elapsed().as_secs_f64();
         // The ring serves one sleep or wake: host memory held while asleep is the tags' own.
         st.drop_ring(d);
         let mut shards = self.lock_all()?;
@@ -303,7 +311,10 @@ impl<D: Driver> Allocator<D> {
         }
         if !staged.is_empty() {
             let ran = match st.ring(d) {
-                Ok(ring) => staging::run(d, ring, &staged, Direction::ToHost),
+                Ok(ring) => {
+                    report.copy_workers = ring.workers();
+                    staging::run(d, ring, &staged, Direction::ToHost)
+                }
                 Err(e) => Err((e, true)),
             };
             if let Err((e, settled)) = ran {
@@ -446,7 +457,9 @@ impl<D: Driver> Allocator<D> {
                 })
                 .collect();
             shards.clear();
+            let t_copy = Instant::now();
             let put_back = self.restore(st, tag, &work);
+            report.copy_seconds += t_copy.elapsed().as_secs_f64();
             *shards = self.lock_all()?;
             match put_back {
                 Ok(n) => (restored, zeroed) = n,

@@ -105,6 +105,7 @@ def case_bench(mode):
         torch.cuda.synchronize()
         rounds.append(dict(
             sleep_s=round(t_sleep, 4), wake_s=round(t_wake, 4), lib_sleep_s=round(s["seconds"], 4), lib_wake_s=round(w["seconds"], 4),
+            lib_sleep_copy_s=round(s["copy_seconds"], 4), lib_wake_copy_s=round(w["copy_seconds"], 4), copy_workers=s["copy_workers"],
             sleep_gbps=round(s["offloaded_bytes"] / t_sleep / 1e9, 1), wake_gbps=round(w["restored_bytes"] / t_wake / 1e9, 1),
             offloaded=s["offloaded_bytes"], discarded=s["discarded_bytes"], given_back=s["given_back_bytes"], held=s["held_bytes"],
             usage_start=usage_start, usage_full=usage_full, usage_asleep=usage_asleep, usage_after=usage_after,
