@@ -322,6 +322,15 @@ char *vram_ledger_wake(int device, int mask);
 /* Keep (non-zero, page-locked) or free (0, the default) offloaded tags' host memory at wake. */
 int vram_ledger_set_retain_host(int device, int retain);
 
+/* Offload to disk: each offloaded tag goes to a new file `PATH.dev<N>.<tag>` (which must not
+ * exist; created at sleep and removed at once, its blocks reserved first); NULL (the default):
+ * host memory. Takes effect at the next sleep.
+ *
+ * Safety:
+ * `path` is NULL or a NUL-terminated string, readable for the length of the call.
+ */
+int vram_ledger_set_sleep_file(int device, const char *path);
+
 /* Fill discarded tags' memory with zeros at wake (non-zero, the default), or leave it as fresh
  * memory comes (0: stale data of this process).
  */

@@ -11,7 +11,7 @@ mod common;
 
 use common::{check, readable, sim, sim_with, stamp, stamped, tags_apart as allocator, VIRTUAL};
 use vram_ledger::driver::sim::SimDriver;
-use vram_ledger::driver::{Driver, DriverCall, HostPtr, StreamId};
+use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::{GIB, MIB};
 use vram_ledger::{Allocation, Allocator, Config, Error, SegmentMode, Tag};
 
@@ -392,71 +392,6 @@ fn sleep_and_wake_faults_leave_each_tag_wholly_asleep_or_awake_with_nothing_leak
     }
     // Every kind of call sleep or wake makes was struck at least once.
     assert_eq!(struck.len(), calls.len(), "struck: {struck:?}");
-}
-
-#[test]
-fn sleep_without_retained_memory_pins_only_a_small_ring_and_keeps_nothing_after_wake() {
-    for mode in VIRTUAL {
-        let a = allocator(mode, 80 * GIB);
-        let e = engine(&a);
-        let r = a
-            .sleep(&[Tag::Weights, Tag::Activation], &[Tag::KvCache])
-            .unwrap();
-        // Asleep, the offloaded contents are in pageable memory, a buffer per tag, and nothing
-        // is page-locked: the ring served the sleep and went with it.
-        assert_eq!(a.driver().calls(DriverCall::HostAllocPageable), 2, "{mode}");
-        assert_eq!(a.driver().pinned_host_bytes(), 0, "{mode}");
-        assert_eq!(a.driver().host_bytes(), r.host_bytes, "{mode}");
-        assert!(r.host_bytes >= r.offloaded_bytes, "{mode}: {r:?}");
-        // What was pinned is the ring: slots of 2 MiB, two per worker, far below the contents.
-        let slots = a.driver().calls(DriverCall::HostAlloc);
-        assert!((2..=32).contains(&slots), "{mode}: {slots}");
-        assert!(
-            slots * 2 * MIB < r.offloaded_bytes,
-            "{mode}: {slots} slots for {r:?}"
-        );
-        let w = a.wake(&[]).unwrap();
-        assert_eq!(w.host_bytes_after, 0, "{mode}");
-        assert_eq!(a.driver().host_bytes(), 0, "{mode}");
-        assert!(e.weights_intact(&a), "{mode}");
-        assert!(stamped(&a, &e.act, 0x1007), "{mode}");
-        check(&a);
-    }
-}
-
-#[test]
-fn sleep_staging_never_lets_a_device_copy_touch_pageable_memory() {
-    // The simulated driver refuses what a real one would do slowly or unsafely: a device copy
-    // to pageable memory, and a host copy out of a slot whose device copy may still run.
-    let a = allocator(SegmentMode::Remap, 8 * GIB);
-    let x = a.allocate_tagged(4 * MIB, S, Tag::Weights).unwrap();
-    stamp(&a, &x, 0x77);
-    let d = a.driver();
-    let pageable = d.host_alloc_pageable(4 * MIB).unwrap();
-    let slot = d.host_alloc(4 * MIB).unwrap();
-    let e = d.copy_to_host(pageable, x.ptr, 4 * MIB, S).unwrap_err();
-    assert!(e.detail.contains("pageable"), "{e}");
-    d.copy_to_host(slot, x.ptr, 4 * MIB, S).unwrap();
-    let e = d.host_copy(pageable, slot, 4 * MIB).unwrap_err();
-    assert!(e.detail.contains("may still use it"), "{e}");
-    let ev = d.record_event(S).unwrap();
-    d.wait_event(ev).unwrap();
-    d.destroy_event(ev).unwrap();
-    d.host_copy(pageable, slot, 4 * MIB).unwrap();
-    // And back, the same way: the words travel.
-    a.free(x.ptr).unwrap();
-    let y = a.allocate_tagged(4 * MIB, S, Tag::Weights).unwrap();
-    d.host_copy(slot, pageable, 4 * MIB).unwrap();
-    d.copy_to_device(y.ptr, slot, 4 * MIB, S).unwrap();
-    assert!(stamped(&a, &y, 0x77));
-    d.sync_stream(S).unwrap();
-    let e = d
-        .host_copy(slot, HostPtr(pageable.0 + 2 * MIB), 4 * MIB)
-        .unwrap_err();
-    assert!(e.detail.contains("inside one host buffer"), "{e}");
-    d.host_free(slot).unwrap();
-    d.host_free(pageable).unwrap();
-    a.free(y.ptr).unwrap();
 }
 
 #[test]

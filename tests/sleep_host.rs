@@ -7,12 +7,41 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::{check, readable, stamp, stamped, tags_apart as allocator};
-use vram_ledger::driver::{DriverCall, StreamId};
+use common::{check, readable, stamp, stamped, tags_apart as allocator, VIRTUAL};
+use vram_ledger::driver::sim::SimDriver;
+use vram_ledger::driver::{Driver, DriverCall, HostPtr, StreamId};
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{Allocation, SegmentMode, Tag};
+use vram_ledger::{Allocation, Allocator, SegmentMode, Tag};
 
 const S: StreamId = StreamId(0x10);
+
+/// Weights of several sizes, a KV cache and an activation, stamped 0x1000 on.
+struct Engine {
+    weights: Vec<Allocation>,
+    act: Allocation,
+}
+
+fn engine(a: &Allocator<SimDriver>) -> Engine {
+    let weights: Vec<Allocation> = [4096, 700 << 10, 30 * MIB, 130 * MIB + 512]
+        .into_iter()
+        .map(|n| a.allocate_tagged(n, S, Tag::Weights).unwrap())
+        .collect();
+    let kv = a.allocate_tagged(200 * MIB, S, Tag::KvCache).unwrap();
+    let act = a.allocate_tagged(5 * MIB, S, Tag::Activation).unwrap();
+    for (i, x) in weights.iter().chain([&kv, &act]).enumerate() {
+        stamp(a, x, 0x1000 + i as u64);
+    }
+    Engine { weights, act }
+}
+
+impl Engine {
+    fn weights_intact(&self, a: &Allocator<SimDriver>) -> bool {
+        self.weights
+            .iter()
+            .enumerate()
+            .all(|(i, x)| stamped(a, x, 0x1000 + i as u64))
+    }
+}
 
 #[test]
 fn sleep_of_a_tag_of_many_host_chunks_pins_and_copies_them_all() {
@@ -131,4 +160,109 @@ fn sleep_of_a_tag_of_many_pieces_goes_through_the_staging_ring() {
         );
         check(&a);
     }
+}
+
+#[test]
+fn sleep_without_retained_memory_pins_only_a_small_ring_and_keeps_nothing_after_wake() {
+    for mode in VIRTUAL {
+        let a = allocator(mode, 80 * GIB);
+        let e = engine(&a);
+        let r = a
+            .sleep(&[Tag::Weights, Tag::Activation], &[Tag::KvCache])
+            .unwrap();
+        // Asleep, the offloaded contents are in pageable memory, a buffer per tag, and nothing
+        // is page-locked: the ring served the sleep and went with it.
+        assert_eq!(a.driver().calls(DriverCall::HostAllocPageable), 2, "{mode}");
+        assert_eq!(a.driver().pinned_host_bytes(), 0, "{mode}");
+        assert_eq!(a.driver().host_bytes(), r.host_bytes, "{mode}");
+        assert!(r.host_bytes >= r.offloaded_bytes, "{mode}: {r:?}");
+        // What was pinned is the ring: slots of 2 MiB, two per worker, far below the contents.
+        let slots = a.driver().calls(DriverCall::HostAlloc);
+        assert!((2..=32).contains(&slots), "{mode}: {slots}");
+        assert!(
+            slots * 2 * MIB < r.offloaded_bytes,
+            "{mode}: {slots} slots for {r:?}"
+        );
+        let w = a.wake(&[]).unwrap();
+        assert_eq!(w.host_bytes_after, 0, "{mode}");
+        assert_eq!(a.driver().host_bytes(), 0, "{mode}");
+        assert!(e.weights_intact(&a), "{mode}");
+        assert!(stamped(&a, &e.act, 0x1005), "{mode}");
+        check(&a);
+    }
+}
+
+#[test]
+fn sleep_staging_never_lets_a_device_copy_touch_pageable_memory() {
+    // The simulated driver refuses what a real one would do slowly or unsafely: a device copy
+    // to pageable memory, and a host copy out of a slot whose device copy may still run.
+    let a = allocator(SegmentMode::Remap, 8 * GIB);
+    let x = a.allocate_tagged(4 * MIB, S, Tag::Weights).unwrap();
+    stamp(&a, &x, 0x77);
+    let d = a.driver();
+    let pageable = d.host_alloc_pageable(4 * MIB, None).unwrap();
+    let slot = d.host_alloc(4 * MIB).unwrap();
+    let e = d.copy_to_host(pageable, x.ptr, 4 * MIB, S).unwrap_err();
+    assert!(e.detail.contains("pageable"), "{e}");
+    d.copy_to_host(slot, x.ptr, 4 * MIB, S).unwrap();
+    let e = d.host_copy(pageable, slot, 4 * MIB).unwrap_err();
+    assert!(e.detail.contains("may still use it"), "{e}");
+    let ev = d.record_event(S).unwrap();
+    d.wait_event(ev).unwrap();
+    d.destroy_event(ev).unwrap();
+    d.host_copy(pageable, slot, 4 * MIB).unwrap();
+    // And back, the same way: the words travel.
+    a.free(x.ptr).unwrap();
+    let y = a.allocate_tagged(4 * MIB, S, Tag::Weights).unwrap();
+    d.host_copy(slot, pageable, 4 * MIB).unwrap();
+    d.copy_to_device(y.ptr, slot, 4 * MIB, S).unwrap();
+    assert!(stamped(&a, &y, 0x77));
+    d.sync_stream(S).unwrap();
+    let e = d
+        .host_copy(slot, HostPtr(pageable.0 + 2 * MIB), 4 * MIB)
+        .unwrap_err();
+    assert!(e.detail.contains("inside one host buffer"), "{e}");
+    d.host_free(slot).unwrap();
+    d.host_free(pageable).unwrap();
+    a.free(y.ptr).unwrap();
+}
+
+#[test]
+fn sleep_to_a_named_file_offloads_there_and_refuses_a_taken_name_or_a_missing_directory() {
+    let dir = std::env::temp_dir().join(format!("vram-ledger-sleep-file-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let a = allocator(SegmentMode::Remap, 80 * GIB);
+    let e = engine(&a);
+    a.set_sleep_file(Some(dir.join("engine")));
+    let name = dir.join(format!("engine.dev{}.weights", a.driver().ordinal()));
+    // A name that is taken is not written over: the sleep is refused, nothing is lost.
+    std::fs::write(&name, b"the user's").unwrap();
+    let err = a.sleep(&[Tag::Weights], &[]).unwrap_err().to_string();
+    assert!(
+        err.contains("engine.dev") && err.contains("exists"),
+        "{err}"
+    );
+    assert!(a.asleep_tags().is_empty());
+    assert_eq!(std::fs::read(&name).unwrap(), b"the user's");
+    assert!(e.weights_intact(&a));
+    std::fs::remove_file(&name).unwrap();
+    // Offloaded to the file's pages: nothing page-locked, the name gone at once.
+    let r = a.sleep(&[Tag::Weights], &[]).unwrap();
+    assert!(!name.exists(), "the file is removed as soon as it is made");
+    assert_eq!(a.driver().pinned_host_bytes(), 0);
+    assert_eq!(a.driver().host_bytes(), r.host_bytes);
+    a.wake(&[]).unwrap();
+    assert!(e.weights_intact(&a));
+    assert_eq!(a.driver().host_bytes(), 0);
+    // A directory that does not exist: a clear error, and a sleep to memory still works.
+    a.set_sleep_file(Some(dir.join("no/such/dir/engine")));
+    let err = a.sleep(&[Tag::Weights], &[]).unwrap_err().to_string();
+    assert!(err.contains("no/such/dir"), "{err}");
+    assert!(a.asleep_tags().is_empty());
+    a.set_sleep_file(None);
+    a.sleep(&[Tag::Weights], &[]).unwrap();
+    a.wake(&[]).unwrap();
+    assert!(e.weights_intact(&a));
+    check(&a);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -27,6 +27,7 @@ WITH_DEVICE = {
     "sleep": lambda d: vl.sleep(offload="weights", device=d),
     "wake": lambda d: vl.wake(device=d),
     "set_retain_host": lambda d: vl.set_retain_host(True, device=d),
+    "set_sleep_file": lambda d: vl.set_sleep_file("/tmp/unmade", device=d),
     "set_zero_discarded": lambda d: vl.set_zero_discarded(False, device=d),
 }
 
@@ -42,6 +43,15 @@ def test_every_device_argument_is_checked(entry):
     for bad in (1.0, True, "0", b"0"):
         with pytest.raises(TypeError, match="device must be an int"):
             call(bad)
+
+
+def test_the_sleep_files_path_is_checked():
+    for bad in (5, 1.0, [b"x"]):
+        with pytest.raises(TypeError, match="sleep file's path"):
+            vl.set_sleep_file(bad)
+    for bad in ("", "a\0b"):
+        with pytest.raises(ValueError, match="non-empty path"):
+            vl.set_sleep_file(bad)
 
 
 def test_a_negative_device_is_still_a_library_error_as_before():

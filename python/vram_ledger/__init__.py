@@ -32,7 +32,7 @@ from ._torch import TaggedPool, install, mempool
 from .kv import KvCache, kv_cache, kv_reserve
 from .metrics import dump_snapshot, empty_cache, memory_stats, metrics, record_history, report, reset_peak_memory_stats, stats
 from .profile import Profile, cap, profile, set_cap
-from .sleep import set_retain_host, set_zero_discarded, sleep, wake
+from .sleep import set_retain_host, set_sleep_file, set_zero_discarded, sleep, wake
 from .tags import current_tag, tag
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "sleep",
     "wake",
     "set_retain_host",
+    "set_sleep_file",
     "set_zero_discarded",
     "kv_reserve",
     "kv_cache",

@@ -110,6 +110,7 @@ USED = (
     "vram_ledger_sleep",
     "vram_ledger_wake",
     "vram_ledger_set_retain_host",
+    "vram_ledger_set_sleep_file",
     "vram_ledger_set_zero_discarded",
     "vram_ledger_kv_reserve",
     "vram_ledger_kv_commit",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Iterable, Optional, Union
 
 from . import _args
@@ -49,6 +50,23 @@ def set_retain_host(retain: bool = True, device: Optional[int] = None) -> None:
     at the copy engine's full speed and pin nothing. Without it, sleep copies through a small
     page-locked ring into pageable memory."""
     _check(load().vram_ledger_set_retain_host(_args.devices(device), 1 if retain else 0))
+
+
+def set_sleep_file(path: Optional[Union[str, "os.PathLike[str]"]] = None, device: Optional[int] = None) -> None:
+    """Offload to disk from the next sleep on: each offloaded tag goes to a new file
+    `PATH.dev<N>.<tag>` (which must not exist; its directory must), created at sleep and removed
+    at once, its blocks reserved first. The host's page cache holds it and writes it back, and
+    gives the memory up when the host needs it. `None` (the default) offloads to host memory."""
+    if path is None:
+        raw = None
+    else:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"the sleep file's path must be a str or a path, not {type(path).__name__}")
+        text = os.fsdecode(path)
+        if not text or "\0" in text:
+            raise ValueError("the sleep file's path must be a non-empty path without NUL characters")
+        raw = text.encode()
+    _check(load().vram_ledger_set_sleep_file(_args.devices(device), raw))
 
 
 def set_zero_discarded(zero: bool = True, device: Optional[int] = None) -> None:

@@ -11,6 +11,7 @@
 //!   copy queued on them may still run: their streams are synchronised first, and if that
 //!   fails all of them are kept.
 
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc;
 
@@ -40,13 +41,18 @@ impl HostArena {
         self.pageable
     }
 
-    /// Grow to `need` bytes with one pageable buffer (none when the arena holds enough).
-    /// Page-locked chunks are never mixed in.
-    pub(crate) fn grow_pageable<D: Driver>(&mut self, d: &D, need: u64) -> DriverResult<()> {
+    /// Grow to `need` bytes with one pageable buffer (none when the arena holds enough), the
+    /// pages of a new file at `file` if given. Page-locked chunks are never mixed in.
+    pub(crate) fn grow_pageable<D: Driver>(
+        &mut self,
+        d: &D,
+        need: u64,
+        file: Option<&Path>,
+    ) -> DriverResult<()> {
         debug_assert!(self.pageable || self.chunks.is_empty());
         let have = self.capacity();
         if have < need {
-            let p = d.host_alloc_pageable(need - have)?;
+            let p = d.host_alloc_pageable(need - have, file)?;
             self.chunks.push((p, need - have));
             self.pageable = true;
         }
@@ -210,6 +216,8 @@ pub(crate) struct SleepState {
     pub(crate) retain_host: bool,
     /// Wake leaves discarded memory as fresh memory comes (stale data), instead of zeros.
     pub(crate) leave_discarded: bool,
+    /// Offloaded tags go to files named from this path instead of memory (the disk backend).
+    pub(crate) file: Option<PathBuf>,
 }
 
 impl SleepState {
@@ -220,6 +228,15 @@ impl SleepState {
         let s = d.create_stream()?;
         self.stream = Some(s);
         Ok(s)
+    }
+
+    /// Where `tag`'s offloaded contents go on device `ordinal` when the disk backend is on:
+    /// `PATH.dev<ordinal>.<tag>`.
+    pub(crate) fn file_for(&self, ordinal: usize, tag: Tag) -> Option<PathBuf> {
+        let base = self.file.as_ref()?;
+        let mut name = base.as_os_str().to_owned();
+        name.push(format!(".dev{ordinal}.{tag}"));
+        Some(PathBuf::from(name))
     }
 
     pub(crate) fn host_bytes(&self) -> u64 {

@@ -129,6 +129,14 @@ impl<D: Driver> Allocator<D> {
         self.sleep.lock().retain_host = retain;
     }
 
+    /// Offload to disk: each offloaded tag's contents go to a new file `PATH.dev<N>.<tag>`
+    /// (through the page cache, which the host writes back and drops when it needs the memory),
+    /// created at sleep and removed at once, its blocks reserved first; `None` (the default):
+    /// host memory. The file must not exist; its directory must.
+    pub fn set_sleep_file(&self, path: Option<std::path::PathBuf>) {
+        self.sleep.lock().file = path;
+    }
+
     /// Whether wake fills discarded tags' memory with zeros (the default), or leaves it as
     /// fresh memory comes: stale data of this process, one device memset cheaper.
     pub fn set_zero_discarded(&self, zero: bool) {
@@ -268,9 +276,11 @@ impl<D: Driver> Allocator<D> {
                 .zip(&per_shard)
                 .flat_map(|(ms, offs)| ms.iter().zip(offs))
                 .peekable();
+            let file = st.file_for(d.ordinal(), t);
             let arena = &mut st.host[t.index()];
-            if arena.is_pageable() || (arena.capacity() == 0 && !st.retain_host) {
-                if let Err(e) = arena.grow_pageable(d, need) {
+            if arena.is_pageable() || (arena.capacity() == 0 && (!st.retain_host || file.is_some()))
+            {
+                if let Err(e) = arena.grow_pageable(d, need, file.as_deref()) {
                     return Err((e.into(), d.sync_stream(stream).is_ok()));
                 }
                 let copies = todo.flat_map(|(m, &off)| {

@@ -227,9 +227,13 @@ impl<D: Driver> Driver for Counting<D> {
         self.counts.bump(DriverCall::HostFree);
         self.inner.host_free(ptr)
     }
-    fn host_alloc_pageable(&self, bytes: u64) -> DriverResult<HostPtr> {
+    fn host_alloc_pageable(
+        &self,
+        bytes: u64,
+        file: Option<&std::path::Path>,
+    ) -> DriverResult<HostPtr> {
         self.counts.bump(DriverCall::HostAllocPageable);
-        self.inner.host_alloc_pageable(bytes)
+        self.inner.host_alloc_pageable(bytes, file)
     }
     fn host_copy(&self, dst: HostPtr, src: HostPtr, bytes: u64) -> DriverResult<()> {
         self.counts.bump(DriverCall::HostCopy);

@@ -16,12 +16,13 @@
 //! - [`probe`] is the one place that tells "no driver" and "no device" (nothing to run on)
 //!   from a driver that loads and fails (a broken install, reported as such).
 
-use std::collections::BTreeMap;
 use std::ffi::CStr;
+use std::path::Path;
 
 use cudarc::driver::sys::{self, CUresult};
 use parking_lot::Mutex;
 
+use super::host_buffers::HostBuffers;
 use super::nvml::Nvml;
 use super::{
     Capture, DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, DriverResult, EventId,
@@ -36,7 +37,7 @@ fn check(call: DriverCall, r: CUresult) -> DriverResult<()> {
 }
 
 /// The typed error of a failed `CUresult` (not `CUDA_SUCCESS`).
-fn error(call: DriverCall, r: CUresult, detail: String) -> DriverError {
+pub(super) fn error(call: DriverCall, r: CUresult, detail: String) -> DriverError {
     let kind = match r {
         CUresult::CUDA_ERROR_OUT_OF_MEMORY => DriverErrorKind::OutOfMemory,
         CUresult::CUDA_ERROR_INVALID_VALUE | CUresult::CUDA_ERROR_INVALID_HANDLE => {
@@ -52,7 +53,7 @@ fn error(call: DriverCall, r: CUresult, detail: String) -> DriverError {
 
 /// The driver's name and description of `r` ("CUDA_ERROR_NO_DEVICE: no CUDA-capable device
 /// is detected"), so that an error says why and not only which code.
-fn describe(r: CUresult) -> String {
+pub(super) fn describe(r: CUresult) -> String {
     let (mut name, mut text): (*const std::ffi::c_char, *const std::ffi::c_char) =
         (std::ptr::null(), std::ptr::null());
     // SAFETY: both calls write a pointer to a static string, or leave it null.
@@ -165,10 +166,7 @@ pub struct CudaDriver {
     uuid: String,
     nvml: Result<Nvml, String>,
     events: Mutex<Vec<sys::CUevent>>,
-    /// Page-locked host buffers by address, with their sizes (`pinned.rs`).
-    pinned: Mutex<BTreeMap<u64, usize>>,
-    /// Pageable host buffers by address, with their sizes.
-    pageable: Mutex<BTreeMap<u64, usize>>,
+    host: HostBuffers,
 }
 
 // SAFETY: CUDA contexts, events and device pointers may be used from any thread; the context is
@@ -209,8 +207,7 @@ impl CudaDriver {
             uuid: String::new(),
             nvml: Err("not opened".into()),
             events: Mutex::new(Vec::new()),
-            pinned: Mutex::new(BTreeMap::new()),
-            pageable: Mutex::new(BTreeMap::new()),
+            host: HostBuffers::default(),
         };
         d.current(DriverCall::PrimaryContext)?;
         let mut uuid = sys::CUuuid { bytes: [0; 16] };
@@ -297,34 +294,6 @@ impl Drop for CudaDriver {
             }
             sys::cuDevicePrimaryCtxRelease_v2(self.device);
         }
-    }
-}
-
-fn pin_error(call: DriverCall, e: super::pinned::PinError) -> DriverError {
-    match e {
-        super::pinned::PinError::Driver(r) => error(call, r, describe(r)),
-        super::pinned::PinError::Os(e) => {
-            let kind = if e.raw_os_error() == Some(libc::ENOMEM) {
-                DriverErrorKind::OutOfMemory
-            } else {
-                DriverErrorKind::Other(e.raw_os_error().unwrap_or(-1))
-            };
-            DriverError::new(call, kind, format!("host memory: {e}"))
-        }
-        super::pinned::PinError::Exhausted {
-            wanted,
-            room,
-            pinned,
-        } => DriverError::new(
-            call,
-            DriverErrorKind::OutOfMemory,
-            format!(
-                "host memory exhausted: {} {} needs more than the {} this host can spare",
-                if pinned { "pinning" } else { "keeping" },
-                crate::units::Bytes(wanted),
-                crate::units::Bytes(room)
-            ),
-        ),
     }
 }
 
@@ -512,76 +481,20 @@ impl Driver for CudaDriver {
     }
 
     fn host_alloc(&self, bytes: u64) -> DriverResult<HostPtr> {
-        const CALL: DriverCall = DriverCall::HostAlloc;
-        self.current(CALL)?;
-        let (p, size) = super::pinned::alloc(bytes).map_err(|e| pin_error(CALL, e))?;
-        self.pinned.lock().insert(p as u64, size);
-        Ok(HostPtr(p as u64))
+        self.current(DriverCall::HostAlloc)?;
+        self.host.alloc_pinned(bytes)
     }
 
     fn host_free(&self, ptr: HostPtr) -> DriverResult<()> {
-        const CALL: DriverCall = DriverCall::HostFree;
-        if let Some(size) = self.pageable.lock().remove(&ptr.0) {
-            return super::pinned::free_pageable(ptr.0 as *mut std::ffi::c_void, size).map_err(
-                |e| {
-                    // Still mapped: kept, to be freed again.
-                    self.pageable.lock().insert(ptr.0, size);
-                    pin_error(CALL, e)
-                },
-            );
-        }
-        self.current(CALL)?;
-        // Out of the table first, so that an address reused by a concurrent host_alloc is
-        // never confused with this one; back in only if the buffer is still registered.
-        let size = self.pinned.lock().remove(&ptr.0).ok_or_else(|| {
-            DriverError::new(
-                CALL,
-                DriverErrorKind::InvalidValue,
-                format!("{:#x} is not a host buffer", ptr.0),
-            )
-        })?;
-        if let Err(e) = super::pinned::free(ptr.0 as *mut std::ffi::c_void, size) {
-            if matches!(e, super::pinned::PinError::Driver(_)) {
-                self.pinned.lock().insert(ptr.0, size);
-            }
-            return Err(pin_error(CALL, e));
-        }
-        Ok(())
+        self.host.free(ptr, || self.current(DriverCall::HostFree))
     }
 
-    fn host_alloc_pageable(&self, bytes: u64) -> DriverResult<HostPtr> {
-        const CALL: DriverCall = DriverCall::HostAllocPageable;
-        let (p, size) = super::pinned::alloc_pageable(bytes).map_err(|e| pin_error(CALL, e))?;
-        self.pageable.lock().insert(p as u64, size);
-        Ok(HostPtr(p as u64))
+    fn host_alloc_pageable(&self, bytes: u64, file: Option<&Path>) -> DriverResult<HostPtr> {
+        self.host.alloc_pageable(bytes, file)
     }
 
     fn host_copy(&self, dst: HostPtr, src: HostPtr, bytes: u64) -> DriverResult<()> {
-        const CALL: DriverCall = DriverCall::HostCopy;
-        let inside = |p: HostPtr| {
-            let within = |t: &BTreeMap<u64, usize>| {
-                t.range(..=p.0).next_back().is_some_and(|(&b, &n)| {
-                    p.0.checked_add(bytes).is_some_and(|e| e <= b + n as u64)
-                })
-            };
-            within(&self.pinned.lock()) || within(&self.pageable.lock())
-        };
-        if !inside(dst) || !inside(src) {
-            return Err(DriverError::new(
-                CALL,
-                DriverErrorKind::InvalidValue,
-                format!(
-                    "a host copy of {bytes} bytes from {:#x} to {:#x} leaves its buffers",
-                    src.0, dst.0
-                ),
-            ));
-        }
-        // SAFETY: both ranges lie inside live host buffers of this driver (checked above), no
-        // device copy uses them (the caller's contract), and two buffers never overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.0 as *mut u8, bytes as usize)
-        };
-        Ok(())
+        self.host.copy(dst, src, bytes)
     }
 
     fn create_stream(&self) -> DriverResult<StreamId> {

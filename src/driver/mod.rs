@@ -17,6 +17,7 @@ pub mod cost;
 pub mod counting;
 pub mod cuda;
 pub mod external;
+mod host_buffers;
 mod host_room;
 pub mod nvml;
 mod pinned;
@@ -315,8 +316,14 @@ pub trait Driver: Send + Sync + 'static {
     /// Allocate `bytes` of ordinary (pageable) host memory, not page-locked: the host's pages
     /// come as it is first written, and no device copy may use it, only [`Driver::host_copy`]
     /// (through page-locked memory). Refused, before a page is touched, when the host cannot
-    /// spare that much.
-    fn host_alloc_pageable(&self, bytes: u64) -> DriverResult<HostPtr>;
+    /// spare that much. With `file`, the pages are those of a new file at that path (which must
+    /// not exist, and is removed at once: its space is held until the buffer is freed), with
+    /// its blocks reserved first.
+    fn host_alloc_pageable(
+        &self,
+        bytes: u64,
+        file: Option<&std::path::Path>,
+    ) -> DriverResult<HostPtr>;
     /// Copy `bytes` between two host buffers on the calling thread (a CPU copy). Neither range
     /// may be used by a device copy that can still run: its stream synchronised, or an event
     /// recorded after it waited for.

@@ -5,7 +5,10 @@
 //! driver (`cuMemHostRegister`), which pins pages that are already there.
 //!
 //! Pageable buffers (`alloc_pageable`) are the same anonymous huge-page memory, neither faulted
-//! in nor registered: their pages come as the CPU first writes them.
+//! in nor registered: their pages come as the CPU first writes them. A file's buffer
+//! (`alloc_file`) is a shared mapping of a new file whose blocks are reserved at once: its pages
+//! are the kernel's page cache, written back to the disk and dropped when the host needs the
+//! memory.
 //!
 //! Invariant: every buffer handed out by `alloc` is registered and mapped until `free`
 //! unregisters and unmaps it, with the size it was made with; every one from `alloc_pageable`
@@ -39,7 +42,50 @@ pub(super) fn alloc_pageable(bytes: u64) -> Result<(*mut c_void, usize), PinErro
     Ok((map_huge(size)?, size))
 }
 
-/// Unmap a buffer from [`alloc_pageable`].
+/// A buffer of at least `bytes` whose pages are those of a new file at `path`, which must not
+/// exist. The file is removed at once (its space stays in use until the buffer is unmapped,
+/// and nothing is left behind if the process ends), and its blocks are reserved first: a
+/// write into a hole that the disk cannot fill would end the process (SIGBUS).
+pub(super) fn alloc_file(
+    path: &std::path::Path,
+    bytes: u64,
+) -> Result<(*mut c_void, usize), PinError> {
+    use std::os::fd::AsRawFd;
+    let size = (bytes as usize).div_ceil(HUGE) * HUGE;
+    let file_error = |error| PinError::File {
+        path: path.to_path_buf(),
+        error,
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(file_error)?;
+    std::fs::remove_file(path).map_err(file_error)?;
+    // SAFETY: a file descriptor of this process, open for writing.
+    let r = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, size as libc::off_t) };
+    if r != 0 {
+        return Err(file_error(std::io::Error::from_raw_os_error(r)));
+    }
+    // SAFETY: a shared mapping of the whole file just sized; it keeps the file after `f` closes.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(file_error(std::io::Error::last_os_error()));
+    }
+    Ok((p, size))
+}
+
+/// Unmap a buffer from [`alloc_pageable`] or [`alloc_file`].
 pub(super) fn free_pageable(p: *mut c_void, size: usize) -> Result<(), PinError> {
     // SAFETY: the mapping of `size` bytes made by `alloc_pageable`, used by no one any more
     // (the caller's contract).
@@ -146,6 +192,11 @@ pub(super) fn free(p: *mut c_void, size: usize) -> Result<(), PinError> {
 pub(super) enum PinError {
     Driver(sys::CUresult),
     Os(std::io::Error),
+    /// A sleep file could not be made, sized or mapped.
+    File {
+        path: std::path::PathBuf,
+        error: std::io::Error,
+    },
     /// More than the host (and this process's memory cgroup) can spare now.
     Exhausted {
         wanted: u64,
@@ -153,4 +204,34 @@ pub(super) enum PinError {
         /// Page-locked (else pageable) memory was asked for.
         pinned: bool,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_buffer_holds_what_is_written_is_removed_at_once_and_refuses_an_existing_name() {
+        let dir = std::env::temp_dir().join(format!("vram-ledger-pinned-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("weights");
+        let (p, size) = alloc_file(&path, 5 << 20).unwrap();
+        assert_eq!(size, 6 << 20, "a multiple of a huge page");
+        assert!(!path.exists(), "removed at once");
+        // SAFETY: the mapping just made, of `size` bytes.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, size) };
+        bytes.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+        assert!(bytes.iter().enumerate().all(|(i, &b)| b == i as u8));
+        free_pageable(p, size).unwrap();
+        std::fs::write(&path, b"the user's").unwrap();
+        let Err(PinError::File { error, .. }) = alloc_file(&path, 1 << 20) else {
+            panic!("an existing file is not taken over");
+        };
+        assert_eq!(error.kind(), std::io::ErrorKind::AlreadyExists);
+        assert_eq!(std::fs::read(&path).unwrap(), b"the user's");
+        let Err(PinError::File { .. }) = alloc_file(&dir.join("no/such/dir"), 1 << 20) else {
+            panic!("a missing directory is an error");
+        };
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -156,6 +156,11 @@ pub(super) const SIGNATURES: &[Signature] = &[
     sig("vram_ledger_sleep", "char *", &["int", "int", "int"]),
     sig("vram_ledger_wake", "char *", &["int", "int"]),
     sig("vram_ledger_set_retain_host", "int", &["int", "int"]),
+    sig(
+        "vram_ledger_set_sleep_file",
+        "int",
+        &["int", "const char *"],
+    ),
     sig("vram_ledger_set_zero_discarded", "int", &["int", "int"]),
     sig(
         "vram_ledger_kv_reserve",

@@ -113,6 +113,34 @@ pub extern "C" fn vram_ledger_set_retain_host(device: c_int, retain: c_int) -> c
     })
 }
 
+/// Offload to disk: each offloaded tag goes to a new file `PATH.dev<N>.<tag>` (which must not
+/// exist; created at sleep and removed at once, its blocks reserved first); NULL (the default):
+/// host memory. Takes effect at the next sleep.
+///
+/// # Safety
+/// `path` is NULL or a NUL-terminated string, readable for the length of the call.
+#[no_mangle]
+pub unsafe extern "C" fn vram_ledger_set_sleep_file(device: c_int, path: *const c_char) -> c_int {
+    guard(-1, || {
+        let path = if path.is_null() {
+            None
+        } else {
+            // SAFETY: non-NULL and NUL-terminated, by this function's contract.
+            let p = unsafe { c_str(path, "the sleep file's path") }?;
+            if p.is_empty() {
+                return Err(
+                    "the sleep file's path is empty (NULL turns the disk backend off)".into(),
+                );
+            }
+            Some(std::path::PathBuf::from(p))
+        };
+        for (_, d) in devices_of(device)? {
+            on_device!(d, d => d.allocator().set_sleep_file(path.clone()));
+        }
+        Ok(0)
+    })
+}
+
 /// Fill discarded tags' memory with zeros at wake (non-zero, the default), or leave it as fresh
 /// memory comes (0: stale data of this process).
 #[no_mangle]

@@ -24,7 +24,9 @@ use std::collections::BTreeMap;
 use parking_lot::{Condvar, Mutex};
 
 use super::{SimDevice, SimDriver};
-use crate::driver::{DevicePtr, DriverCall, DriverResult, HostPtr, StreamId};
+use crate::driver::{
+    DevicePtr, DriverCall, DriverError, DriverErrorKind, DriverResult, HostPtr, StreamId,
+};
 
 /// Host buffers start here, far from device addresses.
 const HOST_BASE: u64 = 1 << 52;
@@ -217,6 +219,24 @@ impl SimDriver {
         let p = st.processes.get_mut(&self.pid).expect("process exists");
         p.host.get_mut(&base).expect("found above").last_copy = Some((stream, upto));
         Ok(())
+    }
+
+    /// A sleep file as the CUDA backend makes one: created (it must not exist) and removed at
+    /// once, so that a path's errors are real; its contents stay in the buffer's words.
+    pub(super) fn make_file(&self, path: &std::path::Path) -> DriverResult<()> {
+        let fail = |e: std::io::Error| {
+            DriverError::new(
+                DriverCall::HostAllocPageable,
+                DriverErrorKind::Other(e.raw_os_error().unwrap_or(-1)),
+                format!("sleep file {}: {e}", path.display()),
+            )
+        };
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(fail)?;
+        std::fs::remove_file(path).map_err(fail)
     }
 
     /// Copy `bytes` from host `src` to host `dst`, each inside one buffer, neither used by a

@@ -620,8 +620,15 @@ impl Driver for SimDriver {
         self.alloc_host(bytes, false)
     }
 
-    fn host_alloc_pageable(&self, bytes: u64) -> DriverResult<HostPtr> {
+    fn host_alloc_pageable(
+        &self,
+        bytes: u64,
+        file: Option<&std::path::Path>,
+    ) -> DriverResult<HostPtr> {
         self.count(DriverCall::HostAllocPageable, bytes)?;
+        if let Some(path) = file {
+            self.make_file(path)?;
+        }
         self.alloc_host(bytes, true)
     }
 
