@@ -20,6 +20,9 @@ per case and exits 1 if any case failed.
 - two: the model's process sleeps; a second process allocates most of the memory it gave
   back, fills and checks it, and exits; the first wakes and its outputs are bit-identical.
 - devices (two GPUs): 4 GiB of weights on each; sleep() and wake() act on both devices.
+- disk: 4 GiB of weights offloaded to a sleep file (`set_sleep_file`, in SLEEP_FILE_DIR, default
+  /var/tmp) and back: contents intact, the file removed at once while its space is held, host
+  memory back to 0 after wake, and a name already taken refused.
 
 Marks (a missing NVML reading misses its mark): contents and addresses intact after every
 wake; asleep, usage within 1% of what was held above the process's start; with host memory
@@ -310,9 +313,55 @@ def case_devices(mode):
          sleep_s={d: r["seconds"] for d, r in slept.items()}, wake_s={d: r["seconds"] for d, r in woke.items()})
 
 
+def case_disk(mode):
+    """4 GiB of weights offloaded to a sleep file (SLEEP_FILE_DIR, default /var/tmp) and back."""
+    import os
+
+    import torch
+    import vram_ledger as vl
+
+    vl.install(mode=mode, sleep=True)
+    with vl.tag("weights"):
+        weights = [torch.randint(-2**31, 2**31 - 1, (G // 4,), dtype=torch.int32, device="cuda") for _ in range(4)]
+    torch.cuda.synchronize()
+    sums = checksum(weights)
+    folder = os.environ.get("SLEEP_FILE_DIR", "/var/tmp")
+    base = os.path.join(folder, f"vram-ledger-sleep-{os.getpid()}")
+    name = f"{base}.dev0.weights"
+    free = lambda: (lambda st: st.f_bavail * st.f_frsize)(os.statvfs(folder))
+    before = free()
+    vl.set_sleep_file(base)
+    t0 = time.perf_counter()
+    s = vl.sleep(offload="weights")[0]
+    t_sleep = time.perf_counter() - t0
+    used_asleep, left = before - free(), os.path.exists(name)
+    t1 = time.perf_counter()
+    w = vl.wake()[0]
+    t_wake = time.perf_counter() - t1
+    intact = checksum(weights) == sums
+    with open(name, "w") as f:
+        f.write("taken")
+    try:
+        vl.sleep(offload="weights")
+        refused = None
+    except vl.VramLedgerError as e:
+        refused = str(e)
+    os.remove(name)
+    vl.set_sleep_file(None)
+    m = Marks()
+    m.true("intact", intact and checksum(weights) == sums)
+    m.true("file_removed_at_once", not left)
+    m.at_least("disk_holds_the_weights", used_asleep, s["offloaded_bytes"], 1 << 60)
+    m.at_most("host_back", w["host_bytes_after"], 0, -1)
+    m.true("taken_name_refused", refused is not None and "exists" in refused)
+    emit(case="disk", mode=mode, ok=m.ok, marks=m.met, missed=m.missed(), sleep_s=round(t_sleep, 3), wake_s=round(t_wake, 3),
+         offloaded=s["offloaded_bytes"], disk_used_asleep=used_asleep, copy_s=[s["copy_seconds"], w["copy_seconds"]], refused=refused)
+
+
 def run_case(name, mode):
-    return {"bench": case_bench, "model": case_model, "graphs": case_graphs, "two": lambda m: case_model(m, True), "devices": case_devices}[name](mode)
+    return {"bench": case_bench, "model": case_model, "graphs": case_graphs, "two": lambda m: case_model(m, True), "devices": case_devices,
+            "disk": case_disk}[name](mode)
 
 
 if __name__ == "__main__":
-    cases.main(__file__, run_case, ["bench", "model", "graphs", "two"], MODES, timeout=600)
+    cases.main(__file__, run_case, ["bench", "model", "graphs", "two", "disk"], MODES, timeout=600)
