@@ -324,7 +324,7 @@ int vram_ledger_set_retain_host(int device, int retain);
 
 /* Offload to disk: each offloaded tag goes to a new file `PATH.dev<N>.<tag>` (which must not
  * exist; created at sleep and removed at once, its blocks reserved first); NULL (the default):
- * host memory. Takes effect at the next sleep.
+ * host memory. Takes effect at the next sleep of a tag whose host memory is not retained.
  *
  * Safety:
  * `path` is NULL or a NUL-terminated string, readable for the length of the call.

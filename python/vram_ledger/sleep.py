@@ -56,7 +56,8 @@ def set_sleep_file(path: Optional[Union[str, "os.PathLike[str]"]] = None, device
     """Offload to disk from the next sleep on: each offloaded tag goes to a new file
     `PATH.dev<N>.<tag>` (which must not exist; its directory must), created at sleep and removed
     at once, its blocks reserved first. The host's page cache holds it and writes it back, and
-    gives the memory up when the host needs it. `None` (the default) offloads to host memory."""
+    gives the memory up when the host needs it. `None` (the default) offloads to host memory. A
+    tag whose host memory is retained keeps that memory's kind until a wake frees it."""
     if path is None:
         raw = None
     else:

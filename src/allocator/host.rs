@@ -3,10 +3,12 @@
 //! driver: the allocator's sleep and wake (`sleep.rs`) decide what is copied where.
 //!
 //! Invariants:
-//! - A tag's host memory is pageable (one buffer, reached through the staging ring, freed once
-//!   the tag is awake) unless host memory is retained: then it is pinned in chunks and reused
-//!   while the tag sleeps again. Memory that cannot be freed is kept (and freed by a later
-//!   wake), never forgotten; an arena holds one kind only.
+//! - A tag's host memory is pageable (anonymous, or a sleep file's pages; reached through the
+//!   staging ring) or, when host memory is retained from the start and no sleep file is set,
+//!   page-locked chunks. An arena holds one kind only and keeps it while it holds anything: a
+//!   retained arena is reused, growing by another buffer of its kind, until a wake frees it
+//!   (host memory no longer retained). Memory that cannot be freed is kept (and freed by a
+//!   later wake), never forgotten.
 //! - No host memory is freed, and neither the copy stream nor the ring is destroyed, while a
 //!   copy queued on them may still run: their streams are synchronised first, and if that
 //!   fails all of them are kept.
@@ -148,7 +150,7 @@ impl HostArena {
         let results = crate::threads::on_threads(&chunks, |&(p, _)| d.host_free(p));
         for (c, r) in chunks.into_iter().zip(results) {
             if let Err(e) = r {
-                tracing::warn!(error = %e, "could not free page-locked host memory; kept for later");
+                tracing::warn!(error = %e, "could not free a tag's host memory; kept for later");
                 self.chunks.push(c);
             }
         }
@@ -245,8 +247,14 @@ impl SleepState {
             + staging::SLOT * self.stale_slots.len() as u64
     }
 
-    /// The staging ring, made if there is none.
+    /// The staging ring, made if there is none. A ring kept because its streams could not be
+    /// waited for is waited for first: a copy it queued then may still use a slot.
     pub(crate) fn ring<D: Driver>(&mut self, d: &D) -> DriverResult<&Ring> {
+        if let Some(r) = &self.ring {
+            for &s in r.streams() {
+                d.sync_stream(s)?;
+            }
+        }
         if self.ring.is_none() {
             self.ring = Some(Ring::new(d, staging::workers(), &mut self.stale_slots)?);
         }

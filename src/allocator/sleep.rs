@@ -6,10 +6,11 @@
 //! Sleep synchronises the device, gives back every shard's cache (all tags), copies the
 //! offloaded tags' mappings to host memory, then releases and unmaps the sleeping tags'
 //! memory. Wake maps fresh memory at the same addresses and copies the contents back. The host
-//! memory is pageable, reached through a small page-locked ring on several threads
-//! (`staging.rs`), and freed at wake; when it is retained it is page-locked instead, copied on
-//! a stream of its own (each copy queued as soon as the memory it goes to is pinned) and kept
-//! for the next sleep. When the allocator is dropped, the copy streams are synchronised before
+//! memory is pageable (anonymous, or a sleep file's pages), reached through a small
+//! page-locked ring on several threads (`staging.rs`), and freed at wake; when it is retained
+//! from the start and no sleep file is set, it is page-locked instead, copied on a stream of
+//! its own (each copy queued as soon as the memory it goes to is pinned). Retained memory of
+//! either kind is kept for the next sleep. When the allocator is dropped, the copy streams are synchronised before
 //! anything is freed, then destroyed with the host memory.
 //!
 //! Invariants:
@@ -122,9 +123,11 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// Keep the host memory of offloaded tags after they wake, for the next sleep (default:
-    /// freed at wake). Memory retained from the start of a tag's sleep is page-locked: later
-    /// sleeps and wakes copy at the copy engine's full speed and pin nothing. Without it, a
-    /// sleep copies through a small page-locked ring into pageable memory, freed at wake.
+    /// freed at wake). Memory retained from the start of a tag's sleep, with no sleep file set,
+    /// is page-locked: later sleeps and wakes copy at the copy engine's full speed and pin
+    /// nothing. Without it, a sleep copies through a small page-locked ring into pageable
+    /// memory, freed at wake. Memory kept keeps its kind (page-locked, pageable or a file's)
+    /// until a wake frees it.
     pub fn set_retain_host(&self, retain: bool) {
         self.sleep.lock().retain_host = retain;
     }
@@ -132,7 +135,8 @@ impl<D: Driver> Allocator<D> {
     /// Offload to disk: each offloaded tag's contents go to a new file `PATH.dev<N>.<tag>`
     /// (through the page cache, which the host writes back and drops when it needs the memory),
     /// created at sleep and removed at once, its blocks reserved first; `None` (the default):
-    /// host memory. The file must not exist; its directory must.
+    /// host memory. The file must not exist; its directory must. A tag whose host memory is
+    /// retained keeps that memory's kind until a wake frees it.
     pub fn set_sleep_file(&self, path: Option<std::path::PathBuf>) {
         self.sleep.lock().file = path;
     }
@@ -322,7 +326,7 @@ impl<D: Driver> Allocator<D> {
         if !staged.is_empty() {
             let ran = match st.ring(d) {
                 Ok(ring) => {
-                    report.copy_workers = ring.workers();
+                    report.copy_workers = ring.workers().min(staged.len());
                     staging::run(d, ring, &staged, Direction::ToHost)
                 }
                 Err(e) => Err((e, true)),
@@ -532,11 +536,20 @@ impl<D: Driver> Allocator<D> {
                 });
             let pieces = staging::pieces(copies);
             restored = pieces.iter().map(|p| p.bytes).sum();
-            let ran = match st.ring(d) {
-                Ok(ring) => staging::run(d, ring, &pieces, Direction::ToDevice),
-                Err(e) => Err((e, true)),
+            let ran = match pieces.is_empty() {
+                true => Ok(()),
+                false => match st.ring(d) {
+                    Ok(ring) => staging::run(d, ring, &pieces, Direction::ToDevice),
+                    Err(e) => Err((e, true)),
+                },
             };
-            if let Err((e, _)) = ran {
+            if let Err((e, settled)) = ran {
+                // The caller gives back what this wake mapped: a copy into it must be done.
+                if !settled {
+                    if let Err(e2) = d.sync_device() {
+                        tracing::warn!(error = %e2, "could not wait for the staging copies of a failed wake");
+                    }
+                }
                 return Err(Self::abandon(d, stream, e));
             }
         } else {

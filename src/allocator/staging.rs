@@ -92,6 +92,10 @@ impl Ring {
         self.streams.len()
     }
 
+    pub(crate) fn streams(&self) -> &[StreamId] {
+        &self.streams
+    }
+
     /// Page-locked bytes the ring holds.
     pub(crate) fn bytes(&self) -> u64 {
         SLOT * self.slots.len() as u64

@@ -17,7 +17,8 @@ use super::{DriverCall, DriverError, DriverErrorKind, DriverResult, HostPtr};
 #[derive(Default)]
 pub(super) struct HostBuffers {
     pinned: Mutex<BTreeMap<u64, usize>>,
-    pageable: Mutex<BTreeMap<u64, usize>>,
+    /// Pageable buffers: size, and whether a file's pages.
+    pageable: Mutex<BTreeMap<u64, (usize, bool)>>,
 }
 
 impl HostBuffers {
@@ -35,7 +36,9 @@ impl HostBuffers {
             Some(path) => pinned::alloc_file(path, bytes),
         };
         let (p, size) = made.map_err(|e| pin_error(DriverCall::HostAllocPageable, e))?;
-        self.pageable.lock().insert(p as u64, size);
+        self.pageable
+            .lock()
+            .insert(p as u64, (size, file.is_some()));
         Ok(HostPtr(p as u64))
     }
 
@@ -48,10 +51,10 @@ impl HostBuffers {
     ) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::HostFree;
         let p = ptr.0 as *mut c_void;
-        if let Some(size) = self.pageable.lock().remove(&ptr.0) {
-            return pinned::free_pageable(p, size).map_err(|e| {
+        if let Some((size, file)) = self.pageable.lock().remove(&ptr.0) {
+            return pinned::free_pageable(p, size, file).map_err(|e| {
                 // Still mapped: kept, to be freed again.
-                self.pageable.lock().insert(ptr.0, size);
+                self.pageable.lock().insert(ptr.0, (size, file));
                 pin_error(CALL, e)
             });
         }
@@ -76,13 +79,20 @@ impl HostBuffers {
 
     /// Copy between two host buffers of this driver on the calling thread.
     pub(super) fn copy(&self, dst: HostPtr, src: HostPtr, bytes: u64) -> DriverResult<()> {
+        let within = |p: HostPtr, b: u64, n: usize| {
+            p.0 >= b && p.0.checked_add(bytes).is_some_and(|e| e <= b + n as u64)
+        };
         let inside = |p: HostPtr| {
-            let within = |t: &BTreeMap<u64, usize>| {
-                t.range(..=p.0).next_back().is_some_and(|(&b, &n)| {
-                    p.0.checked_add(bytes).is_some_and(|e| e <= b + n as u64)
-                })
-            };
-            within(&self.pinned.lock()) || within(&self.pageable.lock())
+            let pinned = self.pinned.lock();
+            let pageable = self.pageable.lock();
+            pinned
+                .range(..=p.0)
+                .next_back()
+                .is_some_and(|(&b, &n)| within(p, b, n))
+                || pageable
+                    .range(..=p.0)
+                    .next_back()
+                    .is_some_and(|(&b, &(n, _))| within(p, b, n))
         };
         if !inside(dst) || !inside(src) {
             return Err(DriverError::new(
@@ -94,11 +104,9 @@ impl HostBuffers {
                 ),
             ));
         }
-        // SAFETY: both ranges lie inside live host buffers of this driver (checked above), no
-        // device copy uses them (the caller's contract), and two buffers never overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.0 as *const u8, dst.0 as *mut u8, bytes as usize)
-        };
+        // SAFETY: both ranges lie inside live host buffers of this driver (checked above) and
+        // no device copy uses them (the caller's contract); they may overlap (a memmove).
+        unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes as usize) };
         Ok(())
     }
 }

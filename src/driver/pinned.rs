@@ -37,10 +37,20 @@ pub(super) fn alloc(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
 /// its pages are faulted in later, by the copies into it, when a shortfall could no longer be
 /// reported.
 pub(super) fn alloc_pageable(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
-    check_room(0, bytes, false)?;
+    // Buffers handed out count against the room until freed: the host's figure shows only
+    // what has been written into them so far (counted twice once written, on the safe side).
     let size = (bytes as usize).div_ceil(HUGE) * HUGE;
-    Ok((map_huge(size)?, size))
+    let pinning = PINNING.load(Ordering::Relaxed);
+    let out = PAGEABLE.fetch_add(size as u64, Ordering::Relaxed);
+    let made = check_room(pinning.saturating_add(out), bytes, false).and_then(|()| map_huge(size));
+    if made.is_err() {
+        PAGEABLE.fetch_sub(size as u64, Ordering::Relaxed);
+    }
+    Ok((made?, size))
 }
+
+/// Bytes of anonymous pageable buffers handed out and not yet freed.
+static PAGEABLE: AtomicU64 = AtomicU64::new(0);
 
 /// A buffer of at least `bytes` whose pages are those of a new file at `path`, which must not
 /// exist. The file is removed at once (its space stays in use until the buffer is unmapped,
@@ -85,12 +95,15 @@ pub(super) fn alloc_file(
     Ok((p, size))
 }
 
-/// Unmap a buffer from [`alloc_pageable`] or [`alloc_file`].
-pub(super) fn free_pageable(p: *mut c_void, size: usize) -> Result<(), PinError> {
-    // SAFETY: the mapping of `size` bytes made by `alloc_pageable`, used by no one any more
-    // (the caller's contract).
+/// Unmap a buffer from [`alloc_pageable`] (`file` false) or [`alloc_file`].
+pub(super) fn free_pageable(p: *mut c_void, size: usize, file: bool) -> Result<(), PinError> {
+    // SAFETY: the mapping of `size` bytes made by `alloc_pageable` or `alloc_file`, used by no
+    // one any more (the caller's contract).
     if unsafe { libc::munmap(p, size) } != 0 {
         return Err(PinError::Os(std::io::Error::last_os_error()));
+    }
+    if !file {
+        PAGEABLE.fetch_sub(size as u64, Ordering::Relaxed);
     }
     Ok(())
 }
@@ -222,7 +235,7 @@ mod tests {
         let bytes = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, size) };
         bytes.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
         assert!(bytes.iter().enumerate().all(|(i, &b)| b == i as u8));
-        free_pageable(p, size).unwrap();
+        free_pageable(p, size, true).unwrap();
         std::fs::write(&path, b"the user's").unwrap();
         let Err(PinError::File { error, .. }) = alloc_file(&path, 1 << 20) else {
             panic!("an existing file is not taken over");
