@@ -34,6 +34,20 @@ fn engine(a: &Allocator<SimDriver>) -> Engine {
     Engine { weights, act }
 }
 
+/// 2 GiB of weights in 16 pieces of a little under 128 MiB, stamped `salt` on.
+fn two_gib_of_weights(a: &Allocator<SimDriver>, salt: u64) -> Vec<Allocation> {
+    let w: Vec<Allocation> = (0..16)
+        .map(|i| {
+            a.allocate_tagged(128 * MIB - i * 4096, S, Tag::Weights)
+                .unwrap()
+        })
+        .collect();
+    for (i, x) in w.iter().enumerate() {
+        stamp(a, x, salt + i as u64);
+    }
+    w
+}
+
 impl Engine {
     fn weights_intact(&self, a: &Allocator<SimDriver>) -> bool {
         self.weights
@@ -51,15 +65,7 @@ fn sleep_of_a_tag_of_many_host_chunks_pins_and_copies_them_all() {
     for fail in [None, Some(5)] {
         let a = allocator(SegmentMode::Remap, 80 * GIB);
         a.set_retain_host(true);
-        let w: Vec<Allocation> = (0..16)
-            .map(|i| {
-                a.allocate_tagged(128 * MIB - i * 4096, S, Tag::Weights)
-                    .unwrap()
-            })
-            .collect();
-        for (i, x) in w.iter().enumerate() {
-            stamp(&a, x, 0x5000 + i as u64);
-        }
+        let w = two_gib_of_weights(&a, 0x5000);
         if let Some(nth) = fail {
             a.driver().fail_nth(DriverCall::HostAlloc, nth);
             assert!(a.sleep(&[Tag::Weights], &[]).is_err());
@@ -108,15 +114,7 @@ fn sleep_of_a_tag_of_many_pieces_goes_through_the_staging_ring() {
         (Some(DriverCall::RecordEvent), 10, true),
     ] {
         let a = allocator(SegmentMode::Remap, 80 * GIB);
-        let w: Vec<Allocation> = (0..16)
-            .map(|i| {
-                a.allocate_tagged(128 * MIB - i * 4096, S, Tag::Weights)
-                    .unwrap()
-            })
-            .collect();
-        for (i, x) in w.iter().enumerate() {
-            stamp(&a, x, 0x6000 + i as u64);
-        }
+        let w = two_gib_of_weights(&a, 0x6000);
         let what = format!("{call:?} #{nth} wake={during_wake}");
         if during_wake {
             a.sleep(&[Tag::Weights], &[]).unwrap();
