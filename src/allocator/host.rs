@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::mpsc;
 
+pub(crate) use super::staging::Direction;
 use super::staging::{self, Ring};
 use crate::driver::{DevicePtr, Driver, DriverResult, HostPtr, StreamId};
 use crate::tag::Tag;
@@ -176,12 +177,6 @@ impl HostArena {
         assert_eq!(len, 0, "the arena was sized for every offloaded byte");
         out
     }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Direction {
-    ToHost,
-    ToDevice,
 }
 
 /// Queue the copies between the `bytes` at device address `va` and the arena from `off`, piece

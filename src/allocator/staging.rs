@@ -19,9 +19,15 @@
 
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
-use super::host::Direction;
 use crate::driver::{DevicePtr, Driver, DriverError, DriverResult, EventId, HostPtr, StreamId};
 use crate::units::MIB;
+
+/// Which way a copy goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Direction {
+    ToHost,
+    ToDevice,
+}
 
 /// Bytes of one slot.
 pub(crate) const SLOT: u64 = 2 * MIB;

@@ -113,7 +113,7 @@ impl HostBuffers {
 
 fn pin_error(call: DriverCall, e: PinError) -> DriverError {
     match e {
-        PinError::Driver(r) => super::cuda::error(call, r, super::cuda::describe(r)),
+        PinError::Driver(r) => super::cuda_result::error(call, r, super::cuda_result::describe(r)),
         PinError::Os(e) => {
             let kind = if e.raw_os_error() == Some(libc::ENOMEM) {
                 DriverErrorKind::OutOfMemory

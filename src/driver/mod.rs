@@ -16,6 +16,7 @@
 pub mod cost;
 pub mod counting;
 pub mod cuda;
+mod cuda_result;
 pub mod external;
 mod host_buffers;
 mod host_room;
