@@ -224,6 +224,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn pageable_buffers_count_against_the_room_until_freed() {
+        // Two buffers of 60% of what the host can spare: each fits alone, not both (nothing is
+        // written into the first, so the host's own figure does not show it).
+        let Some(room) = super::super::host_room::pinnable_now() else {
+            eprintln!("skipped: this host says nothing of its memory");
+            return;
+        };
+        let bytes = (room / 10 * 6).max(HUGE as u64);
+        let (p, size) = alloc_pageable(bytes).unwrap();
+        let Err(PinError::Exhausted { pinned: false, .. }) = alloc_pageable(bytes) else {
+            panic!("a second buffer of {bytes} bytes was handed out beside the first");
+        };
+        free_pageable(p, size, false).unwrap();
+        let (p, size) = alloc_pageable(bytes).unwrap();
+        free_pageable(p, size, false).unwrap();
+    }
+
+    #[test]
     fn a_file_buffer_holds_what_is_written_is_removed_at_once_and_refuses_an_existing_name() {
         let dir = std::env::temp_dir().join(format!("vram-ledger-pinned-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
