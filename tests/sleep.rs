@@ -9,7 +9,7 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::{check, readable, sim, sim_with, stamp, stamped, tags_apart as allocator, VIRTUAL};
+use common::{check, engine, readable, sim, sim_with, stamped, tags_apart as allocator, VIRTUAL};
 use vram_ledger::driver::sim::SimDriver;
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::{GIB, MIB};
@@ -17,47 +17,6 @@ use vram_ledger::{Allocation, Allocator, Config, Error, SegmentMode, Tag};
 
 const S: StreamId = StreamId(0x10);
 const OTHER: StreamId = StreamId(0x20);
-
-/// An engine's memory: weights of several sizes (small and large pool), a KV cache, an
-/// activation kept alive, on two streams.
-struct Engine {
-    weights: Vec<Allocation>,
-    kv: Vec<Allocation>,
-    act: Allocation,
-}
-
-fn engine(a: &Allocator<SimDriver>) -> Engine {
-    let w = |n, s| a.allocate_tagged(n, s, Tag::Weights).unwrap();
-    let weights = vec![
-        w(4096, S),
-        w(700 << 10, S),
-        w(30 * MIB, S),
-        w(130 * MIB + 512, S),
-        w(3 * MIB, OTHER),
-    ];
-    let kv = vec![
-        a.allocate_tagged(200 * MIB, S, Tag::KvCache).unwrap(),
-        a.allocate_tagged(64 * MIB, OTHER, Tag::KvCache).unwrap(),
-    ];
-    let act = a.allocate_tagged(5 * MIB, S, Tag::Activation).unwrap();
-    // Freed activations leave cache behind, which sleep gives back too.
-    let tmp = a.allocate_tagged(50 * MIB, S, Tag::Activation).unwrap();
-    a.free(tmp.ptr).unwrap();
-    for (i, x) in weights.iter().chain(&kv).chain([&act]).enumerate() {
-        stamp(a, x, 0x1000 + i as u64);
-    }
-    Engine { weights, kv, act }
-}
-
-impl Engine {
-    /// Whether every weight holds what [`engine`] stamped into it.
-    fn weights_intact(&self, a: &Allocator<SimDriver>) -> bool {
-        self.weights
-            .iter()
-            .enumerate()
-            .all(|(i, x)| stamped(a, x, 0x1000 + i as u64))
-    }
-}
 
 #[test]
 fn sleep_offloads_and_wake_restores_at_the_same_addresses() {

@@ -19,7 +19,7 @@ use std::sync::mpsc;
 
 pub(crate) use super::staging::Direction;
 use super::staging::{self, Ring};
-use crate::driver::{DevicePtr, Driver, DriverResult, HostPtr, StreamId};
+use crate::driver::{DevicePtr, Driver, DriverError, DriverResult, HostPtr, StreamId};
 use crate::tag::Tag;
 use crate::units::MIB;
 
@@ -158,8 +158,14 @@ impl HostArena {
         self.pageable &= !self.chunks.is_empty();
     }
 
-    /// The host pieces of `[off, off + len)` of the arena.
-    pub(crate) fn pieces(&self, mut off: u64, mut len: u64) -> Vec<(HostPtr, u64)> {
+    /// The `len` device bytes at `va` against `[off, off + len)` of the arena, chunk by
+    /// chunk: (device address, host address, bytes).
+    pub(crate) fn spans(
+        &self,
+        mut va: DevicePtr,
+        mut off: u64,
+        mut len: u64,
+    ) -> Vec<(DevicePtr, HostPtr, u64)> {
         let mut out = Vec::new();
         for &(p, size) in &self.chunks {
             if len == 0 {
@@ -170,7 +176,8 @@ impl HostArena {
                 continue;
             }
             let n = (size - off).min(len);
-            out.push((HostPtr(p.0 + off), n));
+            out.push((va, HostPtr(p.0 + off), n));
+            va += n;
             off = 0;
             len -= n;
         }
@@ -190,13 +197,11 @@ pub(crate) fn queue_copies<D: Driver>(
     stream: StreamId,
     dir: Direction,
 ) -> DriverResult<()> {
-    let mut dev = va;
-    for (h, n) in arena.pieces(off, bytes) {
+    for (dev, h, n) in arena.spans(va, off, bytes) {
         match dir {
             Direction::ToHost => d.copy_to_host(h, dev, n, stream)?,
             Direction::ToDevice => d.copy_to_device(dev, h, n, stream)?,
         }
-        dev += n;
     }
     Ok(())
 }
@@ -254,6 +259,22 @@ impl SleepState {
             self.ring = Some(Ring::new(d, staging::workers(), &mut self.stale_slots)?);
         }
         Ok(self.ring.as_ref().expect("made above"))
+    }
+
+    /// Move `pieces` through the staging ring in `dir` (no ring is made for none); returns the
+    /// workers that moved them, or the error and whether every copy was waited for.
+    pub(crate) fn stage<D: Driver>(
+        &mut self,
+        d: &D,
+        pieces: &[staging::Piece],
+        dir: Direction,
+    ) -> Result<usize, (DriverError, bool)> {
+        if pieces.is_empty() {
+            return Ok(0);
+        }
+        let ring = self.ring(d).map_err(|e| (e, true))?;
+        staging::run(d, ring, pieces, dir)?;
+        Ok(ring.workers().min(pieces.len()))
     }
 
     /// Free the staging ring once nothing queued on it can still run (else it is kept, for a

@@ -10,8 +10,8 @@
 //! page-locked ring on several threads (`staging.rs`), and freed at wake; when it is retained
 //! from the start and no sleep file is set, it is page-locked instead, copied on a stream of
 //! its own (each copy queued as soon as the memory it goes to is pinned). Retained memory of
-//! either kind is kept for the next sleep. When the allocator is dropped, the copy streams are synchronised before
-//! anything is freed, then destroyed with the host memory.
+//! either kind is kept for the next sleep. When the allocator is dropped, the copy streams are
+//! synchronised before anything is freed, then destroyed with the host memory.
 //!
 //! Invariants:
 //! - A tag is wholly asleep or wholly awake, in every shard at once: sleep and wake take every
@@ -287,13 +287,7 @@ impl<D: Driver> Allocator<D> {
                 if let Err(e) = arena.grow_pageable(d, need, file.as_deref()) {
                     return Err((e.into(), d.sync_stream(stream).is_ok()));
                 }
-                let copies = todo.flat_map(|(m, &off)| {
-                    let mut dev = m.va;
-                    arena.pieces(off, m.bytes).into_iter().map(move |(h, n)| {
-                        dev += n;
-                        (dev - n, h, n)
-                    })
-                });
+                let copies = todo.flat_map(|(m, &off)| arena.spans(m.va, off, m.bytes));
                 staged.extend(staging::pieces(copies));
                 report.offloaded_bytes += need;
                 hosts.push(per_shard);
@@ -323,17 +317,9 @@ impl<D: Driver> Allocator<D> {
             report.offloaded_bytes += need;
             hosts.push(per_shard);
         }
-        if !staged.is_empty() {
-            let ran = match st.ring(d) {
-                Ok(ring) => {
-                    report.copy_workers = ring.workers().min(staged.len());
-                    staging::run(d, ring, &staged, Direction::ToHost)
-                }
-                Err(e) => Err((e, true)),
-            };
-            if let Err((e, settled)) = ran {
-                return Err((e.into(), settled && d.sync_stream(stream).is_ok()));
-            }
+        match st.stage(d, &staged, Direction::ToHost) {
+            Ok(workers) => report.copy_workers = workers,
+            Err((e, settled)) => return Err((e.into(), settled && d.sync_stream(stream).is_ok())),
         }
         d.sync_stream(stream).map_err(|e| (e.into(), false))?;
         Ok(hosts)
@@ -527,23 +513,10 @@ impl<D: Driver> Allocator<D> {
             let copies = work
                 .iter()
                 .flat_map(|w| &w.offloaded)
-                .flat_map(|&(va, bytes, off)| {
-                    let mut dev = va;
-                    arena.pieces(off, bytes).into_iter().map(move |(h, n)| {
-                        dev += n;
-                        (dev - n, h, n)
-                    })
-                });
+                .flat_map(|&(va, bytes, off)| arena.spans(va, off, bytes));
             let pieces = staging::pieces(copies);
             restored = pieces.iter().map(|p| p.bytes).sum();
-            let ran = match pieces.is_empty() {
-                true => Ok(()),
-                false => match st.ring(d) {
-                    Ok(ring) => staging::run(d, ring, &pieces, Direction::ToDevice),
-                    Err(e) => Err((e, true)),
-                },
-            };
-            if let Err((e, settled)) = ran {
+            if let Err((e, settled)) = st.stage(d, &pieces, Direction::ToDevice) {
                 // The caller gives back what this wake mapped: a copy into it must be done.
                 if !settled {
                     if let Err(e2) = d.sync_device() {

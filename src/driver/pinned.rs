@@ -39,7 +39,7 @@ pub(super) fn alloc(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
 pub(super) fn alloc_pageable(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
     // Buffers handed out count against the room until freed: the host's figure shows only
     // what has been written into them so far (counted twice once written, on the safe side).
-    let size = (bytes as usize).div_ceil(HUGE) * HUGE;
+    let size = huge_multiple(bytes);
     let pinning = PINNING.load(Ordering::Relaxed);
     let out = PAGEABLE.fetch_add(size as u64, Ordering::Relaxed);
     let made = check_room(pinning.saturating_add(out), bytes, false).and_then(|()| map_huge(size));
@@ -61,7 +61,7 @@ pub(super) fn alloc_file(
     bytes: u64,
 ) -> Result<(*mut c_void, usize), PinError> {
     use std::os::fd::AsRawFd;
-    let size = (bytes as usize).div_ceil(HUGE) * HUGE;
+    let size = huge_multiple(bytes);
     let file_error = |error| PinError::File {
         path: path.to_path_buf(),
         error,
@@ -108,6 +108,11 @@ pub(super) fn free_pageable(p: *mut c_void, size: usize, file: bool) -> Result<(
     Ok(())
 }
 
+/// `bytes` rounded up to whole huge pages: the size of every buffer made here.
+fn huge_multiple(bytes: u64) -> usize {
+    (bytes as usize).div_ceil(HUGE) * HUGE
+}
+
 /// Bytes of buffers being made now, by every thread.
 static PINNING: AtomicU64 = AtomicU64::new(0);
 
@@ -123,7 +128,7 @@ fn check_room(others: u64, bytes: u64, pinned: bool) -> Result<(), PinError> {
 }
 
 fn alloc_unchecked(bytes: u64) -> Result<(*mut c_void, usize), PinError> {
-    let size = (bytes as usize).div_ceil(HUGE) * HUGE;
+    let size = huge_multiple(bytes);
     let start = map_huge(size)? as usize;
     // Fault the pages in on several threads: the kernel zero-fills them in parallel.
     let per = size.div_ceil(THREADS).next_multiple_of(HUGE);

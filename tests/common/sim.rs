@@ -1,7 +1,7 @@
 //! Shared set-up of the tests on the simulated device (nothing here needs a GPU or cudarc, so a
 //! test binary that includes only this file compiles fast): allocators on a fresh simulated
 //! device, the invariant check, the shipped traces, PyTorch's segment sizes as the tests state
-//! them, a small deterministic generator, and [`per_mode!`], which runs a case in every segment
+//! them, a small deterministic generator, the sleep tests' engine, and [`per_mode!`], which runs a case in every segment
 //! mode as one test per mode.
 //!
 //! Included as `#[macro_use] #[path = "common/sim.rs"] mod common;` by the simulated tests, and
@@ -184,4 +184,48 @@ pub fn stamped(a: &Allocator<SimDriver>, x: &Allocation, seed: u64) -> bool {
 /// Whether memory is mapped behind the allocation's start.
 pub fn readable(a: &Allocator<SimDriver>, x: &Allocation) -> bool {
     a.driver().read_word(x.ptr).is_ok()
+}
+
+/// A sleeping engine's memory (the sleep tests'): weights of several sizes (small and large
+/// pool), a KV cache, an activation kept alive, on streams 0x10 and 0x20, each stamped from
+/// 0x1000 in that order (the activation 0x1007); freed activations leave cache behind.
+pub struct Engine {
+    pub weights: Vec<Allocation>,
+    pub kv: Vec<Allocation>,
+    pub act: Allocation,
+}
+
+pub fn engine(a: &Allocator<SimDriver>) -> Engine {
+    use vram_ledger::driver::StreamId;
+    use vram_ledger::Tag;
+    let (s, other) = (StreamId(0x10), StreamId(0x20));
+    let w = |n, s| a.allocate_tagged(n, s, Tag::Weights).unwrap();
+    let weights = vec![
+        w(4096, s),
+        w(700 << 10, s),
+        w(30 * MIB, s),
+        w(130 * MIB + 512, s),
+        w(3 * MIB, other),
+    ];
+    let kv = vec![
+        a.allocate_tagged(200 * MIB, s, Tag::KvCache).unwrap(),
+        a.allocate_tagged(64 * MIB, other, Tag::KvCache).unwrap(),
+    ];
+    let act = a.allocate_tagged(5 * MIB, s, Tag::Activation).unwrap();
+    let tmp = a.allocate_tagged(50 * MIB, s, Tag::Activation).unwrap();
+    a.free(tmp.ptr).unwrap();
+    for (i, x) in weights.iter().chain(&kv).chain([&act]).enumerate() {
+        stamp(a, x, 0x1000 + i as u64);
+    }
+    Engine { weights, kv, act }
+}
+
+impl Engine {
+    /// Whether every weight holds what [`engine`] stamped into it.
+    pub fn weights_intact(&self, a: &Allocator<SimDriver>) -> bool {
+        self.weights
+            .iter()
+            .enumerate()
+            .all(|(i, x)| stamped(a, x, 0x1000 + i as u64))
+    }
 }
