@@ -15,6 +15,10 @@
 //            back at wake: memfd (tmpfs, where a page is allocated and written in one pass,
 //            with no zero-fill first) or a file in a directory named by FILE_DIR (O_DIRECT:
 //            the disk's own speed); the files are truncated and closed at the end of wake
+//   uffd     the ring into 4 KiB pages that userfaultfd allocates and fills in one pass
+//            (UFFDIO_COPY), with no zero-fill; wake as stage, then the memory freed on T threads
+//   vmm      no copies: N GiB of device memory in pieces of S MiB created and mapped, then
+//            unmapped and released, on 1 and on T threads (what wake and sleep do beside them)
 //   fault    only faulting in N GiB on T threads (the floor of any route that takes fresh host
 //            memory)
 //
@@ -22,11 +26,15 @@
 // the machine has never handed to this process.
 //
 // Build: nvcc -O2 -std=c++17 -o host_staging_bench scripts/host_staging_bench.cu -lcuda
-// Run:   host_staging_bench [GiB] [threads] [slot MiB] [rounds] [pinpipe|file|stage]
+// Run:   host_staging_bench [GiB] [threads] [slot MiB] [rounds] [pinpipe|file|stage|uffd|fault|vmm]
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <errno.h>
 #include <fcntl.h>
+#include <linux/userfaultfd.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -156,8 +164,10 @@ static Ring make_ring(int workers, size_t slot) {
 }
 
 // Worker w moves chunks w, w + W, w + 2W, ...; its two slots alternate so that one chunk's DMA
-// runs while the other's host copy does.
-static void stage_out(Ring& r, const char* dev, char* host, size_t n) {
+// runs while the other's host copy does (`put`, memcpy unless told).
+static void host_memcpy(char* dst, const char* src, size_t len) { memcpy(dst, src, len); }
+template <class Put = decltype(host_memcpy)>
+static void stage_out(Ring& r, const char* dev, char* host, size_t n, Put put = host_memcpy) {
   size_t chunks = (n + r.slot - 1) / r.slot;
   on_threads(r.workers, [&](int w) {
     std::vector<size_t> mine;
@@ -174,7 +184,7 @@ static void stage_out(Ring& r, const char* dev, char* host, size_t n) {
       int s = 2 * w + (i & 1);
       CK(cudaEventSynchronize(r.events[s]));
       size_t off = mine[i] * r.slot, len = std::min(r.slot, n - off);
-      memcpy(host + off, r.slots[s], len);
+      put(host + off, r.slots[s], len);
     }
   });
 }
@@ -195,7 +205,20 @@ static void stage_in(Ring& r, char* dev, const char* host, size_t n) {
   });
 }
 
-static void route_stage(Dev& dv, Ring& r, int round) {
+// Give `n` bytes at `h` back to the host: MADV_DONTNEED on `threads` threads (which frees
+// pages under the mapping's read lock, so in parallel), then one munmap of what is left.
+static void free_host(char* h, size_t n, int threads) {
+  if (threads > 1) {
+    size_t per = (n / threads + HUGE - 1) / HUGE * HUGE;
+    on_threads(threads, [&](int k) {
+      size_t lo = k * per, hi = std::min(n, lo + per);
+      if (lo < hi) madvise(h + lo, hi - lo, MADV_DONTNEED);
+    });
+  }
+  munmap(h, n);
+}
+
+static void route_stage(Dev& dv, Ring& r, int round, int free_threads = 1) {
   size_t n = dv.bytes;
   double t0 = now();
   char* h = map_huge(n);
@@ -205,10 +228,61 @@ static void route_stage(Dev& dv, Ring& r, int round) {
   double w0 = now();
   stage_in(r, (char*)dv.d, h, n);
   double w1 = now();
-  munmap(h, n);
+  free_host(h, n, free_threads);
   double w2 = now();
-  printf("stage round %d (%d workers, %zu MiB slots): sleep %.3f s | wake %.3f s (copy %.3f, unmap %.3f) | bad %llu\n",
-         round, r.workers, r.slot >> 20, t1 - t0, w2 - w0, w1 - w0, w2 - w1, verify(dv, 7));
+  printf("stage round %d (%d workers, %zu MiB slots): sleep %.3f s | wake %.3f s (copy %.3f, unmap %.3f on %d threads) | bad %llu\n",
+         round, r.workers, r.slot >> 20, t1 - t0, w2 - w0, w1 - w0, w2 - w1, free_threads, verify(dv, 7));
+}
+
+#ifndef UFFD_USER_MODE_ONLY
+#define UFFD_USER_MODE_ONLY 1
+#endif
+
+// The ring into 4 KiB pages that userfaultfd fills (UFFDIO_COPY): each page is allocated and
+// written in one pass, never zero-filled first, where a fault on fresh memory zero-fills it
+// and the copy then writes it again.
+static void route_uffd(Dev& dv, Ring& r, int round, int free_threads) {
+  size_t n = dv.bytes;
+  double t0 = now();
+  char* h = (char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (h == (char*)MAP_FAILED) { perror("mmap"); exit(2); }
+  madvise(h, n, MADV_NOHUGEPAGE);
+  int fd = (int)syscall(SYS_userfaultfd, O_CLOEXEC | UFFD_USER_MODE_ONLY);
+  if (fd < 0) fd = (int)syscall(SYS_userfaultfd, O_CLOEXEC);
+  if (fd < 0) { perror("userfaultfd"); exit(2); }
+  uffdio_api api{};
+  api.api = UFFD_API;
+  if (ioctl(fd, UFFDIO_API, &api)) { perror("UFFDIO_API"); exit(2); }
+  uffdio_register reg{};
+  reg.range.start = (unsigned long)h;
+  reg.range.len = n;
+  reg.mode = UFFDIO_REGISTER_MODE_MISSING;
+  if (ioctl(fd, UFFDIO_REGISTER, &reg)) { perror("UFFDIO_REGISTER"); exit(2); }
+  stage_out(r, (const char*)dv.d, h, n, [fd](char* dst, const char* src, size_t len) {
+    size_t done = 0;
+    while (done < len) {
+      uffdio_copy c{};
+      c.dst = (unsigned long)(dst + done);
+      c.src = (unsigned long)(src + done);
+      c.len = len - done;
+      c.mode = UFFDIO_COPY_MODE_DONTWAKE;
+      int rc = ioctl(fd, UFFDIO_COPY, &c);
+      if (c.copy > 0) done += c.copy;
+      else if (rc && errno != EAGAIN) { perror("UFFDIO_COPY"); exit(2); }
+    }
+  });
+  uffdio_range all{(unsigned long)h, n};
+  if (ioctl(fd, UFFDIO_UNREGISTER, &all)) perror("UFFDIO_UNREGISTER");
+  close(fd);
+  double t1 = now();
+  scribble(dv);
+  double w0 = now();
+  stage_in(r, (char*)dv.d, h, n);
+  double w1 = now();
+  free_host(h, n, free_threads);
+  double w2 = now();
+  printf("uffd  round %d (%d workers, %zu MiB slots): sleep %.3f s | wake %.3f s (copy %.3f, unmap %.3f on %d threads) | bad %llu\n",
+         round, r.workers, r.slot >> 20, t1 - t0, w2 - w0, w1 - w0, w2 - w1, free_threads, verify(dv, 7));
 }
 
 static char* map_aligned(size_t size) {
@@ -357,6 +431,60 @@ static void route_fault(size_t n, int threads, int round) {
          n / (t1 - t0) / 1e9, t2 - t1);
 }
 
+#define CU(x)                                                                  \
+  do {                                                                         \
+    CUresult r_ = (x);                                                         \
+    if (r_ != CUDA_SUCCESS) {                                                  \
+      fprintf(stderr, "%s:%d %s: %d\n", __FILE__, __LINE__, #x, (int)r_);      \
+      exit(2);                                                                 \
+    }                                                                          \
+  } while (0)
+
+// What sleep and wake pay on the device side, beside the copies: N GiB as pieces of P MiB,
+// each created, mapped and made accessible (wake), then unmapped and released (sleep), on 1
+// or T threads (each thread its own share of the pieces).
+static void route_vmm(size_t n, size_t piece, int threads, int round) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = 0;
+  size_t gran = 0;
+  CU(cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  piece = (piece + gran - 1) / gran * gran;
+  size_t count = n / piece;
+  CUdeviceptr va = 0;
+  CU(cuMemAddressReserve(&va, count * piece, 0, 0, 0));
+  std::vector<CUmemGenericAllocationHandle> h(count);
+  CUcontext ctx;
+  CU(cuCtxGetCurrent(&ctx));
+  auto part = [&](int k, auto f) {
+    CU(cuCtxSetCurrent(ctx));
+    for (size_t i = k; i < count; i += threads) f(i);
+  };
+  double t0 = now();
+  on_threads(threads, [&](int k) {
+    part(k, [&](size_t i) {
+      CU(cuMemCreate(&h[i], piece, &prop, 0));
+      CU(cuMemMap(va + i * piece, piece, 0, h[i], 0));
+      CUmemAccessDesc acc{};
+      acc.location = prop.location;
+      acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      CU(cuMemSetAccess(va + i * piece, piece, &acc, 1));
+    });
+  });
+  double t1 = now();
+  on_threads(threads, [&](int k) {
+    part(k, [&](size_t i) {
+      CU(cuMemUnmap(va + i * piece, piece));
+      CU(cuMemRelease(h[i]));
+    });
+  });
+  double t2 = now();
+  CU(cuMemAddressFree(va, count * piece));
+  printf("vmm   round %d (%zu pieces of %zu MiB, %d threads): map %.4f s | unmap %.4f s\n", round, count,
+         piece >> 20, threads, t1 - t0, t2 - t1);
+}
+
 int main(int argc, char** argv) {
   size_t gib = argc > 1 ? atol(argv[1]) : 16;
   int threads = argc > 2 ? atoi(argv[2]) : 8;
@@ -372,7 +500,32 @@ int main(int argc, char** argv) {
     Ring r = make_ring(threads, slot_mib << 20);
     for (int i = 0; i < rounds; i++) {
       prepare(dv, 7);
-      route_stage(dv, r, i);
+      route_stage(dv, r, i, i % 2 ? threads : 1);
+    }
+    return 0;
+  }
+  if (argc > 5 && !strcmp(argv[5], "fault")) {
+    // Alone: only faulting in, round after round (a machine's first touch of its memory shows
+    // in round 0).
+    for (int i = 0; i < rounds; i++) route_fault(dv.bytes, threads, i);
+    return 0;
+  }
+  if (argc > 5 && !strcmp(argv[5], "vmm")) {
+    // [slot MiB] as the piece size; 1 thread, then T, then 1 again.
+    for (int i = 0; i < rounds; i++)
+      for (int t : {1, threads, 1}) route_vmm(dv.bytes, slot_mib << 20, t, i);
+    return 0;
+  }
+  if (argc > 5 && !strcmp(argv[5], "uffd")) {
+    // Alone in a fresh process: userfaultfd's copies, then the plain ring for comparison.
+    Ring r = make_ring(threads, slot_mib << 20);
+    for (int i = 0; i < rounds; i++) {
+      prepare(dv, 7);
+      route_uffd(dv, r, i, threads);
+    }
+    for (int i = 0; i < rounds; i++) {
+      prepare(dv, 7);
+      route_stage(dv, r, i, threads);
     }
     return 0;
   }

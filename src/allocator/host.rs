@@ -256,7 +256,9 @@ impl SleepState {
             }
         }
         if self.ring.is_none() {
+            let t0 = std::time::Instant::now();
             self.ring = Some(Ring::new(d, staging::workers(), &mut self.stale_slots)?);
+            tracing::debug!(seconds = t0.elapsed().as_secs_f64(), "staging ring made");
         }
         Ok(self.ring.as_ref().expect("made above"))
     }

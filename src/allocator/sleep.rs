@@ -162,6 +162,7 @@ impl<D: Driver> Allocator<D> {
         }
         let mut st = self.sleep.lock();
         let d = &self.core.driver;
+        let mut phases = Phases::start();
         let (plan, maps) = {
             let mut shards = self.lock_all()?;
             self.check_sleepable(&shards, "sleep")?;
@@ -190,11 +191,14 @@ impl<D: Driver> Allocator<D> {
         // queued and waited for once: until they are complete nothing is given back, and a
         // failure wakes every tag of the plan again.
         let mut report = SleepReport::default();
+        phases.mark("cache given back");
         let t_copy = Instant::now();
         let copied = self.offload(&mut st, &plan, &maps, &mut report);
         report.copy_seconds = t_copy.elapsed().as_secs_f64();
+        phases.mark("copied");
         // The ring serves one sleep or wake: host memory held while asleep is the tags' own.
         st.drop_ring(d);
+        phases.mark("ring freed");
         let mut shards = self.lock_all()?;
         let hosts = match copied {
             Ok(h) => h,
@@ -228,6 +232,8 @@ impl<D: Driver> Allocator<D> {
         }
         report.host_bytes = st.host_bytes();
         report.seconds = t0.elapsed().as_secs_f64();
+        phases.mark("memory given back");
+        phases.log("sleep");
         if report.held_bytes > 0 {
             tracing::warn!(
                 held = report.held_bytes,
@@ -335,6 +341,7 @@ impl<D: Driver> Allocator<D> {
     pub fn wake(&self, tags: &[Tag]) -> Result<WakeReport> {
         let t0 = Instant::now();
         let mut st = self.sleep.lock();
+        let mut phases = Phases::start();
         let mut shards = self.lock_all()?;
         self.check_sleepable(&shards, "wake")?;
         let mut report = WakeReport::default();
@@ -345,8 +352,8 @@ impl<D: Driver> Allocator<D> {
         let failed = loop {
             let mut first = None;
             let before = left.len();
-            left.retain(
-                |&t| match self.wake_retrying(&mut st, &mut shards, t, &mut report) {
+            left.retain(|&t| {
+                match self.wake_retrying(&mut st, &mut shards, t, &mut report, &mut phases) {
                     Ok(()) => {
                         report.tags.push(t);
                         false
@@ -358,8 +365,8 @@ impl<D: Driver> Allocator<D> {
                         });
                         true
                     }
-                },
-            );
+                }
+            });
             if left.is_empty() || left.len() == before {
                 break first;
             }
@@ -376,6 +383,7 @@ impl<D: Driver> Allocator<D> {
             None => Vec::new(),
         };
         drop(shards);
+        phases.mark("marked awake");
         // Host memory an earlier sleep kept because its copies could not be waited for is
         // freed only once they can be.
         if !st.retain_host && st.settle(&self.core.driver) {
@@ -383,7 +391,10 @@ impl<D: Driver> Allocator<D> {
                 st.host[t.index()].free_all(&self.core.driver);
             }
         }
+        phases.mark("host memory freed");
         st.drop_ring(&self.core.driver);
+        phases.mark("ring freed");
+        phases.log("wake");
         if let Some(e) = failed {
             return Err(e);
         }
@@ -401,8 +412,9 @@ impl<D: Driver> Allocator<D> {
         shards: &mut Vec<SpinGuard<'a, Shard>>,
         t: Tag,
         report: &mut WakeReport,
+        phases: &mut Phases,
     ) -> Result<()> {
-        let woke = self.wake_tag(st, shards, t, report);
+        let woke = self.wake_tag(st, shards, t, report, phases);
         if !woke.as_ref().is_err_and(is_out_of_memory) {
             return woke;
         }
@@ -411,7 +423,7 @@ impl<D: Driver> Allocator<D> {
                 tracing::warn!(error = %e, "releasing the cache before retrying a wake failed");
             }
         }
-        self.wake_tag(st, shards, t, report)
+        self.wake_tag(st, shards, t, report, phases)
     }
 
     /// Wake `tag`: fresh memory mapped under its mappings with every shard locked, its contents
@@ -424,6 +436,7 @@ impl<D: Driver> Allocator<D> {
         shards: &mut Vec<SpinGuard<'a, Shard>>,
         tag: Tag,
         report: &mut WakeReport,
+        phases: &mut Phases,
     ) -> Result<()> {
         let gone = self.core.ledger.sleeping(tag);
         match self.core.commit(gone) {
@@ -457,9 +470,11 @@ impl<D: Driver> Allocator<D> {
                 })
                 .collect();
             shards.clear();
+            phases.mark("mapped");
             let t_copy = Instant::now();
             let put_back = self.restore(st, tag, &work);
             report.copy_seconds += t_copy.elapsed().as_secs_f64();
+            phases.mark("copied");
             *shards = self.lock_all()?;
             match put_back {
                 Ok(n) => (restored, zeroed) = n,
@@ -545,5 +560,49 @@ impl<D: Driver> Allocator<D> {
             tracing::warn!(error = %e2, "could not wait for the copies of a failed wake; the host copy is kept");
         }
         e.into()
+    }
+}
+
+/// Where a sleep's or a wake's time went, logged at debug level: the seconds between marks,
+/// summed by name (a wake marks once per tag). Fixed-size, so timing costs no allocation.
+struct Phases {
+    last: Instant,
+    spent: [(&'static str, f64); 8],
+    used: usize,
+}
+
+impl Phases {
+    fn start() -> Phases {
+        Phases {
+            last: Instant::now(),
+            spent: [("", 0.0); 8],
+            used: 0,
+        }
+    }
+
+    /// Charge the time since the last mark to `name`.
+    fn mark(&mut self, name: &'static str) {
+        let now = Instant::now();
+        let secs = (now - self.last).as_secs_f64();
+        self.last = now;
+        let used = self.used;
+        match self.spent[..used].iter().position(|(n, _)| *n == name) {
+            Some(i) => self.spent[i].1 += secs,
+            None if used < self.spent.len() => {
+                self.spent[used] = (name, secs);
+                self.used += 1;
+            }
+            None => {}
+        }
+    }
+
+    fn log(&self, what: &str) {
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let parts: Vec<String> = self.spent[..self.used]
+                .iter()
+                .map(|(n, s)| format!("{n} {s:.4} s"))
+                .collect();
+            tracing::debug!(phases = %parts.join(", "), "{what}: where the time went");
+        }
     }
 }

@@ -97,6 +97,9 @@ pub(super) fn alloc_file(
 
 /// Unmap a buffer from [`alloc_pageable`] (`file` false) or [`alloc_file`].
 pub(super) fn free_pageable(p: *mut c_void, size: usize, file: bool) -> Result<(), PinError> {
+    if !file {
+        drop_pages(p as usize, size);
+    }
     // SAFETY: the mapping of `size` bytes made by `alloc_pageable` or `alloc_file`, used by no
     // one any more (the caller's contract).
     if unsafe { libc::munmap(p, size) } != 0 {
@@ -106,6 +109,29 @@ pub(super) fn free_pageable(p: *mut c_void, size: usize, file: bool) -> Result<(
         PAGEABLE.fetch_sub(size as u64, Ordering::Relaxed);
     }
     Ok(())
+}
+
+/// Give the pages of an anonymous buffer back to the host on several threads before it is
+/// unmapped. `munmap` frees them on one thread under the process's address-space lock: 16 GiB
+/// took 0.06 to 0.08 s on the H200 machine, against 0.011 s as `MADV_DONTNEED` on 16 threads
+/// (which frees pages under the lock's shared side), and wake waits for it.
+fn drop_pages(start: usize, size: usize) {
+    const PART: usize = 256 << 20;
+    if size <= PART {
+        return;
+    }
+    let per = size
+        .div_ceil(crate::threads::THREADS)
+        .max(PART)
+        .next_multiple_of(HUGE);
+    let ranges: Vec<(usize, usize)> = (0..size.div_ceil(per))
+        .map(|k| (k * per, ((k + 1) * per).min(size)))
+        .collect();
+    crate::threads::on_threads(&ranges, |&(lo, hi)| {
+        // SAFETY: inside the caller's mapping, which no one uses any more. Advice only: what it
+        // leaves, the munmap that follows frees.
+        unsafe { libc::madvise((start + lo) as *mut c_void, hi - lo, libc::MADV_DONTNEED) };
+    });
 }
 
 /// `bytes` rounded up to whole huge pages: the size of every buffer made here.
