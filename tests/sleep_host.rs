@@ -236,3 +236,59 @@ fn sleep_to_a_named_file_offloads_there_and_refuses_a_taken_name_or_a_missing_di
     check(&a);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn wake_maps_the_next_tag_while_the_contents_of_one_are_copied_back() {
+    // Weights (offloaded) wake before the KV cache (discarded): with the weights' copies held
+    // at their start, the KV cache's memory is mapped and accessible all the same; once the
+    // copies go on, both tags are awake with their contents.
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    for mode in VIRTUAL {
+        let a = Arc::new(allocator(mode, 80 * GIB));
+        let dev = a.driver().device().clone();
+        let e = engine(&a);
+        a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
+        assert!(
+            !a.driver().is_accessible(e.kv[0].ptr, e.kv[0].size),
+            "{mode}"
+        );
+        dev.hold_copies(true);
+        let waker = {
+            let a = a.clone();
+            std::thread::spawn(move || a.wake(&[]))
+        };
+        let t = Instant::now();
+        while dev.copies_held() == 0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{mode}: no copy was held"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mapped = e.kv.iter().all(|x| a.driver().is_accessible(x.ptr, x.size));
+        let t = Instant::now();
+        let mut mapped_while_held = mapped;
+        while !mapped_while_held && t.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(5));
+            mapped_while_held = e.kv.iter().all(|x| a.driver().is_accessible(x.ptr, x.size));
+        }
+        let still_held = dev.copies_held() > 0;
+        dev.hold_copies(false);
+        let report = waker.join().unwrap().unwrap();
+        assert!(
+            still_held,
+            "{mode}: the weights' copies were held throughout"
+        );
+        assert!(
+            mapped_while_held,
+            "{mode}: the KV cache was not mapped while the weights' copies waited"
+        );
+        assert_eq!(report.tags, vec![Tag::Weights, Tag::KvCache], "{mode}");
+        for (i, x) in e.weights.iter().enumerate() {
+            assert!(stamped(&a, x, 0x1000 + i as u64), "{mode}: weights {i}");
+        }
+        assert!(e.kv.iter().all(|x| readable(&a, x)), "{mode}");
+        check(&a);
+    }
+}
