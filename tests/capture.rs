@@ -106,3 +106,35 @@ fn capture_is_spoiled_by_a_synchronise_in_the_simulator() {
         "a capture nothing touched stays valid"
     );
 }
+
+#[test]
+fn a_block_freed_while_a_stream_that_used_it_captures_waits_for_events_recorded_after() {
+    // An event recorded into a capture can never be queried or waited for (during the capture
+    // it would spoil it; after, it is the graph's): a block freed while a stream that used it
+    // captures is held, unreusable, and its events are recorded once the capture is over, as
+    // PyTorch's allocator defers them. The cache then empties without an error.
+    for mode in SegmentMode::ALL {
+        let a = sim(mode);
+        let dev = a.driver().device().clone();
+        let shared = a.allocate_tagged(8 * MIB, EAGER, Tag::Activation).unwrap();
+        a.record_stream(shared.ptr, CAPTURE).unwrap();
+        dev.begin_capture(CAPTURE);
+        a.free(shared.ptr).unwrap();
+        // The eager stream polls its events meanwhile, and cannot take the held block.
+        let e = a.allocate_tagged(8 * MIB, EAGER, Tag::Activation).unwrap();
+        assert_ne!(
+            e.ptr, shared.ptr,
+            "{mode}: reused before the capture's stream reached the free"
+        );
+        a.free(e.ptr).unwrap();
+        check(&a);
+        assert!(dev.end_capture(CAPTURE), "{mode}: the capture was spoiled");
+        a.empty_cache().unwrap_or_else(|e| panic!("{mode}: {e}"));
+        assert_eq!(
+            a.ledger().reserved(),
+            0,
+            "{mode}: the held block was given back too"
+        );
+        check(&a);
+    }
+}

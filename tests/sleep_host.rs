@@ -292,3 +292,30 @@ fn wake_maps_the_next_tag_while_the_contents_of_one_are_copied_back() {
         check(&a);
     }
 }
+
+#[test]
+fn wake_under_a_tight_cap_maps_the_next_tag_once_one_is_awake_and_keeps_the_cache() {
+    // Mapped ahead while the weights are copied back, the KV cache would be charged twice
+    // against a cap (the weights' memory mapped, not yet counted as reserved). Under a cap with
+    // room for everything once, both tags wake in one call and the activation tag's cache,
+    // built while they slept, is not given back to make room.
+    for mode in VIRTUAL {
+        let a = allocator(mode, 80 * GIB);
+        let _e = engine(&a);
+        a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
+        let x = a.allocate_tagged(40 * MIB, S, Tag::Activation).unwrap();
+        a.free(x.ptr).unwrap();
+        let before = a.ledger().reserved();
+        let asleep = a.ledger().sleeping(Tag::Weights) + a.ledger().sleeping(Tag::KvCache);
+        let usage = a.driver().process_usage().unwrap().unwrap();
+        a.set_cap(Some(usage + asleep + 4 * MIB));
+        let r = a.wake(&[]).unwrap();
+        assert_eq!(r.tags, vec![Tag::Weights, Tag::KvCache], "{mode}");
+        assert_eq!(
+            a.ledger().reserved(),
+            before + asleep,
+            "{mode}: the activation tag's cache was given back"
+        );
+        check(&a);
+    }
+}

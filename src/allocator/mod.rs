@@ -30,6 +30,7 @@ mod kvregion;
 mod live;
 mod mempools;
 mod owner;
+mod phases;
 mod places;
 mod planted;
 mod routes;

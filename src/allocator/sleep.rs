@@ -31,6 +31,7 @@ use super::front::Allocator;
 use super::growth::sleep::TagMapping;
 use super::growth::SyncFirst;
 use super::host::{queue_copies, Direction, SleepState};
+use super::phases::Phases;
 use super::segment::DISCARDED;
 use super::shard::Shard;
 use super::spin::SpinGuard;
@@ -180,6 +181,11 @@ impl<D: Driver> Allocator<D> {
             d.sync_device()?;
             for sh in shards.iter_mut() {
                 sh.release_cached(&self.core, SyncFirst::Done)?;
+            }
+            // A block freed during a capture the allocator was not told of is still held: it
+            // would come back to a sleeping tag's free list.
+            if shards.iter().any(|sh| sh.holds_for_capture()) {
+                return Err(Error::Capturing("sleep"));
             }
             let mut plan: Vec<(Tag, bool)> = Vec::new();
             for &t in offload.iter().chain(discard) {
@@ -378,7 +384,7 @@ impl<D: Driver> Allocator<D> {
                     }
                 }
             }
-            if left.is_empty() || left.len() == before {
+            if left.is_empty() || left.len() == before || shards.is_empty() {
                 break first;
             }
         };
@@ -418,7 +424,8 @@ impl<D: Driver> Allocator<D> {
     /// shard locked; its contents are put back with none locked, while the next tag is mapped
     /// on another thread (mapping 32 GiB took 0.035 s on the H200, 0.14 to 0.19 s in 2 MiB
     /// pages, and copies do not wait for it); then every shard is locked again to mark it awake
-    /// or, on a failure, to give back what was mapped. `shards` are locked again at the end.
+    /// or, on a failure, to give back what was mapped. `shards` are locked again at the end
+    /// (left empty only if a shard is poisoned).
     fn wake_round<'a>(
         &'a self,
         st: &mut SleepState,
@@ -448,11 +455,14 @@ impl<D: Driver> Allocator<D> {
             };
             shards.clear();
             let (put_back, upcoming) = std::thread::scope(|s| {
+                // No retry there: this tag's memory is mapped but not yet counted as reserved,
+                // so a cap sees it twice, and its deferred frees are not applied yet. A tag
+                // that found no room ahead is mapped again once this one is awake.
                 let ahead = after.and_then(|u| {
                     std::thread::Builder::new()
                         .spawn_scoped(s, move || {
                             let mut sh = self.lock_all()?;
-                            self.map_retrying(&mut sh, u, zero)
+                            self.map_tag(&mut sh, u, zero)
                         })
                         .ok()
                 });
@@ -466,14 +476,33 @@ impl<D: Driver> Allocator<D> {
             match self.lock_all() {
                 Ok(g) => *shards = g,
                 Err(e) => {
-                    // Only a panic elsewhere poisons a shard; what was mapped stays so, held.
+                    // Only a panic elsewhere poisons a shard. What this wake mapped for this
+                    // tag and the next stays mapped, and no tag left is tried.
+                    if let Some(Ok(m)) = &upcoming {
+                        tracing::error!(tag = %m.tag, "a shard is poisoned: memory mapped to wake this tag stays mapped");
+                    }
+                    tracing::error!(tag = %t, "a shard is poisoned: memory mapped to wake this tag stays mapped");
+                    let shard = match e {
+                        Error::Poisoned { shard } => shard,
+                        _ => 0,
+                    };
                     out.push((t, Err(e)));
+                    for &u in &tags[i + 1..] {
+                        out.push((u, Err(Error::Poisoned { shard })));
+                    }
                     return out;
                 }
             }
             out.push((t, self.finish_tag(shards, mapped, put_back, report)));
-            // A mapping thread that could not be started leaves the next tag to this one.
-            next = upcoming.or_else(|| after.map(|u| self.map_retrying(shards, u, zero)));
+            // A mapping thread that could not be started, or that found no room, leaves the
+            // next tag to this one, now that this one is awake.
+            next = match upcoming {
+                Some(Err(e)) if is_out_of_memory(&e) => None,
+                other => other,
+            };
+            if next.is_none() {
+                next = after.map(|u| self.map_retrying(shards, u, zero));
+            }
             phases.mark("marked awake");
         }
         out
@@ -631,49 +660,5 @@ impl<D: Driver> Allocator<D> {
             tracing::warn!(error = %e2, "could not wait for the copies of a failed wake; the host copy is kept");
         }
         e.into()
-    }
-}
-
-/// Where a sleep's or a wake's time went, logged at debug level: the seconds between marks,
-/// summed by name (a wake marks once per tag). Fixed-size, so timing costs no allocation.
-struct Phases {
-    last: Instant,
-    spent: [(&'static str, f64); 8],
-    used: usize,
-}
-
-impl Phases {
-    fn start() -> Phases {
-        Phases {
-            last: Instant::now(),
-            spent: [("", 0.0); 8],
-            used: 0,
-        }
-    }
-
-    /// Charge the time since the last mark to `name`.
-    fn mark(&mut self, name: &'static str) {
-        let now = Instant::now();
-        let secs = (now - self.last).as_secs_f64();
-        self.last = now;
-        let used = self.used;
-        match self.spent[..used].iter().position(|(n, _)| *n == name) {
-            Some(i) => self.spent[i].1 += secs,
-            None if used < self.spent.len() => {
-                self.spent[used] = (name, secs);
-                self.used += 1;
-            }
-            None => {}
-        }
-    }
-
-    fn log(&self, what: &str) {
-        if tracing::enabled!(tracing::Level::DEBUG) {
-            let parts: Vec<String> = self.spent[..self.used]
-                .iter()
-                .map(|(n, s)| format!("{n} {s:.4} s"))
-                .collect();
-            tracing::debug!(phases = %parts.join(", "), "{what}: where the time went");
-        }
     }
 }

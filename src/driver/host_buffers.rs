@@ -51,7 +51,10 @@ impl HostBuffers {
     ) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::HostFree;
         let p = ptr.0 as *mut c_void;
-        if let Some((size, file)) = self.pageable.lock().remove(&ptr.0) {
+        // Out of the table first, and the table's lock let go: freeing takes a while, and a
+        // failure puts the buffer back.
+        let found = self.pageable.lock().remove(&ptr.0);
+        if let Some((size, file)) = found {
             return pinned::free_pageable(p, size, file).map_err(|e| {
                 // Still mapped: kept, to be freed again.
                 self.pageable.lock().insert(ptr.0, (size, file));

@@ -113,8 +113,9 @@ pub(super) fn free_pageable(p: *mut c_void, size: usize, file: bool) -> Result<(
 
 /// Give the pages of an anonymous buffer back to the host on several threads before it is
 /// unmapped. `munmap` frees them on one thread under the process's address-space lock: 16 GiB
-/// took 0.06 to 0.08 s on the H200 machine, against 0.011 s as `MADV_DONTNEED` on 16 threads
-/// (which frees pages under the lock's shared side), and wake waits for it.
+/// took 0.04 to 0.08 s on the H200 machine, and wake waits for it; `MADV_DONTNEED` frees pages
+/// under the lock's shared side, so threads share the work (0.011 s on 16 threads in the
+/// benchmark, 0.011 to 0.013 s on these 8 in the library).
 fn drop_pages(start: usize, size: usize) {
     const PART: usize = 256 << 20;
     if size <= PART {

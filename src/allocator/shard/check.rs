@@ -163,6 +163,17 @@ impl Shard {
                     }
                     BlockState::Pending(n) => {
                         pending_events += n as usize;
+                        let held = self
+                            .pending
+                            .iter()
+                            .filter(|(e, p)| *p == id && e.is_none())
+                            .count();
+                        if held > 1 || (held == 1 && (n != 1 || b.used_streams.is_empty())) {
+                            problems.push(format!(
+                                "pending block at {:#x} is held {held} times for a capture's end, waiting for {n} entries",
+                                b.addr
+                            ));
+                        }
                         let listed = self.pending.iter().filter(|(_, p)| *p == id).count();
                         if listed != n as usize {
                             problems.push(format!(

@@ -18,7 +18,8 @@
 //!   wait in `deferred`.
 //! - `live` maps the address of every `Allocated` block, and nothing else, to its id.
 //! - `pending` holds one entry per outstanding event of each `Pending` block; the count in
-//!   `Pending(n)` equals the block's entries.
+//!   `Pending(n)` equals the block's entries. An entry without an event holds a block whose
+//!   events wait for a capture's end before they are recorded (`held.rs`).
 //! - Every block's `segment` names a live segment of this shard ([`Segments::get`]).
 //! - Reserved bytes in the ledger change only together with a successful driver call that
 //!   took or gave back memory, so they always equal what the driver holds for us.
@@ -28,6 +29,7 @@
 //!   it captures: it is alive, where a segment's stream may have been destroyed since.
 
 mod check;
+mod held;
 
 use std::num::NonZeroU64;
 
@@ -91,8 +93,9 @@ pub(crate) struct Shard {
     /// Free lists by owner; almost always one or two, so found by a linear search.
     pub(crate) lists: Vec<OwnerLists>,
     live: LiveMap,
-    /// Events other streams must reach before a freed block is reused.
-    pub(crate) pending: Vec<(EventId, BlockId)>,
+    /// Events other streams must reach before a freed block is reused (none yet: the block
+    /// was freed during a capture, `held.rs`).
+    pub(crate) pending: Vec<(Option<EventId>, BlockId)>,
     /// The virtual segment of each (owner, pool) in this shard.
     pub(crate) reservations: Vec<(Owner, PoolKind, u32)>,
     /// Remap mode: physical pieces held but not mapped.
@@ -508,29 +511,26 @@ impl Shard {
         ptr: DevicePtr,
         id: BlockId,
     ) -> Result<()> {
-        let streams = std::mem::take(&mut self.blocks[id].used_streams);
-        let mut events = Vec::with_capacity(streams.len());
-        for &s in &streams {
-            match core.driver.record_event(s) {
-                Ok(e) => events.push(e),
-                Err(e) => {
-                    for ev in events {
-                        if let Err(e2) = core.driver.destroy_event(ev) {
-                            tracing::warn!(error = %e2, "could not destroy an event of a free that failed");
-                        }
-                    }
-                    self.blocks[id].used_streams = streams;
-                    self.live.insert(ptr, id);
-                    return Err(e.into());
-                }
-            }
+        if self.capture_underway(core, &self.blocks[id].used_streams) {
+            self.hold(core, id);
+            return Ok(());
         }
+        let streams = std::mem::take(&mut self.blocks[id].used_streams);
+        let events = match held::record_all(core, &streams) {
+            Ok(events) => events,
+            Err(e) => {
+                self.blocks[id].used_streams = streams;
+                self.live.insert(ptr, id);
+                return Err(e.into());
+            }
+        };
         let b = &mut self.blocks[id];
         b.state = BlockState::Pending(events.len() as u32);
         core.ledger
             .shard(self.id)
             .on_free(b.tag, b.size, b.requested, true);
-        self.pending.extend(events.into_iter().map(|e| (e, id)));
+        self.pending
+            .extend(events.into_iter().map(|e| (Some(e), id)));
         if self.recording {
             self.record_free(core, id, false);
         }
@@ -554,6 +554,13 @@ impl Shard {
         let mut i = 0;
         while i < self.pending.len() {
             let (event, id) = self.pending[i];
+            let Some(event) = event else {
+                // Its events, once recorded, are entries of their own, polled after this one.
+                if !self.record_held(core, i) {
+                    i += 1;
+                }
+                continue;
+            };
             let done = if wait {
                 core.driver.wait_event(event)?;
                 true

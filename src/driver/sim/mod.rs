@@ -555,7 +555,13 @@ impl Driver for SimDriver {
             .get(&event.0)
             .ok_or_else(|| Self::invalid(CALL, "unknown event"))?;
         if captured {
+            // While the capture runs, asking spoils it; after, the event still belongs to the
+            // graph, not to the stream's work (PyTorch's allocator never asks, for this).
             st.not_while_capturing(stream, CALL)?;
+            return Err(Self::invalid(
+                CALL,
+                "an event recorded into a stream capture cannot be queried or waited for",
+            ));
         }
         Ok(st.streams.get(&stream).map_or(0, |s| s.completed) >= target)
     }
@@ -569,7 +575,13 @@ impl Driver for SimDriver {
             .get(&event.0)
             .ok_or_else(|| Self::invalid(CALL, "unknown event"))?;
         if captured {
+            // While the capture runs, asking spoils it; after, the event still belongs to the
+            // graph, not to the stream's work (PyTorch's allocator never asks, for this).
             st.not_while_capturing(stream, CALL)?;
+            return Err(Self::invalid(
+                CALL,
+                "an event recorded into a stream capture cannot be queried or waited for",
+            ));
         }
         // Blocking until the event completes is, on a simulated device, completing it.
         let s = st.streams.entry(stream).or_default();
