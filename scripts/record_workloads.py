@@ -34,6 +34,18 @@ import sys
 import time
 
 
+def autocast(torch, dev, small):
+    """bf16 autocast on the GPU (the workloads' own precision), none in the CPU check."""
+    return torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16, enabled=not small)
+
+
+def step(opt, loss):
+    """One optimiser step on `loss`, gradients freed after it as training loops do."""
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def llama(torch, hidden, layers, heads, vocab, device, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -88,7 +100,7 @@ def ckpt_train(torch, rng, dev, small):
         for _ in range(4):
             seq = rng.choice([64, 96, 128]) if small else rng.choice([1024, 1536, 2048])
             ids = torch.randint(0, m.config.vocab_size, (2 if small else 4, seq), device=dev)
-            with torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16, enabled=not small):
+            with autocast(torch, dev, small):
                 loss = m(ids, labels=ids).loss / 4
             loss.backward()
         opt.step()
@@ -134,11 +146,9 @@ def conv_train(torch, rng, dev, small):
         side = 64 if small else 224
         x = torch.randn(batch, 3, side, side, device=dev).to(memory_format=torch.channels_last)
         y = torch.randint(0, 1000, (batch,), device=dev)
-        with torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16, enabled=not small):
+        with autocast(torch, dev, small):
             loss = torch.nn.functional.cross_entropy(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step(opt, loss)
     return steps
 
 
@@ -182,11 +192,9 @@ def moe_train(torch, rng, dev, small):
     for _ in range(steps):
         batch, seq = (2, rng.choice([16, 32])) if small else (rng.choice([4, 8]), rng.choice([512, 1024, 2048]))
         x = torch.randn(batch, seq, d, device=dev)
-        with torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16, enabled=not small):
+        with autocast(torch, dev, small):
             loss = m(x).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step(opt, loss)
     return steps
 
 
@@ -210,9 +218,7 @@ def side_stream(torch, rng, dev, small):
         else:
             x = src.to(dev)
         loss = m(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step(opt, loss)
         del x
     return steps
 

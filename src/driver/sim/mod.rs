@@ -101,7 +101,7 @@ struct DeviceState {
     processes: HashMap<u32, Process>,
     streams: HashMap<StreamId, StreamState>,
     /// (stream, work to complete, recorded while the stream was capturing).
-    events: HashMap<u64, (StreamId, u64, bool)>,
+    pub(super) events: HashMap<u64, (StreamId, u64, bool)>,
     next_addr: u64,
     next_handle: u64,
     next_pid: u32,
@@ -550,19 +550,7 @@ impl Driver for SimDriver {
         const CALL: DriverCall = DriverCall::QueryEvent;
         self.count(CALL, 0)?;
         let mut st = self.device.state.lock();
-        let (stream, target, captured) = *st
-            .events
-            .get(&event.0)
-            .ok_or_else(|| Self::invalid(CALL, "unknown event"))?;
-        if captured {
-            // While the capture runs, asking spoils it; after, the event still belongs to the
-            // graph, not to the stream's work (PyTorch's allocator never asks, for this).
-            st.not_while_capturing(stream, CALL)?;
-            return Err(Self::invalid(
-                CALL,
-                "an event recorded into a stream capture cannot be queried or waited for",
-            ));
-        }
+        let (stream, target) = st.recorded(event, CALL)?;
         Ok(st.streams.get(&stream).map_or(0, |s| s.completed) >= target)
     }
 
@@ -570,19 +558,7 @@ impl Driver for SimDriver {
         const CALL: DriverCall = DriverCall::WaitEvent;
         self.count(CALL, 0)?;
         let mut st = self.device.state.lock();
-        let (stream, target, captured) = *st
-            .events
-            .get(&event.0)
-            .ok_or_else(|| Self::invalid(CALL, "unknown event"))?;
-        if captured {
-            // While the capture runs, asking spoils it; after, the event still belongs to the
-            // graph, not to the stream's work (PyTorch's allocator never asks, for this).
-            st.not_while_capturing(stream, CALL)?;
-            return Err(Self::invalid(
-                CALL,
-                "an event recorded into a stream capture cannot be queried or waited for",
-            ));
-        }
+        let (stream, target) = st.recorded(event, CALL)?;
         // Blocking until the event completes is, on a simulated device, completing it.
         let s = st.streams.entry(stream).or_default();
         s.completed = s.completed.max(target);

@@ -2,8 +2,8 @@
 //! capture, which a synchronise of the capturing stream or a query of an event recorded into
 //! the capture spoils, as in CUDA.
 
-use super::{DeviceState, SimDevice};
-use crate::driver::{DriverCall, DriverError, DriverErrorKind, DriverResult, StreamId};
+use super::{DeviceState, SimDevice, SimDriver};
+use crate::driver::{DriverCall, DriverError, DriverErrorKind, DriverResult, EventId, StreamId};
 
 impl SimDevice {
     /// A stream of the device's own making ([`crate::driver::Driver::create_stream`]).
@@ -108,6 +108,28 @@ impl SimDevice {
 }
 
 impl DeviceState {
+    /// The stream and work count of `event`, for a query or a wait (`call`). An event recorded
+    /// into a capture is refused: while the capture runs, asking spoils it; after, the event
+    /// still belongs to the graph, not to the stream's work (PyTorch's allocator never asks).
+    pub(super) fn recorded(
+        &mut self,
+        event: EventId,
+        call: DriverCall,
+    ) -> DriverResult<(StreamId, u64)> {
+        let (stream, target, captured) = *self
+            .events
+            .get(&event.0)
+            .ok_or_else(|| SimDriver::invalid(call, "unknown event"))?;
+        if captured {
+            self.not_while_capturing(stream, call)?;
+            return Err(SimDriver::invalid(
+                call,
+                "an event recorded into a stream capture cannot be queried or waited for",
+            ));
+        }
+        Ok((stream, target))
+    }
+
     /// Refuse `call` on a capturing `stream`, and spoil the capture, as CUDA does.
     pub(super) fn not_while_capturing(
         &mut self,
