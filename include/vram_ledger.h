@@ -309,8 +309,8 @@ int vram_ledger_separate_tags(int enabled);
 
 /* Put the `offload` tags (copied to host memory) and the `discard` tags to sleep.
  * Returns a JSON report per device (free it with `vram_ledger_string_free`), NULL on error.
- * When one of several devices fails, those this call already put to sleep are woken again,
- * so that an error means nothing was left asleep by it.
+ * On an error, every tag this call put to sleep is woken again, on every device, so that an
+ * error means nothing was left asleep by it (a discarded tag comes back as fresh memory).
  */
 char *vram_ledger_sleep(int device, int offload, int discard);
 

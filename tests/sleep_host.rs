@@ -319,3 +319,95 @@ fn wake_under_a_tight_cap_maps_the_next_tag_once_one_is_awake_and_keeps_the_cach
         check(&a);
     }
 }
+
+#[test]
+fn sleep_gives_back_the_discarded_tags_while_the_offloaded_ones_are_copied() {
+    // With the weights' copies held at their start, the KV cache (discarded) is given back all
+    // the same; once the copies go on, both tags are asleep.
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    for mode in VIRTUAL {
+        let a = Arc::new(allocator(mode, 80 * GIB));
+        let dev = a.driver().device().clone();
+        let e = engine(&a);
+        dev.hold_copies(true);
+        let sleeper = {
+            let a = a.clone();
+            std::thread::spawn(move || a.sleep(&[Tag::Weights], &[Tag::KvCache]))
+        };
+        let t = Instant::now();
+        while dev.copies_held() == 0 {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "{mode}: no copy was held"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let gone = |a: &Allocator<SimDriver>| {
+            e.kv.iter()
+                .all(|x| !a.driver().is_accessible(x.ptr, x.size))
+        };
+        let t = Instant::now();
+        let mut gone_while_held = gone(&a);
+        while !gone_while_held && t.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(5));
+            gone_while_held = gone(&a);
+        }
+        let still_held = dev.copies_held() > 0;
+        let weights_there = e.weights.iter().all(|x| readable(&a, x));
+        dev.hold_copies(false);
+        let report = sleeper.join().unwrap().unwrap();
+        assert!(
+            still_held,
+            "{mode}: the weights' copies were held throughout"
+        );
+        assert!(
+            weights_there,
+            "{mode}: the weights were given back before their copies"
+        );
+        assert!(
+            gone_while_held,
+            "{mode}: the KV cache was not given back while the weights' copies waited"
+        );
+        assert_eq!(report.tags, vec![Tag::Weights, Tag::KvCache], "{mode}");
+        let kv = a.ledger().sleeping(Tag::KvCache);
+        assert_eq!(report.discarded_bytes, kv, "{mode}");
+        assert_eq!(
+            report.given_back_bytes,
+            kv + a.ledger().sleeping(Tag::Weights),
+            "{mode}"
+        );
+        check(&a);
+        a.wake(&[]).unwrap();
+        assert!(e.weights_intact(&a), "{mode}");
+        check(&a);
+    }
+}
+
+#[test]
+fn sleep_whose_copies_fail_keeps_the_offloaded_tags_awake_and_the_discarded_asleep() {
+    for mode in VIRTUAL {
+        let a = allocator(mode, 80 * GIB);
+        let e = engine(&a);
+        let kv: u64 = e.kv.iter().map(|x| x.size).sum();
+        a.driver().fail_from(DriverCall::CopyToHost, 1);
+        let err = a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap_err();
+        a.driver().clear_faults();
+        assert!(
+            matches!(err, vram_ledger::Error::Driver(_)),
+            "{mode}: {err}"
+        );
+        assert_eq!(a.asleep_tags(), vec![Tag::KvCache], "{mode}");
+        assert!(a.ledger().sleeping(Tag::KvCache) >= kv, "{mode}");
+        assert!(e.weights_intact(&a), "{mode}");
+        assert_eq!(a.driver().host_bytes(), 0, "{mode}: host memory freed");
+        check(&a);
+        // Sleeping again puts the weights to sleep; the KV cache is left as it is.
+        let r = a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
+        assert_eq!(r.tags, vec![Tag::Weights], "{mode}");
+        a.wake(&[]).unwrap();
+        assert!(e.weights_intact(&a), "{mode}");
+        assert!(e.kv.iter().all(|x| readable(&a, x)), "{mode}");
+        check(&a);
+    }
+}

@@ -4,8 +4,8 @@
 //! in segments of its own).
 //!
 //! Sleep synchronises the device, gives back every shard's cache (all tags), copies the
-//! offloaded tags' mappings to host memory, then releases and unmaps the sleeping tags'
-//! memory. Wake maps fresh memory at the same addresses and copies the contents back. The host
+//! offloaded tags' mappings to host memory while the discarded tags' memory is released and
+//! unmapped, then releases and unmaps the offloaded tags' memory. Wake maps fresh memory at the same addresses and copies the contents back. The host
 //! memory is pageable (anonymous, or a sleep file's pages), reached through a small
 //! page-locked ring on several threads (`staging.rs`), and freed at wake; when it is retained
 //! from the start and no sleep file is set, it is page-locked instead, copied on a stream of
@@ -18,9 +18,11 @@
 //!   shard's lock to mark it, to give its memory back and to map it again, and let go of them
 //!   across the pinning and the copies (other tags' allocations go on), while its mappings
 //!   cannot change (its allocations are refused, its frees deferred).
-//! - A sleep that fails before its memory is given back (the copies, the host memory) changes
-//!   nothing. Once the copies are complete the tag is asleep; a release or unmap that fails
-//!   then leaves that mapping's memory held (reported, counted in reserved), never lost.
+//! - A sleep that fails before its memory is given back (the copies, the host memory) leaves
+//!   its offloaded tags awake with their contents; its discarded tags, whose contents the
+//!   caller gave up, are given back while the copies run, and stay asleep. Once the copies are
+//!   complete an offloaded tag is asleep; a release or unmap that fails then leaves that
+//!   mapping's memory held (reported, counted in reserved), never lost.
 //! - A wake that fails gives back what it mapped (or keeps it, counted, where that fails
 //!   too); the tag stays asleep with its host copy, and wake can be retried.
 
@@ -107,6 +109,22 @@ fn is_out_of_memory(e: &Error) -> bool {
     }
 }
 
+/// What giving back sleeping tags' memory did.
+#[derive(Default)]
+struct GivenBack {
+    gone: u64,
+    held: u64,
+    discarded: u64,
+}
+
+impl SleepReport {
+    fn add(&mut self, g: &GivenBack) {
+        self.given_back_bytes += g.gone;
+        self.held_bytes += g.held;
+        self.discarded_bytes += g.discarded;
+    }
+}
+
 impl<D: Driver> Allocator<D> {
     /// Every shard, locked, in index order (the order every cross-shard operation uses).
     fn lock_all(&self) -> Result<Vec<SpinGuard<'_, Shard>>> {
@@ -164,7 +182,9 @@ impl<D: Driver> Allocator<D> {
     /// [`Allocator::set_zero_discarded`] says otherwise); then their
     /// device memory is given back, keeping its addresses. The cache of every tag is given back
     /// first. Allocating a sleeping tag's memory fails with [`Error::Asleep`] until it wakes;
-    /// freeing it is deferred to the wake. Tags already asleep are left as they are.
+    /// freeing it is deferred to the wake. Tags already asleep are left as they are. When the
+    /// copies fail, the error is returned with the offloaded tags awake and the discarded ones
+    /// asleep ([`Allocator::asleep_tags`]).
     pub fn sleep(&self, offload: &[Tag], discard: &[Tag]) -> Result<SleepReport> {
         let t0 = Instant::now();
         if let Some(t) = offload.iter().find(|t| discard.contains(t)) {
@@ -204,23 +224,44 @@ impl<D: Driver> Allocator<D> {
         };
         // The pinning and the copies run with no shard locked: other tags' allocations and
         // frees go on. The sleeping tags' mappings cannot change meanwhile (their allocations
-        // are refused, their frees deferred, their cache given back above). The copies are all
-        // queued and waited for once: until they are complete nothing is given back, and a
-        // failure wakes every tag of the plan again.
+        // are refused, their frees deferred, their cache given back above). The discarded
+        // tags' memory is given back meanwhile, on a thread of its own: their contents are
+        // given up whatever the copies do, and the driver's unmaps do not wait for the copies.
+        // The copies are all queued and waited for once: until they are complete none of the
+        // offloaded tags' memory is given back, and a failure wakes those tags again.
         let mut report = SleepReport::default();
         phases.mark("cache given back");
         let t_copy = Instant::now();
-        let copied = self.offload(&mut st, &plan, &maps, &mut report);
+        let discards = plan.iter().any(|&(_, keep)| !keep);
+        let (copied, discarded) = std::thread::scope(|s| {
+            let giving = discards.then(|| {
+                std::thread::Builder::new()
+                    .spawn_scoped(s, || self.give_back_slept(&plan, &maps, None))
+                    .ok()
+            });
+            let copied = self.offload(&mut st, &plan, &maps, &mut report);
+            let discarded = match giving {
+                None => None,
+                Some(Some(h)) => Some(h.join().expect("sleep's give-back thread panicked")),
+                // No thread could be started: the discarded tags are given back here.
+                Some(None) => Some(self.give_back_slept(&plan, &maps, None)),
+            };
+            (copied, discarded)
+        });
         report.copy_seconds = t_copy.elapsed().as_secs_f64();
         phases.mark("copied");
         // The ring serves one sleep or wake: host memory held while asleep is the tags' own.
         st.drop_ring(d);
         phases.mark("ring freed");
-        let mut shards = self.lock_all()?;
+        if let Some(done) = discarded {
+            let done = done?;
+            report.add(&done);
+        }
         let hosts = match copied {
             Ok(h) => h,
             Err((e, settled)) => {
-                for &(t, _) in &plan {
+                let mut shards = self.lock_all()?;
+                for &(t, _) in plan.iter().filter(|&&(_, keep)| keep) {
                     shards.iter_mut().for_each(|sh| sh.awake(&self.core, t, 0));
                 }
                 drop(shards);
@@ -235,18 +276,8 @@ impl<D: Driver> Allocator<D> {
                 return Err(e);
             }
         };
-        for (k, &(t, keep)) in plan.iter().enumerate() {
-            for (i, sh) in shards.iter_mut().enumerate() {
-                let (gone, held) = sh.put_to_sleep(&self.core, t, &maps[k][i], &hosts[k][i]);
-                report.given_back_bytes += gone;
-                report.held_bytes += held;
-                let bytes: u64 = maps[k][i].iter().map(|m| m.bytes).sum();
-                if !keep {
-                    report.discarded_bytes += bytes;
-                }
-            }
-            report.tags.push(t);
-        }
+        report.add(&self.give_back_slept(&plan, &maps, Some(&hosts))?);
+        report.tags = plan.iter().map(|&(t, _)| t).collect();
         report.host_bytes = st.host_bytes();
         report.seconds = t0.elapsed().as_secs_f64();
         phases.mark("memory given back");
@@ -258,6 +289,41 @@ impl<D: Driver> Allocator<D> {
             );
         }
         Ok(report)
+    }
+
+    /// Give back the memory of the sleeping tags of `plan`: the discarded ones when `hosts` is
+    /// `None`, else the offloaded ones, whose copies `hosts` places (by plan entry, shard,
+    /// mapping). Every shard is locked for it.
+    fn give_back_slept(
+        &self,
+        plan: &[(Tag, bool)],
+        maps: &[Vec<Vec<TagMapping>>],
+        hosts: Option<&[Vec<Vec<u64>>]>,
+    ) -> Result<GivenBack> {
+        let mut shards = self.lock_all()?;
+        let mut done = GivenBack::default();
+        for (k, &(t, keep)) in plan.iter().enumerate() {
+            if keep != hosts.is_some() {
+                continue;
+            }
+            for (i, sh) in shards.iter_mut().enumerate() {
+                let discarded;
+                let host = match hosts {
+                    Some(h) => &h[k][i][..],
+                    None => {
+                        discarded = vec![DISCARDED; maps[k][i].len()];
+                        &discarded[..]
+                    }
+                };
+                let (gone, held) = sh.put_to_sleep(&self.core, t, &maps[k][i], host);
+                done.gone += gone;
+                done.held += held;
+                if !keep {
+                    done.discarded += maps[k][i].iter().map(|m| m.bytes).sum::<u64>();
+                }
+            }
+        }
+        Ok(done)
     }
 
     /// Copy the offloaded tags of `plan` to host memory; returns each mapping's host offset

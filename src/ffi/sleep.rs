@@ -66,18 +66,28 @@ pub extern "C" fn vram_ledger_separate_tags(enabled: c_int) -> c_int {
 
 /// Put the `offload` tags (copied to host memory) and the `discard` tags to sleep.
 /// Returns a JSON report per device (free it with `vram_ledger_string_free`), NULL on error.
-/// When one of several devices fails, those this call already put to sleep are woken again,
-/// so that an error means nothing was left asleep by it.
+/// On an error, every tag this call put to sleep is woken again, on every device, so that an
+/// error means nothing was left asleep by it (a discarded tag comes back as fresh memory).
 #[no_mangle]
 pub extern "C" fn vram_ledger_sleep(device: c_int, offload: c_int, discard: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {
         let (offload, discard) = (tags(offload, "offload")?, tags(discard, "discard")?);
         let mut slept: Vec<(&'static Device, Vec<Tag>)> = Vec::new();
         let r = reports(device, |d| {
-            let r = on_device!(d, d => d.allocator().sleep(&offload, &discard))
-                .map_err(|e| e.to_string())?;
-            slept.push((d, r.tags.clone()));
-            Ok(r)
+            let before = on_device!(d, d => d.allocator().asleep_tags());
+            match on_device!(d, d => d.allocator().sleep(&offload, &discard)) {
+                Ok(r) => {
+                    slept.push((d, r.tags.clone()));
+                    Ok(r)
+                }
+                Err(e) => {
+                    // Discarded tags are given back while the copies run: a failed copy leaves
+                    // them asleep on this device too.
+                    let now = on_device!(d, d => d.allocator().asleep_tags());
+                    slept.push((d, now.into_iter().filter(|t| !before.contains(t)).collect()));
+                    Err(e.to_string())
+                }
+            }
         });
         if r.is_err() {
             for (d, tags) in slept.into_iter().filter(|(_, t)| !t.is_empty()) {
