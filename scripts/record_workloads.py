@@ -1,11 +1,12 @@
 """Record real PyTorch workloads with PyTorch's own allocator (no vram-ledger), as the memory
 snapshots `vram-ledger replay` reads: kinds the shared traces lack, each run for a few steps.
 
-    python3 scripts/record_workloads.py OUT_DIR [NAME ...] [--seed N] [--device cpu]
+    python3 scripts/record_workloads.py OUT_DIR [NAME ...] [--seed N] [--device cpu] [--timeout S]
 
 NAMES (default: all):
   serve-dyncache  continuous batching on a Llama (random weights) with HF's DynamicCache:
-                  requests of 64 to 3000 tokens arrive and finish; one cache per request
+                  requests of 64 to 3000 prompt tokens arrive, decode 16 to 187 tokens each
+                  and finish; one cache per request
   ckpt-train      a Llama trained with activation checkpointing on every layer, gradient
                   accumulation over 4 micro-batches, AdamW
   conv-train      a ResNet-style convolutional network (bottleneck blocks, channels_last, bf16
@@ -19,7 +20,8 @@ Each workload writes OUT_DIR/NAME-sSEED.pickle.gz (PyTorch's `_dump_snapshot`, g
 prints one JSON line: its steps, PyTorch's own peak reserved and peak allocated bytes and their
 ratio, and the file's size. `--device cpu` runs the same code with tiny sizes and no recording
 (a check of the workloads themselves, on a machine without a GPU). A different `--seed` gives
-other request lengths, batch sizes and routing: traces to hold out of any tuning.
+other request lengths, batch sizes and routing: traces to hold out of any tuning. `--timeout S`
+gives each workload's process S seconds (it is then reported as failed).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def serve_dyncache(torch, rng, dev, small):
                 ids = torch.randint(0, vocab, (1, prompt), device=dev)
                 cache = DynamicCache()
                 out = m(ids, past_key_values=cache, use_cache=True)
-                active.append([out.logits[:, -1:].argmax(-1), cache, rng.randint(lo // 2, hi // 4)])
+                active.append([out.logits[:, -1:].argmax(-1), cache, rng.randint(lo // 4, hi // 16)])
                 served += 1
             for r in active:
                 out = m(r[0], past_key_values=r[1], use_cache=True)
@@ -233,7 +235,7 @@ WORKLOADS = {
 
 
 def main(argv):
-    seed, device = 0, "cuda"
+    seed, device, timeout = 0, "cuda", None
     args = []
     it = iter(argv)
     for a in it:
@@ -241,6 +243,8 @@ def main(argv):
             seed = int(next(it))
         elif a == "--device":
             device = next(it)
+        elif a == "--timeout":
+            timeout = float(next(it))
         else:
             args.append(a)
     if not args:
@@ -258,7 +262,12 @@ def main(argv):
         rc = 0
         for name in names:
             extra = ["--seed", str(seed), "--device", device]
-            rc |= subprocess.run([sys.executable, os.path.abspath(__file__), out_dir, name, *extra]).returncode
+            try:
+                rc |= subprocess.run([sys.executable, os.path.abspath(__file__), out_dir, name, *extra],
+                                     timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                print(json.dumps({"workload": name, "seed": seed, "ok": False, "error": f"over {timeout} s"}), flush=True)
+                rc = 1
         return 1 if rc else 0
     import torch
 
@@ -269,7 +278,9 @@ def main(argv):
         torch.manual_seed(seed)
         record = device.startswith("cuda")
         if record:
-            torch.cuda.memory._record_memory_history(max_entries=5_000_000)
+            # Python frames only: C++ frames cost a symbolisation per allocation, and replay reads
+            # only the events.
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=5_000_000)
         t0 = time.perf_counter()
         try:
             steps = WORKLOADS[name](torch, rng, device, small)
