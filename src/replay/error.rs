@@ -4,6 +4,7 @@
 use thiserror::Error;
 
 use super::pickle_guard::Refusal;
+use super::shared_pickle::SharedPickleError;
 use crate::units::Bytes;
 
 #[derive(Debug, Error)]
@@ -24,6 +25,8 @@ pub enum TraceError {
     // The decoder's messages can quote a whole decoded value: the start is enough.
     #[error("not a pickle: {}", one_line(&.0.to_string(), 300))]
     Decode(#[source] serde_pickle::Error),
+    #[error("not a pickle of plain data: {0}")]
+    Shared(#[source] SharedPickleError),
     #[error("not a PyTorch memory snapshot: {0} (expected a dict with a 'device_traces' list, as written by torch.cuda.memory._dump_snapshot)")]
     NotASnapshot(String),
     #[error("trace entry {entry} ({action}): '{field}' {problem}")]

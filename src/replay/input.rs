@@ -14,6 +14,7 @@ use serde_pickle::Value;
 pub use super::error::Reading;
 use super::error::TraceError;
 use super::pickle_guard;
+use super::shared_pickle;
 use crate::units::Bytes;
 
 /// The most bytes read from a file, or decompressed from a gzip stream, by default: a
@@ -98,7 +99,14 @@ pub(super) fn decode(bytes: &[u8], limits: Limits) -> Result<Value, TraceError> 
     let opts = serde_pickle::DeOptions::new()
         .replace_unresolved_globals()
         .decode_strings();
-    serde_pickle::value_from_slice(bytes, opts).map_err(TraceError::Decode)
+    match serde_pickle::value_from_slice(bytes, opts) {
+        // The guard refuses a value changed after it was fetched, so this is never a value that
+        // holds itself: it is one with shared parts (`shared_pickle.rs`).
+        Err(serde_pickle::Error::Syntax(serde_pickle::ErrorCode::Recursive)) => {
+            shared_pickle::decode(bytes).map_err(TraceError::Shared)
+        }
+        other => other.map_err(TraceError::Decode),
+    }
 }
 
 #[cfg(test)]
