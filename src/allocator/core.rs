@@ -12,6 +12,7 @@
 //! allocator since profiling counts. Only growth pays for that read (a driver call on a path
 //! that is about to make one); the cached path never sees the cap.
 
+use crate::SegmentMode;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use super::config::Config;
@@ -76,6 +77,9 @@ pub(crate) struct Core<D> {
     pub(crate) history: History,
     /// [`Config::separate_tags`].
     pub(crate) separate_tags: bool,
+    /// Best fit looks at every free block of the request's size class (native mode, whose
+    /// rules are PyTorch's exactly), not at a bounded number (`free_index.rs`).
+    pub(crate) exact_fit: bool,
     /// Which shard holds each segment's addresses.
     pub(crate) places: Places,
     committed: AtomicU64,
@@ -126,6 +130,7 @@ impl<D: Driver> Core<D> {
             stranded: Stranded::default(),
             history: Default::default(),
             separate_tags: config.separate_tags,
+            exact_fit: config.mode == SegmentMode::Native,
             places: Places::default(),
             committed: AtomicU64::new(0),
         })

@@ -170,16 +170,27 @@ pub fn replay(
     opts: &ReplayOptions,
     progress: impl FnMut(usize),
 ) -> Result<ReplayResult, Error> {
-    replay_on(&fresh(opts)?, trace, opts, progress)
+    replay_on(&fresh(trace, opts)?, trace, opts, progress)
 }
 
-/// An allocator as `opts` says, on a fresh simulated device.
-fn fresh(opts: &ReplayOptions) -> Result<Allocator<SimDriver>, Error> {
+/// An allocator as `opts` says, on a fresh simulated device. Native replay of a trace PyTorch
+/// recorded with plain segments gets the recorded segments' addresses from the simulated
+/// driver, for as long as it makes the same segments: PyTorch's best fit prefers the lowest
+/// address among free blocks of one size, so the address order is part of what it decided on.
+fn fresh(trace: &Trace, opts: &ReplayOptions) -> Result<Allocator<SimDriver>, Error> {
     let drv = SimDriver::with_config(SimConfig {
         capacity: opts.capacity,
         context_overhead: 0,
         ..Default::default()
     });
+    if opts.mode == SegmentMode::Native && trace.expandable != Some(true) {
+        let segments = trace
+            .events
+            .iter()
+            .filter(|e| e.action == Action::SegmentAlloc);
+        drv.device()
+            .plan_segment_addresses(segments.map(|e| (e.size, e.addr)));
+    }
     let config = Config {
         remap_piece: opts.remap_piece,
         move_across_streams: opts.move_across_streams,
@@ -199,7 +210,7 @@ pub fn at_peak(
     let Some((event, stream)) = r.peak_event else {
         return Ok(None);
     };
-    let alloc = fresh(opts)?;
+    let alloc = fresh(trace, opts)?;
     let mut again = Replayer::new(&alloc, trace, 0);
     for (i, e) in trace.events.iter().enumerate().take(event + 1) {
         again.event(i, e)?;

@@ -221,7 +221,11 @@ impl Shard {
     ) -> Option<Taken> {
         let pool = rules::pool_for(rounded);
         let list = self.list_of(owner)?;
-        let id = self.lists[list].pools[pool as usize].best_fit(&self.blocks, rounded)?;
+        let id = self.lists[list].pools[pool as usize].best_fit(
+            &self.blocks,
+            rounded,
+            core.exact_fit,
+        )?;
         // Both max-split rules only get stricter as blocks grow, so if the best fit may not
         // serve, no larger block may.
         if !rules::may_serve(core.max_split, self.blocks[id].size, rounded) {

@@ -24,6 +24,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+mod addresses;
 mod config;
 mod faults;
 mod host;
@@ -103,6 +104,7 @@ struct DeviceState {
     /// (stream, work to complete, recorded while the stream was capturing).
     pub(super) events: HashMap<u64, (StreamId, u64, bool)>,
     next_addr: u64,
+    placement: addresses::Placement,
     next_handle: u64,
     next_pid: u32,
     next_capture: u64,
@@ -147,6 +149,7 @@ impl SimDevice {
                 streams: HashMap::new(),
                 events: HashMap::new(),
                 next_addr: 1 << 40,
+                placement: Default::default(),
                 next_handle: 1,
                 next_pid: 1000,
                 next_capture: 0,
@@ -312,7 +315,7 @@ impl Driver for SimDriver {
         // Like the CUDA driver: every segment PyTorch's allocator was seen to get on an H200
         // (314 in `tests/data`'s traces, all of 2 MiB or more) started on a 2 MiB boundary.
         let align = if bytes >= 2 * MIB { 2 * MIB } else { 512 };
-        let ptr = st.bump_addr(bytes, align);
+        let ptr = st.segment_addr(bytes, align);
         st.processes
             .get_mut(&self.pid)
             .expect("process exists")
