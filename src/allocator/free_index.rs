@@ -321,7 +321,10 @@ mod tests {
         assert_eq!(idx.best_fit(&arena, 32 << 20, true), Some(lowest));
         let bounded = idx.best_fit(&arena, 32 << 20, false).unwrap();
         assert_eq!(arena[bounded].size, size);
-        assert_ne!(bounded, lowest, "the bounded search looks at {SCAN} blocks only");
+        assert_ne!(
+            bounded, lowest,
+            "the bounded search looks at {SCAN} blocks only"
+        );
     }
 
     #[test]

@@ -78,7 +78,11 @@ mod tests {
         d.device()
             .plan_segment_addresses([(2 * MIB, a), (20 * MIB, b), (2 * MIB, a + (4 << 20))]);
         assert_eq!(d.alloc_segment(2 * MIB, s).unwrap(), a);
-        assert_eq!(d.alloc_segment(20 * MIB, s).unwrap(), b, "lower than the one before");
+        assert_eq!(
+            d.alloc_segment(20 * MIB, s).unwrap(),
+            b,
+            "lower than the one before"
+        );
         // Another size than planned: the plan ends, addresses rise from 1 TiB again.
         let c = d.alloc_segment(4 * MIB, s).unwrap();
         assert!(c >= 1 << 40);
