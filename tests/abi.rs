@@ -15,7 +15,7 @@ fn setup() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         std::env::set_var("VRAM_LEDGER_DRIVER", "sim");
-        std::env::set_var("VRAM_LEDGER_SIM_DEVICES", "8");
+        std::env::set_var("VRAM_LEDGER_SIM_DEVICES", "9");
         // Every failure here is deliberate: keep the log they would each write quiet.
         std::env::set_var("VRAM_LEDGER_LOG", "off");
     });
@@ -61,7 +61,7 @@ fn push_tag(name: &str) -> i32 {
 #[test]
 fn abi_allocate_and_free_round_trip() {
     setup();
-    assert!(vram_ledger_device_count() == 8);
+    assert!(vram_ledger_device_count() == 9);
     let p = malloc(1000, 0);
     assert!(!p.is_null(), "{}", last_error());
     assert_eq!(allocated(0), 1024);
@@ -129,9 +129,9 @@ fn abi_negative_and_absurd_sizes() {
 #[test]
 fn abi_wrong_device_ordinals() {
     setup();
-    assert!(malloc(512, 8).is_null());
+    assert!(malloc(512, 9).is_null());
     assert!(
-        last_error().contains("no device with ordinal 8: 8 device(s) available"),
+        last_error().contains("no device with ordinal 9: 9 device(s) available"),
         "{}",
         last_error()
     );
@@ -278,21 +278,22 @@ fn abi_contract_cap() {
 #[test]
 fn abi_and_the_rust_api_share_one_allocator_per_device() {
     setup();
-    assert_eq!(vram_ledger::devices::count(), 8);
-    let p = malloc(5000, 6);
+    // A device of its own: the cap test uses device 6 and would race with the counts here.
+    assert_eq!(vram_ledger::devices::count(), 9);
+    let p = malloc(5000, 8);
     assert!(!p.is_null(), "{}", last_error());
-    let a = vram_ledger::devices::sim_allocator(6).unwrap();
+    let a = vram_ledger::devices::sim_allocator(8).unwrap();
     assert_eq!(
         a.snapshot().all.allocated_bytes.current,
-        allocated(6),
+        allocated(8),
         "the Rust API sees what the C ABI allocated"
     );
     a.free(p as u64).unwrap();
-    assert_eq!(allocated(6), 0, "and the C ABI sees what it freed");
-    free(p, 5000, 6);
+    assert_eq!(allocated(8), 0, "and the C ABI sees what it freed");
+    free(p, 5000, 8);
     assert!(last_error().contains("already freed"), "{}", last_error());
     assert!(matches!(
-        vram_ledger::devices::allocator(6),
+        vram_ledger::devices::allocator(8),
         Err(vram_ledger::Error::WrongBackend { .. })
     ));
 }

@@ -130,6 +130,11 @@ pub struct Config {
     /// a partly used page, and a reserved address range, per tag, stream and pool; off by
     /// default (PyTorch's layout).
     pub separate_tags: bool,
+    /// Best fit looks at every free block of the request's size class, as PyTorch's does,
+    /// instead of at most 16 (whose fit is within 1/32 of the best). Replay turns it on in
+    /// native mode, to take PyTorch's decisions; off by default, because a class crowded with
+    /// thousands of cached blocks would then cost a scan of them all under the shard's lock.
+    pub exact_best_fit: bool,
 }
 
 impl Config {

@@ -12,7 +12,6 @@
 //! allocator since profiling counts. Only growth pays for that read (a driver call on a path
 //! that is about to make one); the cached path never sees the cap.
 
-use crate::SegmentMode;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use super::config::Config;
@@ -77,8 +76,7 @@ pub(crate) struct Core<D> {
     pub(crate) history: History,
     /// [`Config::separate_tags`].
     pub(crate) separate_tags: bool,
-    /// Best fit looks at every free block of the request's size class (native mode, whose
-    /// rules are PyTorch's exactly), not at a bounded number (`free_index.rs`).
+    /// [`Config::exact_best_fit`].
     pub(crate) exact_fit: bool,
     /// Which shard holds each segment's addresses.
     pub(crate) places: Places,
@@ -130,7 +128,7 @@ impl<D: Driver> Core<D> {
             stranded: Stranded::default(),
             history: Default::default(),
             separate_tags: config.separate_tags,
-            exact_fit: config.mode == SegmentMode::Native,
+            exact_fit: config.exact_best_fit,
             places: Places::default(),
             committed: AtomicU64::new(0),
         })

@@ -17,7 +17,8 @@
 //! address on ties), then the next non-empty bin, whose blocks all fit, for its smallest.
 //! Searches look at no more than [`SCAN`] entries of a bin, so a bin crowded with thousands of
 //! near-equal blocks costs a bounded time at the price of a fit up to 1/32 looser, except an
-//! exact search (native mode), which looks at every entry: PyTorch's best fit is exact, and
+//! exact search (`Config::exact_best_fit`, native replay), which looks at every entry:
+//! PyTorch's best fit is exact, and
 //! on a checkpointed training run with 222 segments of one layout the bounded search took a
 //! block of the same size at a higher address than PyTorch did, and made 2 segments more.
 

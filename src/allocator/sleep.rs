@@ -222,11 +222,12 @@ impl<D: Driver> Allocator<D> {
             }
             (plan, maps)
         };
-        // The pinning and the copies run with no shard locked: other tags' allocations and
-        // frees go on. The sleeping tags' mappings cannot change meanwhile (their allocations
-        // are refused, their frees deferred, their cache given back above). The discarded
-        // tags' memory is given back meanwhile, on a thread of its own: their contents are
-        // given up whatever the copies do, and the driver's unmaps do not wait for the copies.
+        // The pinning and the copies take no shard lock: other tags' allocations and frees go
+        // on, except while the discarded tags' memory is given back, on a thread of its own
+        // with every shard locked (as for any give-back): their contents are given up whatever
+        // the copies do, and the driver's unmaps do not wait for the copies. The sleeping
+        // tags' mappings cannot change meanwhile (their allocations are refused, their frees
+        // deferred, their cache given back above).
         // The copies are all queued and waited for once: until they are complete none of the
         // offloaded tags' memory is given back, and a failure wakes those tags again.
         let mut report = SleepReport::default();
@@ -253,10 +254,6 @@ impl<D: Driver> Allocator<D> {
         // The ring serves one sleep or wake: host memory held while asleep is the tags' own.
         st.drop_ring(d);
         phases.mark("ring freed");
-        if let Some(done) = discarded {
-            let done = done?;
-            report.add(&done);
-        }
         let hosts = match copied {
             Ok(h) => h,
             Err((e, settled)) => {
@@ -276,6 +273,9 @@ impl<D: Driver> Allocator<D> {
                 return Err(e);
             }
         };
+        if let Some(done) = discarded {
+            report.add(&done?);
+        }
         report.add(&self.give_back_slept(&plan, &maps, Some(&hosts))?);
         report.tags = plan.iter().map(|&(t, _)| t).collect();
         report.host_bytes = st.host_bytes();

@@ -173,10 +173,11 @@ pub fn replay(
     replay_on(&fresh(trace, opts)?, trace, opts, progress)
 }
 
-/// An allocator as `opts` says, on a fresh simulated device. Native replay of a trace PyTorch
-/// recorded with plain segments gets the recorded segments' addresses from the simulated
-/// driver, for as long as it makes the same segments: PyTorch's best fit prefers the lowest
-/// address among free blocks of one size, so the address order is part of what it decided on.
+/// An allocator as `opts` says, on a fresh simulated device. Native replay takes PyTorch's
+/// decisions: its best fit is exact ([`Config::exact_best_fit`]), and on a trace recorded with
+/// plain segments it gets the recorded segments' addresses from the simulated driver, for as
+/// long as it makes the same segments (PyTorch's best fit prefers the lowest address among free
+/// blocks of one size, so the address order is part of what it decided on).
 fn fresh(trace: &Trace, opts: &ReplayOptions) -> Result<Allocator<SimDriver>, Error> {
     let drv = SimDriver::with_config(SimConfig {
         capacity: opts.capacity,
@@ -194,6 +195,7 @@ fn fresh(trace: &Trace, opts: &ReplayOptions) -> Result<Allocator<SimDriver>, Er
     let config = Config {
         remap_piece: opts.remap_piece,
         move_across_streams: opts.move_across_streams,
+        exact_best_fit: opts.mode == SegmentMode::Native,
         ..Config::with_mode(opts.mode)
     };
     Allocator::new(drv, config)

@@ -16,8 +16,9 @@
 //! - It runs only on a pickle [`super::pickle_guard::check`] accepted: the values it builds,
 //!   shared parts counted in full, are bounded; nesting is at most `MAX_DEPTH` deep; no value
 //!   changes after a reference to it was fetched, so no value can come to hold itself through
-//!   the memo. `DUP` copies its value, as serde-pickle does, so no cycle can come from it either;
-//!   conversion still stops at a depth bound rather than trusting that.
+//!   the memo. `DUP`, and memoising a value that is in the memo already, copy it, as serde-pickle
+//!   does (the guard measures them so), so no two memo entries share a node and no cycle can
+//!   come from either; conversion still stops at a depth bound rather than trusting that.
 //! - It knows the opcodes Python's pickler writes for plain data (dicts, lists, tuples, sets,
 //!   strings, bytes, numbers, booleans, `None`); any other is an error naming it, never a
 //!   guess.
@@ -86,6 +87,9 @@ pub(crate) fn decode(data: &[u8]) -> Result<Value, SharedPickleError> {
         m.at += 1;
         if op == b'.' {
             let top = m.pop()?;
+            if m.at != data.len() {
+                return Err(m.malformed("bytes after the STOP"));
+            }
             return convert(&top, 0);
         }
         m.apply(op)?;
@@ -209,9 +213,20 @@ impl Machine<'_> {
         u32::try_from(v).map_err(|_| self.malformed("a memo index past 32 bits"))
     }
 
+    /// The top value memoised as entry `id`. A value that is in the memo already (fetched, or
+    /// memoised under another index) is copied first, as serde-pickle does and as the guard
+    /// measured it: two entries never share a node, so a change through one (which the guard
+    /// allows while that entry is unfetched) cannot reach a value fetched through the other.
     fn put(&mut self, id: u32) -> Result<(), SharedPickleError> {
         let top = self.top()?.clone();
-        self.memo.insert(id, top);
+        let entry = if Rc::strong_count(&top) > 1 {
+            let copy = deep_copy(&top, 0)?;
+            *self.stack.last_mut().expect("the top exists") = copy.clone();
+            copy
+        } else {
+            top
+        };
+        self.memo.insert(id, entry);
         Ok(())
     }
 
@@ -483,7 +498,28 @@ mod tests {
     }
 
     #[test]
+    fn a_value_memoised_twice_is_two_values() {
+        // `( D ]q0 q1 h0 a h0 a t .`: the list memoised as 0, then as 1 (a copy), fetched
+        // twice as 0 and appended to through 1: [[], []] are the list fetched, and the list
+        // built through entry 1 holds them; nothing holds itself.
+        let mut p = SHARED[..SHARED.len() - 1].to_vec();
+        p.insert(11, b'(');
+        p.extend_from_slice(b"]q\x64q\x65h\x64ah\x64at.");
+        let v = decode(&p).unwrap();
+        let Value::Tuple(items) = v else {
+            panic!("{v:?}")
+        };
+        assert_eq!(
+            items[1],
+            Value::List(vec![Value::List(vec![]), Value::List(vec![])])
+        );
+    }
+
+    #[test]
     fn truncated_or_foreign_pickles_are_errors() {
+        let mut extra = SHARED.to_vec();
+        extra.push(b'N');
+        assert!(decode(&extra).is_err(), "bytes after the STOP");
         for cut in 1..SHARED.len() {
             assert!(decode(&SHARED[..cut]).is_err(), "cut at {cut}");
         }
