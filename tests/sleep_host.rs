@@ -4,6 +4,9 @@
 //! pageable memory, piece by piece. Either way every byte comes back, and a failure partway
 //! leaves the tag awake and, once host memory is no longer retained, none held.
 
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
 #[path = "common/sim.rs"]
 mod common;
 
@@ -27,6 +30,46 @@ fn two_gib_of_weights(a: &Allocator<SimDriver>, salt: u64) -> Vec<Allocation> {
         stamp(a, x, salt + i as u64);
     }
     w
+}
+
+/// `op` run on another thread with every copy between host and device held at its start.
+/// Once a copy waits, `until` is polled (for up to 20 s) and then `then` read, both while the
+/// copy still waits; then the copies go on. Returns what `op` returned, whether `until` came
+/// true, and what `then` read; fails if no copy was held, or if the copies did not wait
+/// throughout.
+fn with_copies_held<R: Send + 'static, T>(
+    a: &Arc<Allocator<SimDriver>>,
+    mode: SegmentMode,
+    op: fn(&Allocator<SimDriver>) -> R,
+    until: impl Fn() -> bool,
+    then: impl FnOnce() -> T,
+) -> (R, bool, T) {
+    let dev = a.driver().device().clone();
+    dev.hold_copies(true);
+    let worker = {
+        let a = a.clone();
+        std::thread::spawn(move || op(&a))
+    };
+    let t = Instant::now();
+    while dev.copies_held() == 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "{mode}: no copy was held"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let t = Instant::now();
+    let mut seen = until();
+    while !seen && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(5));
+        seen = until();
+    }
+    let read = then();
+    let still_held = dev.copies_held() > 0;
+    dev.hold_copies(false);
+    let r = worker.join().unwrap();
+    assert!(still_held, "{mode}: the copies were held throughout");
+    (r, seen, read)
 }
 
 #[test]
@@ -242,43 +285,20 @@ fn wake_maps_the_next_tag_while_the_contents_of_one_are_copied_back() {
     // Weights (offloaded) wake before the KV cache (discarded): with the weights' copies held
     // at their start, the KV cache's memory is mapped and accessible all the same; once the
     // copies go on, both tags are awake with their contents.
-    use std::sync::Arc;
-    use std::time::{Duration, Instant};
     for mode in VIRTUAL {
         let a = Arc::new(allocator(mode, 80 * GIB));
-        let dev = a.driver().device().clone();
         let e = engine(&a);
         a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap();
         assert!(
             !a.driver().is_accessible(e.kv[0].ptr, e.kv[0].size),
             "{mode}"
         );
-        dev.hold_copies(true);
-        let waker = {
-            let a = a.clone();
-            std::thread::spawn(move || a.wake(&[]))
-        };
-        let t = Instant::now();
-        while dev.copies_held() == 0 {
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "{mode}: no copy was held"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let mapped = e.kv.iter().all(|x| a.driver().is_accessible(x.ptr, x.size));
-        let t = Instant::now();
-        let mut mapped_while_held = mapped;
-        while !mapped_while_held && t.elapsed() < Duration::from_secs(20) {
-            std::thread::sleep(Duration::from_millis(5));
-            mapped_while_held = e.kv.iter().all(|x| a.driver().is_accessible(x.ptr, x.size));
-        }
-        let still_held = dev.copies_held() > 0;
-        dev.hold_copies(false);
-        let report = waker.join().unwrap().unwrap();
-        assert!(
-            still_held,
-            "{mode}: the weights' copies were held throughout"
+        let (report, mapped_while_held, ()) = with_copies_held(
+            &a,
+            mode,
+            |a| a.wake(&[]).unwrap(),
+            || e.kv.iter().all(|x| a.driver().is_accessible(x.ptr, x.size)),
+            || (),
         );
         assert!(
             mapped_while_held,
@@ -324,42 +344,18 @@ fn wake_under_a_tight_cap_maps_the_next_tag_once_one_is_awake_and_keeps_the_cach
 fn sleep_gives_back_the_discarded_tags_while_the_offloaded_ones_are_copied() {
     // With the weights' copies held at their start, the KV cache (discarded) is given back all
     // the same; once the copies go on, both tags are asleep.
-    use std::sync::Arc;
-    use std::time::{Duration, Instant};
     for mode in VIRTUAL {
         let a = Arc::new(allocator(mode, 80 * GIB));
-        let dev = a.driver().device().clone();
         let e = engine(&a);
-        dev.hold_copies(true);
-        let sleeper = {
-            let a = a.clone();
-            std::thread::spawn(move || a.sleep(&[Tag::Weights], &[Tag::KvCache]))
-        };
-        let t = Instant::now();
-        while dev.copies_held() == 0 {
-            assert!(
-                t.elapsed() < Duration::from_secs(60),
-                "{mode}: no copy was held"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let gone = |a: &Allocator<SimDriver>| {
-            e.kv.iter()
-                .all(|x| !a.driver().is_accessible(x.ptr, x.size))
-        };
-        let t = Instant::now();
-        let mut gone_while_held = gone(&a);
-        while !gone_while_held && t.elapsed() < Duration::from_secs(20) {
-            std::thread::sleep(Duration::from_millis(5));
-            gone_while_held = gone(&a);
-        }
-        let still_held = dev.copies_held() > 0;
-        let weights_there = e.weights.iter().all(|x| readable(&a, x));
-        dev.hold_copies(false);
-        let report = sleeper.join().unwrap().unwrap();
-        assert!(
-            still_held,
-            "{mode}: the weights' copies were held throughout"
+        let (report, gone_while_held, weights_there) = with_copies_held(
+            &a,
+            mode,
+            |a| a.sleep(&[Tag::Weights], &[Tag::KvCache]).unwrap(),
+            || {
+                e.kv.iter()
+                    .all(|x| !a.driver().is_accessible(x.ptr, x.size))
+            },
+            || e.weights.iter().all(|x| readable(&a, x)),
         );
         assert!(
             weights_there,

@@ -249,6 +249,22 @@ mod tests {
     use crate::allocator::block::{BlockState, Fresh};
     use crate::allocator::rules::PoolKind;
 
+    /// A free large-pool block of `size` bytes at `addr`, listed in `idx`.
+    fn listed_block(arena: &mut Arena, idx: &mut FreeIndex, addr: u64, size: u64) -> BlockId {
+        let id = arena.insert(Fresh {
+            addr,
+            size,
+            segment: 0,
+            list: 0,
+            state: BlockState::Free,
+            pool: PoolKind::Large,
+            prev: NIL,
+            next: NIL,
+        });
+        idx.insert(arena, id);
+        id
+    }
+
     /// The listing walks the bins the bitmap names; the bitmap check catches a bin whose bit
     /// is wrong either way, and a summary bit that is.
     #[test]
@@ -257,20 +273,7 @@ mod tests {
         let mut idx = FreeIndex::default();
         let ids: Vec<BlockId> = [512u64, 4096, 2 << 20, 1 << 30, (1 << 30) + (64 << 20)]
             .iter()
-            .map(|&size| {
-                let id = arena.insert(Fresh {
-                    addr: size,
-                    size,
-                    segment: 0,
-                    list: 0,
-                    state: BlockState::Free,
-                    pool: PoolKind::Large,
-                    prev: NIL,
-                    next: NIL,
-                });
-                idx.insert(&mut arena, id);
-                id
-            })
+            .map(|&size| listed_block(&mut arena, &mut idx, size, size))
             .collect();
         assert!(idx.bitmap_agrees());
         let mut listed = idx.listed(&arena);
@@ -303,20 +306,7 @@ mod tests {
         let size = 36 << 20;
         let n = SCAN as u64 * 2;
         let ids: Vec<BlockId> = (0..n)
-            .map(|i| {
-                let id = arena.insert(Fresh {
-                    addr: (i + 1) << 30,
-                    size,
-                    segment: i as u32,
-                    list: 0,
-                    state: BlockState::Free,
-                    pool: PoolKind::Large,
-                    prev: NIL,
-                    next: NIL,
-                });
-                idx.insert(&mut arena, id);
-                id
-            })
+            .map(|i| listed_block(&mut arena, &mut idx, (i + 1) << 30, size))
             .collect();
         let lowest = ids[0];
         assert_eq!(idx.best_fit(&arena, 32 << 20, true), Some(lowest));
