@@ -407,3 +407,37 @@ fn sleep_whose_copies_fail_keeps_the_offloaded_tags_awake_and_the_discarded_asle
         check(&a);
     }
 }
+
+#[test]
+fn sleep_noting_names_only_the_tags_the_failed_call_left_asleep() {
+    for mode in VIRTUAL {
+        let a = allocator(mode, 80 * GIB);
+        let e = engine(&a);
+        // Asleep before the call: not this call's to undo.
+        let (r, left) = a.sleep_noting(&[], &[Tag::Activation]);
+        assert_eq!(r.unwrap().tags, vec![Tag::Activation], "{mode}");
+        assert_eq!(
+            left,
+            vec![Tag::Activation],
+            "{mode}: a sleep that succeeds notes its tags"
+        );
+        a.driver().fail_from(DriverCall::CopyToHost, 1);
+        let (r, left) = a.sleep_noting(&[Tag::Weights], &[Tag::KvCache]);
+        a.driver().clear_faults();
+        assert!(r.is_err(), "{mode}");
+        assert_eq!(
+            left,
+            vec![Tag::KvCache],
+            "{mode}: the discarded tag, not the one asleep before"
+        );
+        let mut asleep = a.asleep_tags();
+        asleep.sort_by_key(|t| t.index());
+        assert_eq!(asleep, vec![Tag::Activation, Tag::KvCache], "{mode}");
+        // Undoing what the call did leaves the earlier sleep in place.
+        a.wake(&left).unwrap();
+        assert_eq!(a.asleep_tags(), vec![Tag::Activation], "{mode}");
+        assert!(e.weights_intact(&a), "{mode}");
+        a.wake(&[]).unwrap();
+        check(&a);
+    }
+}

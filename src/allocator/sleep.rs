@@ -131,13 +131,44 @@ impl<D: Driver> Allocator<D> {
     /// copies fail, the error is returned with the offloaded tags awake and the discarded ones
     /// asleep ([`Allocator::asleep_tags`]).
     pub fn sleep(&self, offload: &[Tag], discard: &[Tag]) -> Result<SleepReport> {
+        self.sleep_noting(offload, discard).0
+    }
+
+    /// [`Allocator::sleep`], and the tags this call left asleep: on success the report's
+    /// tags, on an error those it put to sleep before failing (the discarded ones, when the
+    /// copies fail). Read under the lock that orders sleeps and wakes, so a caller undoing a
+    /// failed sleep wakes what this call did and never a tag another thread put to sleep.
+    pub fn sleep_noting(
+        &self,
+        offload: &[Tag],
+        discard: &[Tag],
+    ) -> (Result<SleepReport>, Vec<Tag>) {
+        let mut st = self.sleep.lock();
+        let before = self.asleep_tags();
+        let r = self.sleep_locked(&mut st, offload, discard);
+        let left = match &r {
+            Ok(report) => report.tags.clone(),
+            Err(_) => self
+                .asleep_tags()
+                .into_iter()
+                .filter(|t| !before.contains(t))
+                .collect(),
+        };
+        (r, left)
+    }
+
+    fn sleep_locked(
+        &self,
+        st: &mut SleepState,
+        offload: &[Tag],
+        discard: &[Tag],
+    ) -> Result<SleepReport> {
         let t0 = Instant::now();
         if let Some(t) = offload.iter().find(|t| discard.contains(t)) {
             return Err(Error::InvalidArgument(format!(
                 "tag {t} cannot be both offloaded and discarded"
             )));
         }
-        let mut st = self.sleep.lock();
         let d = &self.core.driver;
         let mut phases = Phases::start();
         let (plan, maps) = {
@@ -185,7 +216,7 @@ impl<D: Driver> Allocator<D> {
                     .spawn_scoped(s, || self.give_back_slept(&plan, &maps, None))
                     .ok()
             });
-            let copied = self.offload(&mut st, &plan, &maps, &mut report);
+            let copied = self.offload(st, &plan, &maps, &mut report);
             let discarded = match giving {
                 None => None,
                 Some(Some(h)) => Some(h.join().expect("sleep's give-back thread panicked")),

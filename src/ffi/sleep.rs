@@ -74,20 +74,11 @@ pub extern "C" fn vram_ledger_sleep(device: c_int, offload: c_int, discard: c_in
         let (offload, discard) = (tags(offload, "offload")?, tags(discard, "discard")?);
         let mut slept: Vec<(&'static Device, Vec<Tag>)> = Vec::new();
         let r = reports(device, |d| {
-            let before = on_device!(d, d => d.allocator().asleep_tags());
-            match on_device!(d, d => d.allocator().sleep(&offload, &discard)) {
-                Ok(r) => {
-                    slept.push((d, r.tags.clone()));
-                    Ok(r)
-                }
-                Err(e) => {
-                    // Discarded tags are given back while the copies run: a failed copy leaves
-                    // them asleep on this device too.
-                    let now = on_device!(d, d => d.allocator().asleep_tags());
-                    slept.push((d, now.into_iter().filter(|t| !before.contains(t)).collect()));
-                    Err(e.to_string())
-                }
-            }
+            // Discarded tags are given back while the copies run: a failed copy leaves them
+            // asleep on this device too, and they are woken with the rest below.
+            let (r, left) = on_device!(d, d => d.allocator().sleep_noting(&offload, &discard));
+            slept.push((d, left));
+            r.map_err(|e| e.to_string())
         });
         if r.is_err() {
             for (d, tags) in slept.into_iter().filter(|(_, t)| !t.is_empty()) {

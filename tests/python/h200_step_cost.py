@@ -1,0 +1,222 @@
+"""What each mode costs a real loop on the GPU, against PyTorch's own allocator: a training loop
+and a serving loop, timed step by step, one process per configuration.
+
+    python3 tests/python/h200_step_cost.py [CONFIG ...]      (default: torch, every mode, torch)
+
+CONFIG is `torch` (PyTorch's allocator) or a mode (`install(mode=...)`); by default each mode
+runs twice and PyTorch's allocator three times, interleaved, so that a drift of the machine
+touches every configuration alike. PyTorch's runs show how far identical runs differ here.
+Before the first, a short untimed run of both loops reads the libraries and kernels from disk
+(the first process on a machine otherwise pays that in its first steps).
+
+- train: a Llama (1024 hidden, 12 layers, fp32 weights, bf16 autocast) trained with activation
+  checkpointing on every layer and AdamW, two micro-batches of 4 sequences a step, each
+  sequence 512, 1024 or 1536 tokens (seeded: the same shapes, in the same order, in every
+  process).
+- serve: continuous batching on a Llama (2048 hidden, 16 layers, bf16) with HF's DynamicCache:
+  8 requests of 64 to 1024 prompt tokens arrive over the first 10 iterations and decode 8 to 32
+  tokens each; a step is one iteration over every active request (iterations before the first
+  arrival are not steps).
+
+A step is timed from a device synchronisation to the next. "first" is the first FIRST steps'
+total (where an allocator reserves its memory); "warm" is the median time of the rest, over
+every run of the configuration (the median: one step stalled by the machine moves a total
+more than the allocator does).
+
+Marks (each mode, each loop; `marks.py`, a missing reading misses): the warm step at most 1%
+over PyTorch's (`warm_within_1pct`), and the first steps at most 1 s slower in all, against
+the mean of PyTorch's runs (`first_within_1s`). The script exits 1 when any mark is missed or any process fails.
+"""
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from marks import Marks
+
+MODES = ["native", "expandable", "compact", "remap"]
+DEFAULT = ["torch", *MODES, "torch", *MODES, "torch"]
+FIRST = 3
+TRAIN_STEPS = int(os.environ.get("STEP_COST_TRAIN_STEPS", "27"))
+SERVE_REQUESTS = int(os.environ.get("STEP_COST_SERVE_REQUESTS", "8"))
+
+
+def llama(torch, hidden, layers, heads, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), vocab_size=32000,
+                      max_position_embeddings=4096)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(cfg).to(dtype)
+
+
+def timed(torch, fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def train(torch):
+    from torch.utils.checkpoint import checkpoint
+
+    rng = random.Random("train")
+    m = llama(torch, 1024, 12, 16, torch.float32)
+    for layer in m.model.layers:
+        layer.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(layer.forward)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    shapes = [[rng.choice([512, 1024, 1536]) for _ in range(2)] for _ in range(TRAIN_STEPS)]
+
+    def step(seqs):
+        for seq in seqs:
+            ids = torch.randint(0, 32000, (4, seq), device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = m(ids, labels=ids).loss / len(seqs)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = [timed(torch, lambda s=s: step(s)) for s in shapes]
+    del m, opt
+    return times
+
+
+def serve(torch):
+    from transformers.cache_utils import DynamicCache
+
+    rng = random.Random("serve")
+    m = llama(torch, 2048, 16, 32, torch.bfloat16).eval()
+    arrivals = sorted(rng.randrange(0, 10) for _ in range(SERVE_REQUESTS))
+    prompts = [rng.randint(64, 1024) for _ in range(SERVE_REQUESTS)]
+    lengths = [rng.randint(8, 32) for _ in range(SERVE_REQUESTS)]
+    state = {"active": [], "served": 0, "it": arrivals[0]}
+
+    def iteration():
+        active = state["active"]
+        while state["served"] < SERVE_REQUESTS and arrivals[state["served"]] <= state["it"]:
+            i = state["served"]
+            ids = torch.randint(0, 32000, (1, prompts[i]), device="cuda")
+            cache = DynamicCache()
+            out = m(ids, past_key_values=cache, use_cache=True)
+            active.append([out.logits[:, -1:].argmax(-1), cache, lengths[i]])
+            state["served"] += 1
+        for r in active:
+            out = m(r[0], past_key_values=r[1], use_cache=True)
+            r[0] = out.logits[:, -1:].argmax(-1)
+            r[2] -= 1
+        state["active"] = [r for r in active if r[2] > 0]
+        state["it"] += 1
+
+    times = []
+    with torch.no_grad():
+        while state["served"] < SERVE_REQUESTS or state["active"]:
+            times.append(timed(torch, iteration))
+    return times
+
+
+def driver_calls(config):
+    """The library's driver calls so far, by call (none under PyTorch's allocator)."""
+    if config == "torch":
+        return {}
+    import vram_ledger as vl
+
+    calls = {}
+    for line in vl.metrics().splitlines():
+        if line.startswith("vram_ledger_driver_calls_total{"):
+            labels, value = line.rsplit(" ", 1)
+            call = labels.split('call="', 1)[1].split('"', 1)[0]
+            calls[call] = calls.get(call, 0) + int(float(value))
+    return calls
+
+
+def run_case(config):
+    if config != "torch":
+        import vram_ledger as vl
+
+        vl.install(mode=config)
+    import torch
+
+    torch.manual_seed(0)
+    out = {"config": config}
+    loops = [(n, f) for n, f in (("train", train), ("serve", serve)) if n in os.environ.get("STEP_COST_LOOPS", "train,serve")]
+    for name, loop in loops:
+        torch.cuda.reset_peak_memory_stats()
+        before = driver_calls(config)
+        out[name] = loop(torch)
+        out[name + "_peak_reserved"] = torch.cuda.max_memory_reserved()
+        # What the allocator asked of the driver during the loop (what a step's time may hide).
+        after = driver_calls(config)
+        out[name + "_driver_calls"] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        torch.cuda.empty_cache()
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+def split(times):
+    return sum(times[:FIRST]), sum(times[FIRST:])
+
+
+def main(argv):
+    if argv[:1] == ["_case"]:
+        return run_case(argv[1])
+    configs = argv or DEFAULT
+    subprocess.run([sys.executable, os.path.abspath(__file__), "_case", "torch"], capture_output=True, timeout=300,
+                   env={**os.environ, "STEP_COST_TRAIN_STEPS": "4", "STEP_COST_SERVE_REQUESTS": "2"})
+    runs, failed = [], False
+    for config in configs:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "_case", config],
+                           capture_output=True, text=True, timeout=240)
+        lines = [json.loads(l[7:]) for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+        if r.returncode != 0 or not lines:
+            print(json.dumps({"config": config, "ok": False, "returncode": r.returncode, "stderr": r.stderr[-2500:]}))
+            failed = True
+            continue
+        runs.append(lines[0])
+        # Every step's time, as it comes (a later process may not finish).
+        print("RUN " + json.dumps(lines[0]), flush=True)
+
+    def pooled(config, loop):
+        """(mean first-steps total, median warm step) over every run of `config`."""
+        mine = [r[loop] for r in runs if r["config"] == config]
+        if not mine:
+            return None, None
+        return statistics.mean(sum(t[:FIRST]) for t in mine), statistics.median(x for t in mine for x in t[FIRST:])
+
+    torch_runs = [r for r in runs if r["config"] == "torch"]
+    for loop in ("train", "serve"):
+        medians = [statistics.median(r[loop][FIRST:]) for r in torch_runs]
+        line = {"loop": loop, "steps": len(runs[0][loop]) if runs else None,
+                "torch_first_s": [round(sum(r[loop][:FIRST]), 4) for r in torch_runs],
+                "torch_warm_median_s": [round(m, 5) for m in medians],
+                "torch_warm_spread": round(max(medians) / min(medians) - 1, 5) if medians else None}
+        print("RESULT " + json.dumps(line), flush=True)
+    for config in dict.fromkeys(r["config"] for r in runs if r["config"] != "torch"):
+        marks = Marks()
+        line = {"config": config, "runs": sum(r["config"] == config for r in runs)}
+        for loop in ("train", "serve"):
+            base_first, base_warm = pooled("torch", loop)
+            first, warm = pooled(config, loop)
+            warm_ratio = warm / base_warm if base_warm else None
+            first_extra = first - base_first if base_first is not None else None
+            line[loop] = {"first_s": round(first, 4), "warm_median_s": round(warm, 5),
+                          "warm_vs_torch": None if warm_ratio is None else round(warm_ratio, 5),
+                          "first_extra_s": None if first_extra is None else round(first_extra, 4),
+                          "peak_reserved": max(r[loop + "_peak_reserved"] for r in runs if r["config"] == config)}
+            marks.at_most(f"{loop}_warm_within_1pct", warm_ratio, 1.01, 0.5)
+            marks.at_most(f"{loop}_first_within_1s", first_extra, 1.0, -100.0)
+        line.update(ok=marks.ok, marks=marks.met, missed=marks.missed())
+        failed |= not marks.ok
+        print("RESULT " + json.dumps(line), flush=True)
+    if len(torch_runs) == 0 or len(runs) < len(configs):
+        failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
