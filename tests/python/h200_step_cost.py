@@ -23,6 +23,10 @@ total (where an allocator reserves its memory); "warm" is the median time of the
 every run of the configuration (the median: one step stalled by the machine moves a total
 more than the allocator does).
 
+Each step's allocations and driver calls are read between steps, outside the timing: warm steps
+that make no driver call cost the allocator only its cached path, which `gpu_bench` and
+`h200_torch.py latency_*` price per allocation.
+
 Marks (each mode, each loop; `marks.py`, a missing reading misses): the warm step at most 1%
 over PyTorch's (`warm_within_1pct`), and the first steps at most 1 s slower in all, against
 the mean of PyTorch's runs (`first_within_1s`). The script exits 1 when any mark is missed or any process fails.
@@ -55,12 +59,28 @@ def llama(torch, hidden, layers, heads, dtype):
         return LlamaForCausalLM(cfg).to(dtype)
 
 
+# Per step, read outside its timing: allocations made (PyTorch's cumulative count, which
+# install() keeps too) and driver calls made by the library. A warm step that makes no driver
+# call costs the allocator only its cached path.
+COUNTS = []
+CONFIG = "torch"
+
+
+def counts(torch):
+    allocations = torch.cuda.memory_stats().get("allocation.all.allocated")
+    return allocations, sum(driver_calls(CONFIG).values())
+
+
 def timed(torch, fn):
+    before = counts(torch)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    after = counts(torch)
+    COUNTS.append([None if a is None or b is None else a - b for a, b in zip(after, before)])
+    return dt
 
 
 def train(torch):
@@ -136,6 +156,8 @@ def driver_calls(config):
 
 
 def run_case(config):
+    global CONFIG
+    CONFIG = config
     if config != "torch":
         import vram_ledger as vl
 
@@ -148,7 +170,10 @@ def run_case(config):
     for name, loop in loops:
         torch.cuda.reset_peak_memory_stats()
         before = driver_calls(config)
+        COUNTS.clear()
         out[name] = loop(torch)
+        out[name + "_step_allocations"] = [c[0] for c in COUNTS]
+        out[name + "_step_driver_calls"] = [c[1] for c in COUNTS]
         out[name + "_peak_reserved"] = torch.cuda.max_memory_reserved()
         # What the allocator asked of the driver during the loop (what a step's time may hide).
         after = driver_calls(config)
@@ -156,6 +181,11 @@ def run_case(config):
         torch.cuda.empty_cache()
     print("RESULT " + json.dumps(out), flush=True)
     return 0
+
+
+def median_or_none(values):
+    values = list(values)
+    return statistics.median(values) if values else None
 
 
 def split(times):
@@ -207,7 +237,13 @@ def main(argv):
             line[loop] = {"first_s": round(first, 4), "warm_median_s": round(warm, 5),
                           "warm_vs_torch": None if warm_ratio is None else round(warm_ratio, 5),
                           "first_extra_s": None if first_extra is None else round(first_extra, 4),
-                          "peak_reserved": max(r[loop + "_peak_reserved"] for r in runs if r["config"] == config)}
+                          "peak_reserved": max(r[loop + "_peak_reserved"] for r in runs if r["config"] == config),
+                          # What the allocator did in the warm steps, beside their time.
+                          "warm_driver_calls": [sum(r[loop + "_step_driver_calls"][FIRST:]) for r in runs
+                                                if r["config"] == config],
+                          "warm_allocations_per_step": median_or_none(
+                              x for r in runs if r["config"] == config
+                              for x in r[loop + "_step_allocations"][FIRST:] if x is not None)}
             marks.at_most(f"{loop}_warm_within_1pct", warm_ratio, 1.01, 0.5)
             marks.at_most(f"{loop}_first_within_1s", first_extra, 1.0, -100.0)
         line.update(ok=marks.ok, marks=marks.met, missed=marks.missed())
