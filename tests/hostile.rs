@@ -50,6 +50,10 @@ const REFUSED: &[(&str, &str)] = &[
     ("truncated.pickle.gz", "the gzip stream is corrupt"),
     ("gzip-of-gzip.pickle.gz", "not a pickle: it does not start with a pickle protocol header"),
     ("nan-set-member.pickle", "refused: it holds a float that is not a number (NaN)"),
+    (
+        "set-of-floats-and-integers.pickle",
+        "refused: it holds both a set and a float, which the decoder cannot order",
+    ),
     ("nan-dict-key.pickle", "refused: it holds a float that is not a number (NaN)"),
     ("nan-text-float.pickle", "refused: it holds a float that is not a number (NaN)"),
 ];
@@ -155,6 +159,10 @@ fn the_reader_gives_the_typed_error_behind_each_refusal() {
             "{name}"
         );
     }
+    assert!(matches!(
+        read("set-of-floats-and-integers.pickle"),
+        TraceError::Refused(Refusal::SetBesideFloat)
+    ));
     for name in ["changed-after-fetch.pickle", "recursive-list.pickle"] {
         let e = read(name);
         assert!(

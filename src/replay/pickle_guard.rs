@@ -69,6 +69,12 @@ pub enum Refusal {
     /// one. No memory snapshot holds a NaN.
     #[error("it holds a float that is not a number (NaN)")]
     NotANumber,
+    /// The decoder sorts set members, and its order between floats and integers is not a
+    /// total one (it truncates a float to compare it with a large integer one way, and rounds
+    /// the integer the other way): a sort panics on it. Without floats its order is total. No
+    /// memory snapshot holds a set.
+    #[error("it holds both a set and a float, which the decoder cannot order")]
+    SetBesideFloat,
 }
 
 /// `Err` when decoding `data` would build too many values, or values too deep, or values whose
@@ -304,6 +310,9 @@ struct Machine {
     marks: Vec<Vec<Slot>>,
     memo: HashMap<u32, Entry>,
     budget: Budget,
+    /// A set, and a float, seen so far ([`Refusal::SetBesideFloat`]).
+    set_seen: bool,
+    float_seen: bool,
 }
 
 impl Machine {
@@ -313,6 +322,8 @@ impl Machine {
             marks: Vec::new(),
             memo: HashMap::new(),
             budget,
+            set_seen: false,
+            float_seen: false,
         }
     }
 
@@ -420,6 +431,14 @@ impl Machine {
     /// What `op` (its argument read, `memo` the index it names) does to the stack, as the
     /// decoder does it.
     fn apply(&mut self, op: u8, memo: u32) -> Result<(), End> {
+        match op {
+            0x8f | 0x91 => self.set_seen = true,
+            b'G' | b'F' => self.float_seen = true,
+            _ => {}
+        }
+        if self.set_seen && self.float_seen {
+            return Err(Refusal::SetBesideFloat.into());
+        }
         match op {
             b'.' => return Err(End::Stop),
             0x80 | 0x95 => {}
@@ -627,6 +646,27 @@ mod tests {
         assert_eq!(
             check(&pickle(b"]q\x00]q\x00")),
             Err(Refusal::MemoRewritten(0))
+        );
+    }
+
+    #[test]
+    fn a_set_is_refused_beside_a_float_and_passes_without_one() {
+        let float = b"G\x3f\xe0\x00\x00\x00\x00\x00\x00".as_slice(); // 0.5
+        let set_of = |items: &[u8]| pickle(&[b"\x8f(".as_slice(), items, b"\x90"].concat());
+        // A set of integers, and a float outside any set, as snapshots hold it: both pass.
+        assert_eq!(check(&set_of(b"K\x01K\x02")), Ok(()));
+        assert_eq!(
+            check(&pickle(&[b"}(K\x01".as_slice(), float, b"u"].concat())),
+            Ok(())
+        );
+        // A float in the set, or anywhere beside one, in either order: refused.
+        assert_eq!(
+            check(&set_of(&[b"K\x01".as_slice(), float].concat())),
+            Err(Refusal::SetBesideFloat)
+        );
+        assert_eq!(
+            check(&pickle(&[b"(".as_slice(), float, b"\x8f", b"t"].concat())),
+            Err(Refusal::SetBesideFloat)
         );
     }
 }
