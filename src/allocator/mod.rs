@@ -43,6 +43,7 @@ mod spin;
 mod staging;
 mod stranded;
 mod streams;
+mod wake;
 
 pub use self::config::{Config, Limit, SegmentMode, UnknownMode, DEFAULT_REMAP_PIECE};
 pub use self::core::Allocation;
