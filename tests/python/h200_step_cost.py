@@ -188,10 +188,6 @@ def median_or_none(values):
     return statistics.median(values) if values else None
 
 
-def split(times):
-    return sum(times[:FIRST]), sum(times[FIRST:])
-
-
 def main(argv):
     if argv[:1] == ["_case"]:
         return run_case(argv[1])
