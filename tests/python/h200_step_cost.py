@@ -23,12 +23,19 @@ total (where an allocator reserves its memory); "warm" is the median time of the
 every run of the configuration (the median: one step stalled by the machine moves a total
 more than the allocator does).
 
+After each loop, a steady phase repeats one step STEP_COST_STEADY times (default 10): a
+training step of two micro-batches of 1024 tokens, or one request served alone (a 512-token
+prompt into a fresh DynamicCache and 16 tokens decoded). Every repeat is the same work, so a
+run's fastest repeat is its least disturbed figure; "steady" is the mean over a configuration's
+runs of that fastest repeat.
+
 Each step's allocations and driver calls are read between steps, outside the timing: warm steps
 that make no driver call cost the allocator only its cached path, which `gpu_bench` and
 `h200_torch.py latency_*` price per allocation.
 
 Marks (each mode, each loop; `marks.py`, a missing reading misses): the warm step at most 1%
-over PyTorch's (`warm_within_1pct`), and the first steps at most 1 s slower in all, against
+over PyTorch's (`warm_within_1pct`), the steady figure at most 1% over PyTorch's
+(`steady_within_1pct`), and the first steps at most 1 s slower in all, against
 the mean of PyTorch's runs (`first_within_1s`). The script exits 1 when any mark is missed or any process fails.
 """
 
@@ -64,6 +71,9 @@ def llama(torch, hidden, layers, heads, dtype):
 # call costs the allocator only its cached path.
 COUNTS = []
 CONFIG = "torch"
+# The steady phase's times: the same step repeated after the loop (see the module's doc).
+STEADY = []
+STEADY_REPEATS = int(os.environ.get("STEP_COST_STEADY", "10"))
 
 
 def counts(torch):
@@ -103,6 +113,7 @@ def train(torch):
         opt.zero_grad(set_to_none=True)
 
     times = [timed(torch, lambda s=s: step(s)) for s in shapes]
+    STEADY.extend(timed(torch, lambda: step([1024, 1024])) for _ in range(STEADY_REPEATS))
     del m, opt
     return times
 
@@ -133,10 +144,18 @@ def serve(torch):
         state["active"] = [r for r in active if r[2] > 0]
         state["it"] += 1
 
+    def request():
+        ids = torch.randint(0, 32000, (1, 512), device="cuda")
+        cache = DynamicCache()
+        out = m(ids, past_key_values=cache, use_cache=True)
+        for _ in range(16):
+            out = m(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+
     times = []
     with torch.no_grad():
         while state["served"] < SERVE_REQUESTS or state["active"]:
             times.append(timed(torch, iteration))
+        STEADY.extend(timed(torch, request) for _ in range(STEADY_REPEATS))
     return times
 
 
@@ -171,7 +190,10 @@ def run_case(config):
         torch.cuda.reset_peak_memory_stats()
         before = driver_calls(config)
         COUNTS.clear()
+        STEADY.clear()
         out[name] = loop(torch)
+        out[name + "_steady"] = list(STEADY)
+        del COUNTS[len(out[name]):]
         out[name + "_step_allocations"] = [c[0] for c in COUNTS]
         out[name + "_step_driver_calls"] = [c[1] for c in COUNTS]
         out[name + "_peak_reserved"] = torch.cuda.max_memory_reserved()
@@ -214,25 +236,38 @@ def main(argv):
             return None, None
         return statistics.mean(sum(t[:FIRST]) for t in mine), statistics.median(x for t in mine for x in t[FIRST:])
 
+    def steady(config, loop):
+        """Mean over the runs of `config` of each run's fastest steady step."""
+        mins = [min(r[loop + "_steady"]) for r in runs if r["config"] == config and r.get(loop + "_steady")]
+        return statistics.mean(mins) if mins else None
+
     torch_runs = [r for r in runs if r["config"] == "torch"]
-    for loop in ("train", "serve"):
+    loops = [loop for loop in ("train", "serve") if runs and loop in runs[0]]
+    for loop in loops:
         medians = [statistics.median(r[loop][FIRST:]) for r in torch_runs]
+        mins = [min(r[loop + "_steady"]) for r in torch_runs if r.get(loop + "_steady")]
         line = {"loop": loop, "steps": len(runs[0][loop]) if runs else None,
                 "torch_first_s": [round(sum(r[loop][:FIRST]), 4) for r in torch_runs],
                 "torch_warm_median_s": [round(m, 5) for m in medians],
-                "torch_warm_spread": round(max(medians) / min(medians) - 1, 5) if medians else None}
+                "torch_warm_spread": round(max(medians) / min(medians) - 1, 5) if medians else None,
+                "torch_steady_min_s": [round(m, 5) for m in mins],
+                "torch_steady_spread": round(max(mins) / min(mins) - 1, 5) if mins else None}
         print("RESULT " + json.dumps(line), flush=True)
     for config in dict.fromkeys(r["config"] for r in runs if r["config"] != "torch"):
         marks = Marks()
         line = {"config": config, "runs": sum(r["config"] == config for r in runs)}
-        for loop in ("train", "serve"):
+        for loop in loops:
             base_first, base_warm = pooled("torch", loop)
             first, warm = pooled(config, loop)
             warm_ratio = warm / base_warm if base_warm else None
+            base_steady, mine_steady = steady("torch", loop), steady(config, loop)
+            steady_ratio = mine_steady / base_steady if base_steady and mine_steady else None
             first_extra = first - base_first if base_first is not None else None
             line[loop] = {"first_s": round(first, 4), "warm_median_s": round(warm, 5),
                           "warm_vs_torch": None if warm_ratio is None else round(warm_ratio, 5),
                           "first_extra_s": None if first_extra is None else round(first_extra, 4),
+                          "steady_min_s": None if mine_steady is None else round(mine_steady, 5),
+                          "steady_vs_torch": None if steady_ratio is None else round(steady_ratio, 5),
                           "peak_reserved": max(r[loop + "_peak_reserved"] for r in runs if r["config"] == config),
                           # What the allocator did in the warm steps, beside their time.
                           "warm_driver_calls": [sum(r[loop + "_step_driver_calls"][FIRST:]) for r in runs
@@ -241,6 +276,7 @@ def main(argv):
                               x for r in runs if r["config"] == config
                               for x in r[loop + "_step_allocations"][FIRST:] if x is not None)}
             marks.at_most(f"{loop}_warm_within_1pct", warm_ratio, 1.01, 0.5)
+            marks.at_most(f"{loop}_steady_within_1pct", steady_ratio, 1.01, 0.5)
             marks.at_most(f"{loop}_first_within_1s", first_extra, 1.0, -100.0)
         line.update(ok=marks.ok, marks=marks.met, missed=marks.missed())
         failed |= not marks.ok
