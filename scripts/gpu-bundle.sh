@@ -57,6 +57,12 @@ strip "$out"/bin/* "$out"/tests/* "$out"/libvram_ledger.so 2>/dev/null || true
 # is not part of this repository), for run-all.sh's upstream step.
 if [ -n "${UPSTREAM_TESTS:-}" ]; then
     mkdir -p "$out/upstream" && cp "$UPSTREAM_TESTS" "$out/upstream/"
+    # Its testing helpers import expecttest, which the GPU machine lacks (pure Python: put on
+    # run-all.sh's PYTHONPATH from pylib/).
+    mkdir -p "$out/pylib" "$out/wheels"
+    pip download --quiet --no-deps --only-binary=:all: expecttest -d "$out/wheels" &&
+        for w in "$out"/wheels/expecttest-*.whl; do python3 -m zipfile -e "$w" "$out/pylib"; done ||
+        echo "gpu-bundle: expecttest not bundled: the upstream step will fail to import its file" >&2
 fi
 # The wheel as users get it, for tests/python/h200_wheel.sh: installed with pip, no Rust.
 wheel=$(bash scripts/build-wheel.sh "$out/wheel")
@@ -73,7 +79,7 @@ cat > "$out/run-all.sh" <<'RUN'
 # test binary and fails its step on any error or leak (MEMCHECK_TIMEOUT seconds each).
 here="$(cd "$(dirname "$0")" && pwd)"
 logs="$(mkdir -p "${1:-logs}" && cd "${1:-logs}" && pwd)"
-export VRAM_LEDGER_LIB="$here/libvram_ledger.so" VRAM_LEDGER_BIN="$here/bin/vram-ledger" PYTHONPATH="$here/python${PYTHONPATH:+:$PYTHONPATH}"
+export VRAM_LEDGER_LIB="$here/libvram_ledger.so" VRAM_LEDGER_BIN="$here/bin/vram-ledger" PYTHONPATH="$here/python:$here/pylib${PYTHONPATH:+:$PYTHONPATH}"
 cd "$here"
 failed=()
 ran=()

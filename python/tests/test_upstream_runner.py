@@ -43,7 +43,7 @@ def test_a_run_is_read_from_pytests_results(tmp_path):
                        env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     first = json.loads(r.stdout.splitlines()[0])
-    assert first == {"config": "torch", "counts": {"passed": 1, "failed": 1, "skipped": 1}}, first
+    assert first == {"config": "torch", "ok": True, "counts": {"passed": 1, "failed": 1, "skipped": 1}}, first
     saved = json.loads((tmp_path / "results" / "torch.json").read_text())
     # The class's name as pytest writes it depends on where pytest finds its root folder.
     by_name = {k.split(".")[-1]: v for k, v in saved["outcomes"].items()}
@@ -82,3 +82,14 @@ def test_runs_from_other_folders_compare_by_class_and_test():
     mode = {"outcomes": {"test_cuda.T::a": "passed"}, "config": "native"}
     r = upstream_tests.compare(torch, mode)
     assert r["ok"] and r["lost"] == [], r
+
+
+def test_a_file_that_fails_to_import_is_no_reading():
+    # pytest records a collection error as one failed entry and nothing passed, in every
+    # configuration alike: that must miss, not compare equal.
+    broken = {"outcomes": {"upstream.test_cuda::test_cuda": "failed"}}
+    r = upstream_tests.compare(broken, dict(broken, config="expandable"))
+    assert not r["ok"] and "results_read" in r["missed"], r
+    torch = outcome(a="passed")
+    r = upstream_tests.compare(torch, dict(broken, config="remap"))
+    assert not r["ok"] and "results_read" in r["missed"], r
