@@ -193,6 +193,7 @@ def run_case(config):
         STEADY.clear()
         out[name] = loop(torch)
         out[name + "_steady"] = list(STEADY)
+        # The steady repeats were timed too; the per-step counts are the loop's steps only.
         del COUNTS[len(out[name]):]
         out[name + "_step_allocations"] = [c[0] for c in COUNTS]
         out[name + "_step_driver_calls"] = [c[1] for c in COUNTS]
@@ -236,16 +237,19 @@ def main(argv):
             return None, None
         return statistics.mean(sum(t[:FIRST]) for t in mine), statistics.median(x for t in mine for x in t[FIRST:])
 
+    def steady_mins(config, loop):
+        """Each run's fastest steady step, for the runs of `config`."""
+        return [min(r[loop + "_steady"]) for r in runs if r["config"] == config and r.get(loop + "_steady")]
+
     def steady(config, loop):
-        """Mean over the runs of `config` of each run's fastest steady step."""
-        mins = [min(r[loop + "_steady"]) for r in runs if r["config"] == config and r.get(loop + "_steady")]
+        mins = steady_mins(config, loop)
         return statistics.mean(mins) if mins else None
 
     torch_runs = [r for r in runs if r["config"] == "torch"]
     loops = [loop for loop in ("train", "serve") if runs and loop in runs[0]]
     for loop in loops:
         medians = [statistics.median(r[loop][FIRST:]) for r in torch_runs]
-        mins = [min(r[loop + "_steady"]) for r in torch_runs if r.get(loop + "_steady")]
+        mins = steady_mins("torch", loop)
         line = {"loop": loop, "steps": len(runs[0][loop]) if runs else None,
                 "torch_first_s": [round(sum(r[loop][:FIRST]), 4) for r in torch_runs],
                 "torch_warm_median_s": [round(m, 5) for m in medians],
