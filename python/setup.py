@@ -1,8 +1,9 @@
 """Puts libvram_ledger.so inside the package, so that an installed package needs no
 environment variable and no Rust toolchain.
 
-The package loads the library with ctypes and has no Python extension, so one wheel serves
-every CPython 3.9+: it is tagged `py3-none-<platform>`, the platform because it carries a native
+The package loads the library with ctypes and has no compiled Python extension (the source of
+the optional one, `csrc/torch_allocator.cpp`, travels in the wheel and is built on first use by
+install(extension=True)), so one wheel serves every CPython 3.9+: it is tagged `py3-none-<platform>`, the platform because it carries a native
 library. scripts/build-wheel.sh builds the library once, hands it over in
 VRAM_LEDGER_PREBUILT_LIB and gives the wheel its manylinux tag with auditwheel; without that
 variable (`pip install ./python`) the library is built here with cargo."""

@@ -153,10 +153,21 @@ fi
 # PyTorch's test_cuda.py in every configuration, compared with the run of PyTorch's allocator
 # (UPSTREAM_CONFIGS picks some; a mode run alone compares with a torch run kept in
 # UPSTREAM_RESULTS). Its testing helpers need expecttest, which the machine may lack.
+# The configurations run at once, one process each (the GPU has room for all five), then
+# compared from what they kept; install() uses its C++ extension unless
+# VRAM_LEDGER_TORCH_EXTENSION=0.
+upstream() {
+    export UPSTREAM_RESULTS="${UPSTREAM_RESULTS:-$logs/upstream}" VRAM_LEDGER_TORCH_EXTENSION="${VRAM_LEDGER_TORCH_EXTENSION:-1}"
+    local c pids=()
+    for c in ${UPSTREAM_CONFIGS:-torch native expandable compact remap}; do
+        python3 tests/python/upstream_tests.py upstream/test_cuda.py "$c" -- --timeout=120 >"$logs/upstream-$c.jsonl" 2>&1 &
+        pids+=($!)
+    done
+    wait "${pids[@]}" || true
+    python3 tests/python/upstream_tests.py --saved ${UPSTREAM_CONFIGS:-torch native expandable compact remap}
+}
 if [ -f upstream/test_cuda.py ]; then
-    step upstream env UPSTREAM_RESULTS="${UPSTREAM_RESULTS:-$logs/upstream}" \
-        python3 tests/python/upstream_tests.py upstream/test_cuda.py ${UPSTREAM_CONFIGS:-torch native expandable compact remap} \
-        -- --timeout=120
+    step upstream upstream
 else
     echo "upstream: not run: no upstream/test_cuda.py in the bundle (UPSTREAM_TESTS=PATH at bundling)"
 fi

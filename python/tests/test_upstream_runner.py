@@ -93,3 +93,17 @@ def test_a_file_that_fails_to_import_is_no_reading():
     torch = outcome(a="passed")
     r = upstream_tests.compare(torch, dict(broken, config="remap"))
     assert not r["ok"] and "results_read" in r["missed"], r
+
+
+def test_saved_runs_are_compared_without_running_anything(tmp_path, monkeypatch, capsys):
+    # The configurations run at once, one process each; --saved compares what they kept.
+    monkeypatch.setenv("UPSTREAM_RESULTS", str(tmp_path))
+    for config, outcomes in [("torch", {"T::a": "passed", "T::b": "passed"}), ("remap", {"T::a": "passed", "T::b": "passed"}),
+                             ("native", {"T::a": "passed", "T::b": "failed"})]:
+        (tmp_path / f"{config}.json").write_text(json.dumps({"config": config, "outcomes": outcomes, "extension": "1"}))
+    assert upstream_tests.main(["--saved", "torch", "remap"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line.get("mode") for line in lines] == [None, "remap", None] and lines[1]["extension"] == "1", lines
+    assert upstream_tests.main(["--saved", "torch", "native"]) == 1, "native lost T::b"
+    assert upstream_tests.main(["--saved", "torch", "compact"]) == 1, "a configuration that kept no run is no reading"
+    assert "no saved run of compact" in capsys.readouterr().err

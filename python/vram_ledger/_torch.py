@@ -9,7 +9,7 @@ import itertools
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from . import _args, _mempool, _torch_stats
+from . import _args, _extension, _mempool, _torch_stats
 from ._lib import _LOG, VramLedgerError, _check, _clean_up_after, _last_error, abi, library_path, load
 from .tags import tag
 
@@ -33,7 +33,11 @@ DEFAULT_MODE = "remap"
 
 
 def install(
-    mode: Optional[str] = None, torch_stats: bool = True, cudagraph_trees: bool = False, sleep: bool = False
+    mode: Optional[str] = None,
+    torch_stats: bool = True,
+    cudagraph_trees: bool = False,
+    sleep: bool = False,
+    extension: Optional[bool] = None,
 ) -> CUDAPluggableAllocator:
     """Make vram-ledger PyTorch's CUDA allocator for this process, with the init, empty_cache,
     memory-fraction and record_stream hooks. Must run before any CUDA use; permanent. With
@@ -57,7 +61,15 @@ def install(
     `mode` defaults to remap (`DEFAULT_MODE`, chosen by measurement: see its comment).
     `sleep=True` keeps each tag's memory apart so that `sleep()` can give a tag's memory back
     and `wake()` restore it at the same addresses; it needs a virtual-memory mode
-    (expandable, compact or remap)."""
+    (expandable, compact or remap).
+
+    `extension=True` (default: the VRAM_LEDGER_TORCH_EXTENSION environment variable, else off)
+    builds a small C++ extension the first time (torch.utils.cpp_extension: a C++ compiler,
+    ninja and the CUDA headers; `_extension.py`) and installs its allocator instead of PyTorch's
+    plain pluggable one: the same hooks, and also what C++ code calls on PyTorch's allocator
+    directly (torch::cuda::_record_memory_history and _memory_snapshot_pickled, from an
+    extension or TorchScript) and the compile contexts that
+    `_record_memory_history(compile_context=True)` records on each history entry."""
     if "allocator" in _INSTALLED:
         return _INSTALLED["allocator"]
     mode = _args.mode(mode)
@@ -66,25 +78,33 @@ def install(
     if sleep and (mode is None or mode not in abi().virtual_modes):
         first, *others = [m for m in abi().modes if m in abi().virtual_modes]
         raise ValueError(f"sleep=True needs a virtual-memory mode: install(mode={first!r}, sleep=True), or {', or '.join(others)}")
+    with_extension = _extension.wanted(extension)
     import torch
 
     # Checked before anything is configured: a refused install leaves the library as it was.
     if torch.cuda.is_initialized():
         raise VramLedgerError("install() must run before any CUDA use (CUDA is already initialised in this process)")
     lib = load()
+    if with_extension:
+        # Built before anything is configured: a failed build leaves the library as it was.
+        _extension.module()
     if mode is not None:
         _check(lib.vram_ledger_configure(mode.encode()))
     if sleep:
         _check(lib.vram_ledger_separate_tags(1))
-    # The throwing hook: PyTorch does not check for NULL, so out of memory is an exception
-    # ("CUDA out of memory. ..."), not a tensor at address 0.
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc_or_throw", "vram_ledger_free")
-    raw = alloc.allocator()
-    raw.set_init_fn(_address(lib.vram_ledger_init))
-    raw.set_reset_fn(_address(lib.vram_ledger_reset))
-    raw.set_memory_fraction_fn(_address(lib.vram_ledger_memory_fraction))
-    raw.set_record_stream_fn(_address(lib.vram_ledger_record_stream))
-    torch.cuda.memory.change_current_allocator(alloc)
+    if with_extension:
+        _extension.install(lib, _address, _torch_stats.record_from_cpp, _torch_stats.raw_snapshot)
+        alloc = torch.cuda.memory._get_current_allocator()
+    else:
+        # The throwing hook: PyTorch does not check for NULL, so out of memory is an exception
+        # ("CUDA out of memory. ..."), not a tensor at address 0.
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc_or_throw", "vram_ledger_free")
+        raw = alloc.allocator()
+        raw.set_init_fn(_address(lib.vram_ledger_init))
+        raw.set_reset_fn(_address(lib.vram_ledger_reset))
+        raw.set_memory_fraction_fn(_address(lib.vram_ledger_memory_fraction))
+        raw.set_record_stream_fn(_address(lib.vram_ledger_record_stream))
+        torch.cuda.memory.change_current_allocator(alloc)
     _patch_graphs(torch)
     _mempool.patch(torch)
     _report_to_profiler(torch)

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
-from . import _args, _frames, _mempool
+from . import _args, _extension, _frames, _mempool
 from ._args import INT64_MAX
 from ._lib import _LOG, _check, load
 from .metrics import dump_snapshot, memory_stats, record_history, reset_peak_memory_stats
@@ -94,7 +94,7 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
         # "state" and "all" both need what the ring keeps; None stops recording. Called again
         # while recording, it goes on (with the new context) unless told to clear, as
         # PyTorch's does.
-        _record(torch.cuda.current_device(), enabled is not None, max_entries, clear_history, context, stacks, skip_actions)
+        _record(torch.cuda.current_device(), enabled is not None, max_entries, clear_history, context, stacks, skip_actions, _compile_context)
 
     def record_legacy(
         enabled: bool,
@@ -110,7 +110,7 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
         # PyTorch's own mapping: allocation stacks in the history, else on live blocks only.
         context = "alloc" if trace_alloc_record_context else "state" if record_context else None
         stacks = "all" if record_context_cpp else "python"
-        _record(torch.cuda.current_device(), bool(enabled), trace_alloc_max_entries, clear_history, context, stacks, skip_actions)
+        _record(torch.cuda.current_device(), bool(enabled), trace_alloc_max_entries, clear_history, context, stacks, skip_actions, _compile_context)
 
     def snapshot(arg: Any = None, *_: Any, **__: Any) -> Dict[str, Any]:
         return _mempool.pool_filter(_snapshot(torch.cuda.current_device()), arg)
@@ -186,16 +186,37 @@ _RECORDING: Dict[int, List[str]] = {}
 _SOURCE_SET: List[bool] = []
 
 
-def _record(device: int, enabled: bool, max_entries: int, clear: bool, context: Any, stacks: str, skip: Optional[List[str]]) -> None:
+def _record(
+    device: int,
+    enabled: bool,
+    max_entries: int,
+    clear: bool,
+    context: Any,
+    stacks: str,
+    skip: Optional[List[str]],
+    compile_context: bool = False,
+    source: Optional[int] = None,
+) -> None:
+    """Start, go on with or stop the device's history. `source`: the context source's address
+    when C++ recorded through the extension's allocator (its stacks are gathered there), else
+    the package's own; `compile_context`: record torch.compile's region on each entry (the
+    extension's allocator only: plain pluggable allocators cannot see the regions)."""
     lib = load()
+    ext = _extension.loaded()
+    if source is None and ext is not None:
+        ext.stopped()  # this history is the package's own now
     if not enabled:
         record_history(False, 1, device)
         _RECORDING.pop(device, None)
         if not _RECORDING:
             lib.vram_ledger_set_context_source(None, 0)
             _frames.configure(None, stacks)
+            if ext is not None:
+                ext.set_compile_contexts(False)
         return
-    kinds = _frames.configure(context, stacks)
+    if ext is not None:
+        ext.set_compile_contexts(bool(compile_context))
+    kinds = _frames.configure(context, stacks, ext.compile_context if ext is not None and compile_context else None)
     if device not in _RECORDING or clear:
         record_history(True, min(max(int(max_entries), 1), INT64_MAX), device)
         if not _RECORDING or clear:
@@ -205,12 +226,40 @@ def _record(device: int, enabled: bool, max_entries: int, clear: bool, context: 
         # Handed back before the interpreter shuts down, after which it could not run.
         atexit.register(lib.vram_ledger_set_context_source, None, 0)
         _SOURCE_SET.append(True)
+    if source is not None:
+        # C++'s recorder names each entry's stack and compile context (`csrc/torch_allocator.cpp`).
+        kinds = (0b11 if context == "all" else 0b01) if context is not None or compile_context else 0
+        lib.vram_ledger_set_context_source(ctypes.c_void_p(source) if kinds else None, kinds)
+        return
     lib.vram_ledger_set_context_source(ctypes.cast(_frames.SOURCE, ctypes.c_void_p) if kinds else None, kinds)
 
 
-def _snapshot(device: int) -> Dict[str, Any]:
-    """The device's segments and recorded history, as torch.cuda.memory._snapshot returns them:
-    the library writes PyTorch's pickle, read back here; `device_traces` is indexed by device."""
+def record_from_cpp(enabled: bool, max_entries: int, context: Optional[str], clear: bool, skip: List[str], source: int) -> None:
+    """The extension allocator's recordHistory, called by C++ with the GIL held: the history as
+    `_record_memory_history` would start it, with C++'s recorder as the context source."""
+    import torch
+
+    # PyTorch's C++ entry point registers its compile-context callbacks with its own option,
+    # which this call does not see: the regions reach the allocator's pushCompileContext.
+    _record(torch.cuda.current_device(), bool(enabled), max_entries, bool(clear), context, "python", skip, compile_context=False, source=source)
+
+
+def raw_snapshot(device: int, pool: Any, include_traces: bool) -> Dict[str, Any]:
+    """The extension allocator's snapshot: the library's segments and history as PyTorch's
+    pickle has them, with each entry's context id (under `context_key`) unresolved, for C++ to
+    turn into PyTorch's SnapshotInfo."""
+    snap = _mempool.pool_filter(_read_snapshot(device), (*tuple(pool), include_traces))
+    snap.pop(LIVE_KEY, None)
+    skip = set(_RECORDING.get(device) or ())
+    for trace in snap.get("device_traces", []):
+        trace[:] = [e for e in trace if e.get("action") not in skip]
+    snap["context_key"] = CONTEXT_KEY
+    snap["expandable_segments"] = bool(snap.get("allocator_settings", {}).get("expandable_segments", False))
+    return snap
+
+
+def _read_snapshot(device: int) -> Dict[str, Any]:
+    """The library's pickle for the device, read back; `device_traces` indexed by device."""
     fd, path = tempfile.mkstemp(prefix="vram-ledger-snapshot-", suffix=".pickle")
     os.close(fd)
     try:
@@ -222,7 +271,14 @@ def _snapshot(device: int) -> Dict[str, Any]:
     traces = snap.get("device_traces", [])
     if device > 0 and len(traces) == 1:
         snap["device_traces"] = [[] for _ in range(device)] + traces
-    _frames.resolve(snap, CONTEXT_KEY, LIVE_KEY, _RECORDING.get(device), prune=set(_RECORDING) <= {device})
+    return snap
+
+
+def _snapshot(device: int) -> Dict[str, Any]:
+    """The device's segments and recorded history, as torch.cuda.memory._snapshot returns them:
+    the library writes PyTorch's pickle, read back here; `device_traces` is indexed by device."""
+    snap = _read_snapshot(device)
+    _frames.resolve(snap, CONTEXT_KEY, LIVE_KEY, _RECORDING.get(device), prune=set(_RECORDING) <= {device}, cpp=_extension.loaded())
     return snap
 
 

@@ -78,6 +78,7 @@ def main(mode):
     print(f"library {library}", flush=True)
     check("package_is_the_venvs", package.is_relative_to(Path(sys.prefix).resolve()), package=package, prefix=sys.prefix)
     check("library_is_the_wheels", library.parent == package, library=library)
+    check("extension_source_in_the_wheel", (package / "csrc" / "torch_allocator.cpp").is_file(), package=package)
     check("no_override", not any(os.environ.get(v) for v in ("VRAM_LEDGER_LIB", "PYTHONPATH", "VRAM_LEDGER_DRIVER")))
 
     import torch

@@ -10,10 +10,15 @@ and the outcome alone is the one compared.
 
     python3 tests/python/upstream_tests.py TEST_FILE [torch|native|expandable|compact|remap ...]
         [-- PYTEST_ARGS...]
+    python3 tests/python/upstream_tests.py --saved [CONFIGS...]
 
-Runs may be split over several sessions (a run of the whole file takes minutes): a mode run
-alone is compared with the `torch` run of an earlier session kept in UPSTREAM_RESULTS (a folder
-of the runs' JSON results, default ./upstream-results).
+Runs may be split over several sessions (a run of the whole file takes minutes), or run at
+once as one process per configuration: `--saved` runs nothing and compares the runs kept in
+UPSTREAM_RESULTS (default all five). With VRAM_LEDGER_TORCH_EXTENSION=1 in the environment,
+install() uses its C++ extension's allocator (`python/vram_ledger/_extension.py`); each run's
+JSON says which.
+A mode run alone is compared with the `torch` run of an earlier session kept in
+UPSTREAM_RESULTS (a folder of the runs' JSON results, default ./upstream-results).
 """
 
 import json
@@ -143,7 +148,9 @@ def run(config, test_file, pytest_args):
         got = outcomes(alone).get(test, "not run") if os.path.exists(alone) else "not run"
         isolated[test] = {"in_file": found[test], "alone": got}
         found[test] = got
-    result = {"config": config, "returncode": r.returncode, "outcomes": found, "isolated": isolated, "tail": tail}
+    extension = env.get("VRAM_LEDGER_TORCH_EXTENSION", "") if config != "torch" else ""
+    result = {"config": config, "returncode": r.returncode, "outcomes": found, "isolated": isolated, "tail": tail,
+              "extension": extension}
     with open(os.path.join(results_dir(), f"{config}.json"), "w") as f:
         json.dump(result, f)
     return result
@@ -164,7 +171,7 @@ def compare(torch_run, mode_run):
     m.true("results_read", bool(passed) and "passed" in ours.values())
     m.true("passes_what_torch_passes", not unexpected)
     counts = {o: sum(1 for v in ours.values() if v == o) for o in ("passed", "failed", "skipped")}
-    return {"mode": mode_run["config"], "torch_passed": len(passed), "counts": counts, "lost": lost,
+    return {"mode": mode_run["config"], "extension": mode_run.get("extension", ""), "torch_passed": len(passed), "counts": counts, "lost": lost,
             "lost_unexpected": unexpected, "marks": m.met, "ok": m.ok, "missed": m.missed()}
 
 
@@ -177,12 +184,23 @@ def main(argv):
     if not argv:
         print(__doc__)
         return 2
+    saved_only = argv[0] == "--saved"
     test_file, configs = argv[0], argv[1:] or ["torch", *MODES]
     unknown = [c for c in configs if c != "torch" and c not in MODES]
     if unknown:
         print(f"unknown configuration {unknown}: torch or one of {MODES}", file=sys.stderr)
         return 2
-    runs = {c: run(c, test_file, pytest_args) for c in configs}
+    if saved_only:
+        runs = {}
+        for c in configs:
+            path = os.path.join(results_dir(), f"{c}.json")
+            if not os.path.exists(path):
+                print(f"no saved run of {c} in {results_dir()}", file=sys.stderr)
+                return 1
+            with open(path) as f:
+                runs[c] = json.load(f)
+    else:
+        runs = {c: run(c, test_file, pytest_args) for c in configs}
     saved = os.path.join(results_dir(), "torch.json")
     if "torch" not in runs and os.path.exists(saved):
         with open(saved) as f:

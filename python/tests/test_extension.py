@@ -1,0 +1,186 @@
+"""install(extension=True) against the stand-in torch, with a stand-in for the built extension
+(`csrc/torch_allocator.cpp` itself is built and run on a GPU machine, tests/python/h200_torch.py
+and PyTorch's own test_cuda.py): what install() hands it, that a failed build changes nothing,
+and the package's side of the history the extension records (compile contexts, stacks that
+C++'s recorder gathered)."""
+
+from test_torch_stand_in import STAND_IN, run_on_sim
+
+# The built module, as `_extension.module()` returns it: records what it is handed, and plays
+# the C++ side (a context source that names ids with CPP_ID, compile contexts, resolve).
+EXTENSION = """
+import ctypes
+from vram_ledger import _frames
+region = [""]
+cpp = {"next": 1, "ids": {}}
+def cpp_source(kind):
+    i = _frames.CPP_ID | cpp["next"]
+    cpp["next"] += 1
+    cpp["ids"][i] = ([{"filename": "model.cpp", "line": 7, "name": "at::rand"}], kind == 0, region[0])
+    return i
+CPP_SOURCE = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_int)(cpp_source)
+class Extension:
+    def install(self, *args):
+        calls.append(["extension_install", *args[:6]])
+        self.record, self.raw_snapshot = args[6], args[7]
+    def set_compile_contexts(self, on): calls.append(["compile_contexts", on])
+    def compile_context(self): return region[0]
+    def stopped(self): calls.append(["stopped"])
+    def resolve(self, ids): return [cpp["ids"].get(i) for i in ids]
+ext = Extension()
+def load(**kwargs):
+    calls.append(["build", kwargs["name"], kwargs["with_cuda"]])
+    if build_fails:
+        raise RuntimeError("Ninja is required to load C++ extensions")
+    return ext
+cpp_extension = types.ModuleType("torch.utils.cpp_extension")
+cpp_extension.load = load
+torch.utils = types.ModuleType("torch.utils")
+torch.utils.cpp_extension = cpp_extension
+sys.modules.update({"torch.utils": torch.utils, "torch.utils.cpp_extension": cpp_extension})
+memory._get_current_allocator = lambda: "current"
+"""
+
+
+def with_extension(code: str, build_fails: bool = False) -> dict:
+    return run_on_sim(STAND_IN + f"build_fails = {build_fails}\n" + EXTENSION + code)
+
+
+def test_install_with_the_extension_hands_it_the_librarys_hooks_in_place_of_the_pluggable_allocator():
+    r = with_extension(
+        """
+got = vl.install(mode="remap", extension=True)
+fns = ["vram_ledger_malloc_or_throw", "vram_ledger_free", "vram_ledger_init", "vram_ledger_reset",
+       "vram_ledger_memory_fraction", "vram_ledger_record_stream"]
+print(json.dumps({"calls": calls, "want": [address(f) for f in fns], "got": got,
+                  "record": ext.record.__name__, "snapshot": ext.raw_snapshot.__name__}))
+"""
+    )
+    names = [c[0] for c in r["calls"]]
+    assert names[:2] == ["build", "extension_install"], r["calls"]
+    assert r["calls"][0][1:] == ["vram_ledger_extension", True], r["calls"]
+    assert r["calls"][1][1:] == r["want"], "the extension gets the library's own hooks"
+    assert "plug" not in names and "change" not in names, "PyTorch's plain pluggable allocator is not installed"
+    assert r["got"] == "current", "install() returns PyTorch's current allocator, the extension's"
+    assert (r["record"], r["snapshot"]) == ("record_from_cpp", "raw_snapshot"), r
+
+
+def test_a_failed_build_raises_and_changes_nothing():
+    r = with_extension(
+        """
+try:
+    vl.install(mode="compact", extension=True)
+    error = None
+except RuntimeError as e:
+    error = str(e)
+p = lib.vram_ledger_malloc(1 << 20, 0, None)
+import pickle, tempfile, os
+path = tempfile.mktemp()
+vl.dump_snapshot(path, 0)
+mode = pickle.load(open(path, "rb"))["allocator_settings"]["vram_ledger_mode"]
+os.unlink(path)
+lib.vram_ledger_free(p, 1 << 20, 0, None)
+print(json.dumps({"error": error, "calls": calls, "mode": mode, "installed": "allocator" in vl._torch._INSTALLED}))
+""",
+        build_fails=True,
+    )
+    assert r["error"] == "Ninja is required to load C++ extensions", r
+    assert [c[0] for c in r["calls"]] == ["build"], "nothing is handed to PyTorch after a failed build"
+    assert r["mode"] != "compact", "the mode is not configured before the build succeeds"
+    assert r["installed"] is False, r
+
+
+def test_the_environment_names_the_default_and_a_bad_value_is_refused():
+    r = with_extension(
+        """
+import os
+from vram_ledger import _extension
+seen = {}
+for value in ["", "0", "off", "1", "yes", "maybe"]:
+    os.environ[_extension.ENV] = value
+    try:
+        seen[value] = _extension.wanted(None)
+    except ValueError as e:
+        seen[value] = str(e)
+seen["named"] = _extension.wanted(False)
+print(json.dumps(seen))
+"""
+    )
+    assert r[""] is False and r["0"] is False and r["off"] is False, r
+    assert r["1"] is True and r["yes"] is True and r["named"] is False, r
+    assert "VRAM_LEDGER_TORCH_EXTENSION must be 1 or 0" in r["maybe"] and "'maybe'" in r["maybe"], r
+
+
+def test_compile_contexts_are_recorded_on_each_history_entry():
+    # As test_cuda.py's test_memory_compile_regions reads them: "N/A" outside a compiled region.
+    r = with_extension(
+        """
+vl.install(mode="remap", extension=True)
+state["initialized"] = True
+C = torch._C
+seen = {}
+for context in ["all", None]:
+    C._cuda_record_memory_history("all", context, "python", sys.maxsize, True, True, False, [])
+    region[0] = "Torch-Compiled Region: 0/0"
+    p = lib.vram_ledger_malloc(1 << 20, 0, None)
+    region[0] = ""
+    q = lib.vram_ledger_malloc(2 << 20, 0, None)
+    region[0] = "Torch-Compiled Region: 1/0"
+    lib.vram_ledger_free(p, 1 << 20, 0, None)
+    region[0] = ""
+    lib.vram_ledger_free(q, 2 << 20, 0, None)
+    trace = C._cuda_memorySnapshot(None)["device_traces"][0]
+    seen[str(context)] = [[e["action"], e["size"], e["compile_context"], bool(e.get("frames"))]
+                          for e in trace if e["action"] in ("alloc", "free_requested")]
+C._cuda_record_memory_history(None)
+seen["calls"] = [c for c in calls if c[0] == "compile_contexts"]
+print(json.dumps(seen))
+"""
+    )
+    region = "Torch-Compiled Region: 0/0"
+    assert r["all"] == [
+        ["alloc", 1 << 20, region, True],
+        ["alloc", 2 << 20, "N/A", True],
+        ["free_requested", 1 << 20, "Torch-Compiled Region: 1/0", True],
+        ["free_requested", 2 << 20, "N/A", True],
+    ], r["all"]
+    # With context None no stack is gathered, but allocations still name their region.
+    assert r["None"][:2] == [["alloc", 1 << 20, region, False], ["alloc", 2 << 20, "N/A", False]], r["None"]
+    assert r["calls"][-1] == ["compile_contexts", False], "stopping the history stops the callbacks"
+    assert ["compile_contexts", True] in r["calls"], r["calls"]
+
+
+def test_a_history_recorded_from_cpp_shows_the_stacks_its_recorder_gathered():
+    r = with_extension(
+        """
+vl.install(mode="remap", extension=True)
+state["initialized"] = True
+from vram_ledger import _torch_stats
+source = ctypes.cast(CPP_SOURCE, ctypes.c_void_p).value
+# What the extension's recordHistory calls: torch::cuda::_record_memory_history(True, ctx, 10, ctx, ctx).
+ext.record(True, 10, "alloc", False, [], source)
+region[0] = "Torch-Compiled Region: 0/0"
+p = lib.vram_ledger_malloc(311 * 411 * 4, 0, None)
+region[0] = ""
+raw = ext.raw_snapshot(0, (0, 0), True)
+key = raw["context_key"]
+raw_ids = [e.get(key, 0) for e in raw["device_traces"][0] if e["action"] == "alloc"]
+snap = torch._C._cuda_memorySnapshot(None)
+alloc = [e for e in snap["device_traces"][0] if e["action"] == "alloc"][-1]
+block = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"][0]
+no_traces = ext.raw_snapshot(0, (0, 0), False)["device_traces"]
+lib.vram_ledger_free(p, 311 * 411 * 4, 0, None)
+ext.record(False, 1, None, False, [], source)
+after = lib.vram_ledger_malloc(1 << 20, 0, None)
+stopped = [e["size"] for e in torch._C._cuda_memorySnapshot(None)["device_traces"][0] if e["action"] == "alloc"]
+print(json.dumps({"raw_ids": raw_ids, "alloc": alloc, "block": block, "no_traces": no_traces, "stopped": stopped,
+                  "expandable": raw["expandable_segments"], "cpp_id": _frames.CPP_ID}))
+"""
+    )
+    assert len(r["raw_ids"]) == 1 and r["raw_ids"][0] & r["cpp_id"], "C++ names the entry, unresolved in the raw snapshot"
+    assert r["alloc"]["frames"] == [{"filename": "model.cpp", "line": 7, "name": "at::rand"}], r["alloc"]
+    assert r["alloc"]["compile_context"] == "Torch-Compiled Region: 0/0", r["alloc"]
+    assert r["block"]["frames"] == r["alloc"]["frames"] and r["block"]["requested_size"] == 311 * 411 * 4, r["block"]
+    assert all(t == [] for t in r["no_traces"]), "include_traces false leaves the history out"
+    assert r["stopped"] == [311 * 411 * 4], "recordHistory(false) from C++ stops the history"
+    assert r["expandable"] is True, "remap maps segments as they grow"
