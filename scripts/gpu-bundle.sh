@@ -156,16 +156,17 @@ fi
 # The configurations run at once, one process each (the GPU has room for all five), then
 # compared from what they kept; install() uses its C++ extension unless
 # VRAM_LEDGER_TORCH_EXTENSION=0.
-upstream() {
+# A subshell: the later steps (the wheel's) keep the environment they had.
+upstream() (
     export UPSTREAM_RESULTS="${UPSTREAM_RESULTS:-$logs/upstream}" VRAM_LEDGER_TORCH_EXTENSION="${VRAM_LEDGER_TORCH_EXTENSION:-1}"
-    local c pids=()
+    pids=()
     for c in ${UPSTREAM_CONFIGS:-torch native expandable compact remap}; do
         python3 tests/python/upstream_tests.py upstream/test_cuda.py "$c" -- --timeout=120 >"$logs/upstream-$c.jsonl" 2>&1 &
         pids+=($!)
     done
     wait "${pids[@]}" || true
     python3 tests/python/upstream_tests.py --saved ${UPSTREAM_CONFIGS:-torch native expandable compact remap}
-}
+)
 if [ -f upstream/test_cuda.py ]; then
     step upstream upstream
 else
