@@ -63,7 +63,7 @@ def used_in_package() -> set:
                 name = node.value
             else:
                 continue
-            if name.startswith("vram_ledger_") and name.isidentifier() and name != "vram_ledger_extension":
+            if name.startswith("vram_ledger_") and name.isidentifier() and not name.startswith("vram_ledger_extension"):
                 names.add(name)
     return names
 

@@ -12,11 +12,15 @@ EXTENSION = """
 import ctypes
 from vram_ledger import _frames
 region = [""]
-cpp = {"next": 1, "ids": {}}
+cpp = {"next": 1, "ids": {}, "history": None, "kept": None}
 def cpp_source(kind):
+    # As the extension's: a stack for allocations (context "alloc"), a free only its region.
+    if kind == 1 and not region[0]:
+        return 0
     i = _frames.CPP_ID | cpp["next"]
     cpp["next"] += 1
-    cpp["ids"][i] = ([{"filename": "model.cpp", "line": 7, "name": "at::rand"}], kind == 0, region[0])
+    stack = [{"filename": "model.cpp", "line": 7, "name": "at::rand"}] if kind == 0 else []
+    cpp["ids"][i] = (stack, kind == 0, region[0])
     return i
 CPP_SOURCE = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_int)(cpp_source)
 class Extension:
@@ -25,7 +29,15 @@ class Extension:
         self.record, self.raw_snapshot = args[6], args[7]
     def set_compile_contexts(self, on): calls.append(["compile_contexts", on])
     def compile_context(self): return region[0]
-    def stopped(self): calls.append(["stopped"])
+    def stopped(self, forget):
+        calls.append(["stopped", forget])
+        if forget:
+            cpp["ids"].clear()
+    def set_history_enabled(self, on): cpp["history"] = on
+    def keep(self, ids):
+        cpp["kept"] = list(ids)
+        for i in [i for i in cpp["ids"] if i not in ids]:
+            del cpp["ids"][i]
     def resolve(self, ids): return [cpp["ids"].get(i) for i in ids]
 ext = Extension()
 def load(**kwargs):
@@ -33,6 +45,7 @@ def load(**kwargs):
     if build_fails:
         raise RuntimeError("Ninja is required to load C++ extensions")
     return ext
+torch.__version__ = "2.11.0+cu130"
 cpp_extension = types.ModuleType("torch.utils.cpp_extension")
 cpp_extension.load = load
 torch.utils = types.ModuleType("torch.utils")
@@ -58,7 +71,7 @@ print(json.dumps({"calls": calls, "want": [address(f) for f in fns], "got": got,
     )
     names = [c[0] for c in r["calls"]]
     assert names[:2] == ["build", "extension_install"], r["calls"]
-    assert r["calls"][0][1:] == ["vram_ledger_extension", True], r["calls"]
+    assert r["calls"][0][1:] == ["vram_ledger_extension_2_11_0_cu130", True], "named for torch's version, built with CUDA"
     assert r["calls"][1][1:] == r["want"], "the extension gets the library's own hooks"
     assert "plug" not in names and "change" not in names, "PyTorch's plain pluggable allocator is not installed"
     assert r["got"] == "current", "install() returns PyTorch's current allocator, the extension's"
@@ -184,3 +197,100 @@ print(json.dumps({"raw_ids": raw_ids, "alloc": alloc, "block": block, "no_traces
     assert all(t == [] for t in r["no_traces"]), "include_traces false leaves the history out"
     assert r["stopped"] == [311 * 411 * 4], "recordHistory(false) from C++ stops the history"
     assert r["expandable"] is True, "remap maps segments as they grow"
+
+
+def test_a_free_shows_its_allocations_stack_and_region_unless_frees_are_recorded():
+    # With context "alloc" a free's entry carries its allocation's identifier (PyTorch shows the
+    # allocation's stack there too); its region is then the allocation's, where PyTorch would
+    # name the one the free ran in (documented).
+    r = with_extension(
+        """
+vl.install(mode="remap", extension=True)
+state["initialized"] = True
+C = torch._C
+C._cuda_record_memory_history("all", "alloc", "python", sys.maxsize, True, True, False, [])
+region[0] = "Torch-Compiled Region: 0/0"
+p = lib.vram_ledger_malloc(1 << 20, 0, None)
+region[0] = "Torch-Compiled Region: 1/0"
+lib.vram_ledger_free(p, 1 << 20, 0, None)
+region[0] = ""
+trace = C._cuda_memorySnapshot(None)["device_traces"][0]
+print(json.dumps([[e["action"], e["size"], e["compile_context"], bool(e.get("frames"))]
+                  for e in trace if e["action"] in ("alloc", "free_requested")]))
+"""
+    )
+    assert r == [
+        ["alloc", 1 << 20, "Torch-Compiled Region: 0/0", True],
+        ["free_requested", 1 << 20, "Torch-Compiled Region: 0/0", True],
+    ], r
+
+
+def test_whether_a_history_is_recorded_is_known_however_it_was_started():
+    # inductor's CUDA-graph trees ask torch._C._cuda_isHistoryEnabled() before they record.
+    r = with_extension(
+        """
+vl.install(mode="remap", extension=True)
+state["initialized"] = True
+C = torch._C
+source = ctypes.cast(CPP_SOURCE, ctypes.c_void_p).value
+seen = [[C._cuda_isHistoryEnabled(), cpp["history"]]]
+C._cuda_record_memory_history("all", "all", "python", sys.maxsize, False, False, False, [])
+seen.append([C._cuda_isHistoryEnabled(), cpp["history"]])
+C._cuda_record_memory_history(None)
+seen.append([C._cuda_isHistoryEnabled(), cpp["history"]])
+ext.record(True, 10, "alloc", False, [], source)
+seen.append([C._cuda_isHistoryEnabled(), cpp["history"]])
+ext.record(False, 1, None, False, [], source)
+seen.append([C._cuda_isHistoryEnabled(), cpp["history"]])
+print(json.dumps(seen))
+"""
+    )
+    assert r == [[False, None], [True, True], [False, False], [True, True], [False, False]], r
+
+
+def test_python_going_on_with_a_cpp_history_keeps_its_stacks_until_it_clears():
+    r = with_extension(
+        """
+vl.install(mode="remap", extension=True)
+state["initialized"] = True
+C = torch._C
+source = ctypes.cast(CPP_SOURCE, ctypes.c_void_p).value
+ext.record(True, 100, "alloc", False, [], source)
+p = lib.vram_ledger_malloc(1 << 20, 0, None)
+C._cuda_record_memory_history("all", "alloc", "python", sys.maxsize, False, False, False, [])
+def first_alloc():
+    trace = C._cuda_memorySnapshot(None)["device_traces"][0]
+    return [e["frames"] for e in trace if e["action"] == "alloc"][:1]
+kept = first_alloc()
+C._cuda_record_memory_history("all", "alloc", "python", sys.maxsize, True, False, False, [])
+lib.vram_ledger_free(p, 1 << 20, 0, None)
+print(json.dumps({"kept": kept, "stopped": [c for c in calls if c[0] == "stopped"], "ids": len(cpp["ids"])}))
+"""
+    )
+    assert r["kept"] == [[{"filename": "model.cpp", "line": 7, "name": "at::rand"}]], r
+    assert r["stopped"] == [["stopped", False], ["stopped", True]], r
+    assert r["ids"] == 0, "cleared: the stacks C++ gathered are forgotten"
+
+
+def test_a_cpp_snapshot_lets_the_extension_forget_what_the_ring_dropped():
+    r = with_extension(
+        """
+vl.install(mode="remap", extension=True)
+state["initialized"] = True
+source = ctypes.cast(CPP_SOURCE, ctypes.c_void_p).value
+ext.record(True, 2, "alloc", False, [], source)
+ptrs = [lib.vram_ledger_malloc(1 << 20, 0, None) for _ in range(4)]
+for p in ptrs[1:]:
+    lib.vram_ledger_free(p, 1 << 20, 0, None)
+before = len(cpp["ids"])
+raw = ext.raw_snapshot(0, (0, 0), True)
+key = raw["context_key"]
+named = {e.get(key, 0) for e in raw["device_traces"][0]} | {b.get(key, 0) for s in raw["segments"] for b in s["blocks"]}
+print(json.dumps({"before": before, "kept": sorted(cpp["kept"]), "named": sorted(i for i in named if i),
+                  "left": len(cpp["ids"])}))
+lib.vram_ledger_free(ptrs[0], 1 << 20, 0, None)
+"""
+    )
+    assert r["before"] == 4, r
+    # The live block's stack (the first allocation) and those the two kept entries name.
+    assert r["kept"] == r["named"] and r["left"] == len(r["kept"]) < 4, r

@@ -78,6 +78,7 @@ torch._C = types.SimpleNamespace(
     _cuda_record_memory_history=unsupported("recordHistory"),
     _cuda_record_memory_history_legacy=unsupported("recordHistory"),
     _cuda_memorySnapshot=unsupported("snapshot"),
+    _cuda_isHistoryEnabled=unsupported("recordHistory"),
     _cuda_setMemoryFraction=lambda fraction, device: calls.append(["set_fraction", fraction, device]),
     _cuda_getMemoryFraction=unsupported("getMemoryFraction"),
     _accelerator_getDeviceStats=unsupported("getDeviceStats"),

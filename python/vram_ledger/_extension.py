@@ -8,12 +8,14 @@ contexts of torch.compile's regions. The build needs a C++ compiler, ninja and t
 headers (what torch.utils.cpp_extension needs); without them install(extension=True) fails
 before anything is configured.
 
-Invariants: the module is built and loaded at most once per process (`_MODULE`), and after a
-failed build nothing of it is installed."""
+Invariants: the module is built and loaded at most once per process (`_MODULE`), after a
+failed build nothing of it is installed, and a build is never reused by another torch version
+(`name`)."""
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Any, Callable, List, Optional
 
@@ -39,10 +41,18 @@ def module() -> Any:
     """The built extension (built on first use)."""
     with _LOCK:
         if not _MODULE:
+            import torch
             from torch.utils.cpp_extension import load
 
-            _MODULE.append(load(name="vram_ledger_extension", sources=[SOURCE], with_cuda=True, extra_cflags=["-O2"], verbose=False))
+            _MODULE.append(load(name=name(torch.__version__), sources=[SOURCE], with_cuda=True, extra_cflags=["-O2"], verbose=False))
         return _MODULE[0]
+
+
+def name(torch_version: str) -> str:
+    """The build's name, which names torch's cache folder for it: torch's version in it, since
+    torch reuses a cached build whose source and flags are unchanged, and a build against
+    another torch's headers would not match the running one's classes."""
+    return "vram_ledger_extension_" + re.sub(r"[^0-9A-Za-z]", "_", torch_version)
 
 
 def loaded() -> Optional[Any]:

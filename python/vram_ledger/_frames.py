@@ -26,6 +26,8 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+from ._lib import _LOG
+
 _ALLOCATION, _FREE = 0, 1
 _KEPT = 1_000_000
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -59,6 +61,8 @@ def configure(context: Optional[str], stacks: str, compile_context: Optional[Cal
         _mode = (False, False, False, False) if compile_context is not None else None
         return 0b01 if compile_context is not None else 0
     _mode = (context != "state", context == "all", stacks == "all", True)
+    # Frees only with "all": otherwise the library gives a free's entry its allocation's
+    # identifier, whose stack PyTorch shows there too (and whose region, a known difference).
     return 0b11 if context == "all" else 0b01
 
 
@@ -92,6 +96,8 @@ def _source(kind: int) -> int:
             return 0
         stack = _gather(mode[2]) if mode[3] else None
         region = compile_context() if compile_context is not None else ""
+        if stack is None and not region:
+            return 0
         with _lock:
             i = next(_ids)
             _stacks[i] = (stack, stack is not None and (kind == _FREE or mode[0]), region)
@@ -160,7 +166,12 @@ def resolve(
     summaries = _symbolize_together(ids, stacks)
     resolved: Dict[int, List[Dict[str, Any]]] = {}
     cpp_ids = sorted({i for i in ids if i & CPP_ID}) if cpp is not None else []
-    for i, named in zip(cpp_ids, cpp.resolve(cpp_ids) if cpp_ids else []):
+    try:
+        cpp_named = cpp.resolve(cpp_ids) if cpp_ids else []
+    except Exception as e:  # noqa: BLE001 - the snapshot is still worth having without them
+        _LOG.warning("the stacks C++ recorded could not be read: %s", e)
+        cpp_named = []
+    for i, named in zip(cpp_ids, cpp_named):
         if named is not None:
             frames, shows, region = named
             resolved[i] = [{"filename": f["filename"], "line": int(f["line"]), "name": f["name"]} for f in frames]
@@ -197,3 +208,15 @@ def resolve(
         with _lock:
             for i in [i for i in stacks if i not in seen]:
                 _stacks.pop(i, None)
+        keep_cpp(cpp, seen)
+
+
+def keep_cpp(cpp: Optional[Any], seen: Set[int]) -> None:
+    """Let the extension forget the stacks C++ recorded that nothing in a snapshot of every
+    recording device refers to (as `resolve` prunes its own)."""
+    if cpp is None:
+        return
+    try:
+        cpp.keep(sorted(i for i in seen if i & CPP_ID))
+    except Exception as e:  # noqa: BLE001 - only memory is at stake
+        _LOG.warning("the stacks C++ recorded could not be pruned: %s", e)

@@ -14,7 +14,7 @@ from ._lib import _LOG, VramLedgerError, _check, _clean_up_after, _last_error, a
 from .tags import tag
 
 if TYPE_CHECKING:
-    from torch.cuda.memory import CUDAPluggableAllocator
+    from torch.cuda.memory import _CUDAAllocator
 
 _INSTALLED: Dict[str, Any] = {}
 
@@ -38,7 +38,7 @@ def install(
     cudagraph_trees: bool = False,
     sleep: bool = False,
     extension: Optional[bool] = None,
-) -> CUDAPluggableAllocator:
+) -> _CUDAAllocator:
     """Make vram-ledger PyTorch's CUDA allocator for this process, with the init, empty_cache,
     memory-fraction and record_stream hooks. Must run before any CUDA use; permanent. With
     `torch_stats` (the default), torch.cuda.memory_stats() and the functions built on it
@@ -69,7 +69,8 @@ def install(
     plain pluggable one: the same hooks, and also what C++ code calls on PyTorch's allocator
     directly (torch::cuda::_record_memory_history and _memory_snapshot_pickled, from an
     extension or TorchScript) and the compile contexts that
-    `_record_memory_history(compile_context=True)` records on each history entry."""
+    `_record_memory_history(compile_context=True)` records on allocation entries (see
+    docs/python.md). Returns PyTorch's current allocator."""
     if "allocator" in _INSTALLED:
         return _INSTALLED["allocator"]
     mode = _args.mode(mode)

@@ -3,8 +3,8 @@ fraction under install(). PyTorch's pluggable allocator answers none of them ("d
 support ..."), so install() points the entry points they call at vram-ledger's figures:
 torch.cuda.memory_stats and reset_peak_memory_stats themselves, and the torch._C functions that
 torch.cuda.memory._record_memory_history, _snapshot, memory_snapshot, _dump_snapshot,
-get/set_per_process_memory_fraction, reset_accumulated_memory_stats, out-of-memory observers
-and torch.accelerator's memory functions (memory_stats, empty_cache and the resets) call. Patching at
+get/set_per_process_memory_fraction, reset_accumulated_memory_stats, out-of-memory observers,
+whether a history is recorded (_cuda_isHistoryEnabled) and torch.accelerator's memory functions (memory_stats, empty_cache and the resets) call. Patching at
 torch._C reaches every Python caller, whichever wrapper it went through. An entry point this
 torch does not have is left alone."""
 
@@ -174,6 +174,7 @@ def _patch_c(torch: Any, C: Any, index: Any) -> None:
         ("_accelerator_resetAccumulatedStats", reset_accumulated),
         ("_cuda_setMemoryMetadata", set_memory_metadata),
         ("_cuda_getMemoryMetadata", get_memory_metadata),
+        ("_cuda_isHistoryEnabled", lambda: bool(_RECORDING)),
         ("_accelerator_isAllocatorInitialized", allocator_initialized),
         ("_accelerator_emptyCache", empty_cache_),
     ]:
@@ -204,7 +205,9 @@ def _record(
     lib = load()
     ext = _extension.loaded()
     if source is None and ext is not None:
-        ext.stopped()  # this history is the package's own now
+        # This history is the package's own now; what C++ recorded stays readable unless the
+        # history ends or is cleared.
+        ext.stopped(not enabled or clear)
     if not enabled:
         record_history(False, 1, device)
         _RECORDING.pop(device, None)
@@ -213,6 +216,8 @@ def _record(
             _frames.configure(None, stacks)
             if ext is not None:
                 ext.set_compile_contexts(False)
+        if ext is not None:
+            ext.set_history_enabled(bool(_RECORDING))
         return
     if ext is not None:
         ext.set_compile_contexts(bool(compile_context))
@@ -226,10 +231,13 @@ def _record(
         # Handed back before the interpreter shuts down, after which it could not run.
         atexit.register(lib.vram_ledger_set_context_source, None, 0)
         _SOURCE_SET.append(True)
+    if ext is not None:
+        ext.set_history_enabled(True)
     if source is not None:
-        # C++'s recorder names each entry's stack and compile context (`csrc/torch_allocator.cpp`).
-        kinds = (0b11 if context == "all" else 0b01) if context is not None or compile_context else 0
-        lib.vram_ledger_set_context_source(ctypes.c_void_p(source) if kinds else None, kinds)
+        # C++'s recorder names each entry's stack and compile context (`csrc/torch_allocator.cpp`):
+        # asked for every entry, since PyTorch's own callbacks may push compile contexts whatever
+        # the context; it names none that has neither.
+        lib.vram_ledger_set_context_source(ctypes.c_void_p(source), 0b11)
         return
     lib.vram_ledger_set_context_source(ctypes.cast(_frames.SOURCE, ctypes.c_void_p) if kinds else None, kinds)
 
@@ -248,8 +256,13 @@ def raw_snapshot(device: int, pool: Any, include_traces: bool) -> Dict[str, Any]
     """The extension allocator's snapshot: the library's segments and history as PyTorch's
     pickle has them, with each entry's context id (under `context_key`) unresolved, for C++ to
     turn into PyTorch's SnapshotInfo."""
-    snap = _mempool.pool_filter(_read_snapshot(device), (*tuple(pool), include_traces))
-    snap.pop(LIVE_KEY, None)
+    snap = _read_snapshot(device)
+    live = snap.pop(LIVE_KEY, [])
+    if set(_RECORDING) <= {device}:
+        seen = set(live) | {e.get(CONTEXT_KEY, 0) for t in snap.get("device_traces", []) for e in t}
+        seen |= {b.get(CONTEXT_KEY, 0) for seg in snap.get("segments", []) for b in seg.get("blocks", [])}
+        _frames.keep_cpp(_extension.loaded(), seen)
+    snap = _mempool.pool_filter(snap, (*tuple(pool), include_traces))
     skip = set(_RECORDING.get(device) or ())
     for trace in snap.get("device_traces", []):
         trace[:] = [e for e in trace if e.get("action") not in skip]

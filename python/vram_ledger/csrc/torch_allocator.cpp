@@ -28,11 +28,13 @@
 #include <torch/csrc/profiler/combined_traceback.h>
 
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 // torch/csrc/profiler/python/combined_traceback.h declares it, but that header needs
@@ -70,7 +72,10 @@ struct State {
     std::mutex mu;
     CCA::CreateContextFn recorder;
     CCA::RecordContext when = CCA::RecordContext::NEVER;
+    // A history started from C++ (this file's source names its entries).
     bool recording = false;
+    // Any history, however it was started (isHistoryEnabled), as the package keeps it.
+    bool history_enabled = false;
     bool compile_contexts = false;
     at::CallbackHandle compile_handle = 0;
     std::unordered_map<uint64_t, Context> contexts;
@@ -89,10 +94,20 @@ State& state() {
     return *s;
 }
 
-thread_local std::vector<std::string> compile_stack;
+// Per thread, as torch.compile's regions nest on the thread that runs them. A pointer, never
+// freed, because a free during a thread's exit (after its thread-locals are destroyed) may
+// still ask for the top.
+thread_local std::vector<std::string>* compile_stack_ = nullptr;
+
+std::vector<std::string>& compile_stack() {
+    if (compile_stack_ == nullptr) {
+        compile_stack_ = new std::vector<std::string>();
+    }
+    return *compile_stack_;
+}
 
 std::string compile_top() {
-    return compile_stack.empty() ? std::string() : compile_stack.back();
+    return compile_stack_ == nullptr || compile_stack_->empty() ? std::string() : compile_stack_->back();
 }
 
 // The library's context source (see vram_ledger_set_context_source): runs on the allocating
@@ -104,23 +119,29 @@ uint64_t source(int kind) noexcept {
         bool in_history = false;
         {
             std::lock_guard<std::mutex> g(s.mu);
-            if (!s.recording) {
+            // Frees only with "all": otherwise the library gives a free's entry its
+            // allocation's id, whose stack PyTorch shows there too (and whose compile context,
+            // where PyTorch would name the one the free ran in).
+            if (!s.recording || (kind == kFree && s.when != CCA::RecordContext::ALL)) {
                 return 0;
             }
-            // Frees are asked for only with context "all"; allocations with any context, or
-            // with compile contexts alone (then no stack is gathered).
             if (s.when != CCA::RecordContext::NEVER) {
                 recorder = s.recorder;
             }
             in_history = kind == kFree || s.when == CCA::RecordContext::ALL || s.when == CCA::RecordContext::ALLOC;
         }
+        std::string region = compile_top();
+        if (!recorder && region.empty()) {
+            return 0;
+        }
         std::shared_ptr<c10::GatheredContext> stack;
         if (recorder) {
             stack = recorder();
         }
+        in_history = in_history && stack != nullptr;
         std::lock_guard<std::mutex> g(s.mu);
         uint64_t id = s.next++ | kCppId;
-        s.contexts.emplace(id, Context{std::move(stack), in_history, compile_top()});
+        s.contexts.emplace(id, Context{std::move(stack), in_history, std::move(region)});
         s.order.push_back(id);
         while (s.order.size() > kKept) {
             s.contexts.erase(s.order.front());
@@ -154,9 +175,10 @@ const char* context_name(CCA::RecordContext when) {
 // The compile contexts of torch.compile's regions, as PyTorch registers them for its own
 // allocator (a global RecordFunction callback on "Torch-Compiled Region: ..." functions).
 bool is_compiled_region(const at::RecordFunction& fn) {
-    static const std::string prefix = "Torch-Compiled Region";
+    // Called for every operator while the callback is registered: no allocation.
+    static constexpr char kPrefix[] = "Torch-Compiled Region";
     const char* name = fn.name();
-    return name != nullptr && std::string(name).compare(0, prefix.size(), prefix) == 0;
+    return name != nullptr && std::strncmp(name, kPrefix, sizeof(kPrefix) - 1) == 0;
 }
 
 void set_compile_contexts(bool on) {
@@ -168,13 +190,13 @@ void set_compile_contexts(bool on) {
             at::RecordFunctionCallback(
                 [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
                     if (is_compiled_region(fn)) {
-                        compile_stack.emplace_back(fn.name());
+                        compile_stack().emplace_back(fn.name());
                     }
                     return nullptr;
                 },
                 [](const at::RecordFunction& fn, at::ObserverContext*) {
-                    if (is_compiled_region(fn) && !compile_stack.empty()) {
-                        compile_stack.pop_back();
+                    if (is_compiled_region(fn) && !compile_stack().empty()) {
+                        compile_stack().pop_back();
                     }
                 })
                 .scopes({at::RecordScope::FUNCTION}));
@@ -250,8 +272,8 @@ CDA::TraceEntry entry_of(State& s, const py::dict& e, c10::DeviceIndex device, c
         std::move(stack),
         std::move(compile),
         item<std::string>(e, "user_metadata", ""));
-    // The library's clock is already wall time in microseconds (PyTorch converts its own
-    // approximate clock here).
+    // The library's clock: microseconds since its history started (PyTorch converts its own
+    // approximate clock to wall time here; the viewers only compare entries' times).
     out.time_.t_ = item<time_t>(e, "time_us", 0);
     return out;
 }
@@ -263,7 +285,7 @@ class LedgerAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
     bool isHistoryEnabled() override {
         State& s = state();
         std::lock_guard<std::mutex> g(s.mu);
-        return s.recording;
+        return s.history_enabled;
     }
 
     void recordHistory(
@@ -275,6 +297,18 @@ class LedgerAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
         const std::vector<std::string>& skip_actions) override {
         State& s = state();
         {
+            // The package first: if it refuses, nothing here has changed.
+            py::gil_scoped_acquire gil;
+            const char* context = context_name(when);
+            s.record(
+                enabled,
+                max_entries,
+                context == nullptr ? py::object(py::none()) : py::object(py::str(context)),
+                clear,
+                skip_actions,
+                reinterpret_cast<uintptr_t>(&source));
+        }
+        {
             std::lock_guard<std::mutex> g(s.mu);
             s.recording = enabled;
             s.recorder = enabled ? std::move(recorder) : nullptr;
@@ -283,24 +317,15 @@ class LedgerAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
         if (!enabled || clear) {
             forget_contexts(s);
         }
-        py::gil_scoped_acquire gil;
-        const char* context = context_name(when);
-        s.record(
-            enabled,
-            max_entries,
-            context == nullptr ? py::object(py::none()) : py::object(py::str(context)),
-            clear,
-            skip_actions,
-            reinterpret_cast<uintptr_t>(&source));
     }
 
     void pushCompileContext(std::string& md) override {
-        compile_stack.push_back(md);
+        compile_stack().push_back(md);
     }
 
     void popCompileContext() override {
-        if (!compile_stack.empty()) {
-            compile_stack.pop_back();
+        if (!compile_stack().empty()) {
+            compile_stack().pop_back();
         }
     }
 
@@ -419,8 +444,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_compile_contexts", &set_compile_contexts);
     m.def("compile_context", &compile_top);
     m.def("resolve", &resolve);
-    // The package stopped or restarted the history itself: the recorder C++ passed is done with.
-    m.def("stopped", []() {
+    // The package went on with, restarted or stopped the history itself: the recorder C++
+    // passed is done with; what it gathered is kept unless `forget` (the history ended or was
+    // cleared).
+    m.def("stopped", [](bool forget) {
         State& s = state();
         {
             std::lock_guard<std::mutex> g(s.mu);
@@ -428,6 +455,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             s.recorder = nullptr;
             s.when = CCA::RecordContext::NEVER;
         }
-        forget_contexts(s);
+        if (forget) {
+            forget_contexts(s);
+        }
+    });
+    m.def("set_history_enabled", [](bool on) {
+        State& s = state();
+        std::lock_guard<std::mutex> g(s.mu);
+        s.history_enabled = on;
+    });
+    // Forget every context but these (those a snapshot of every recording device still names).
+    m.def("keep", [](const std::vector<uint64_t>& ids) {
+        State& s = state();
+        std::unordered_set<uint64_t> wanted(ids.begin(), ids.end());
+        std::lock_guard<std::mutex> g(s.mu);
+        std::deque<uint64_t> order;
+        for (uint64_t id : s.order) {
+            if (wanted.count(id) != 0) {
+                order.push_back(id);
+            } else {
+                s.contexts.erase(id);
+            }
+        }
+        s.order.swap(order);
     });
 }
