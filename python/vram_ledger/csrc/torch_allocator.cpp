@@ -10,12 +10,14 @@
 // - snapshot (torch::cuda::_memory_snapshot_pickled): the library's segments and history, as
 //   the package reads them, turned into PyTorch's SnapshotInfo.
 // - pushCompileContext / popCompileContext: the "Torch-Compiled Region" that torch.compile's
-//   code is running in, recorded on each history entry as PyTorch's allocator records it.
+//   code is running in, recorded on allocation entries (and frees with context "all") as
+//   PyTorch's allocator records it.
 //
 // Invariants:
 // - A context id handed to the library has bit 62 set (the Python recorder's never do, so
-//   `resolve` can tell them apart), and names an entry of `contexts` until the history is
-//   cleared or it is the oldest past kKept.
+//   `resolve` can tell them apart), and names an entry of `contexts` until the history ends or
+//   is cleared, a snapshot of every recording device no longer names it (`keep`), or it is the
+//   oldest past kKept.
 // - Nothing here holds `mu` while it waits for the GIL or runs a recorder: the recorder takes
 //   the GIL itself, and the snapshot takes the GIL before `mu`.
 // - Nothing thrown here crosses into the library: the context source catches everything.
