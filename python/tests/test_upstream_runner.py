@@ -49,6 +49,9 @@ def test_a_run_is_read_from_pytests_results(tmp_path):
     by_name = {k.split(".")[-1]: v for k, v in saved["outcomes"].items()}
     assert by_name == {"TestThings::test_passes": "passed", "TestThings::test_fails": "failed",
                        "TestThings::test_skipped": "skipped"}, saved["outcomes"]
+    # Why each failed, kept with the run: a machine's logs may not come back.
+    why = {k.split(".")[-1]: v for k, v in saved["failures"].items()}
+    assert list(why) == ["TestThings::test_fails"] and "as it should" in why["TestThings::test_fails"], why
 
 
 def outcome(**tests):
@@ -60,9 +63,11 @@ def test_a_mode_that_loses_a_passing_test_misses():
     same = dict(outcome(a="passed", b="passed", c="failed", d="skipped"), config="remap")
     r = upstream_tests.compare(torch, same)
     assert r["ok"] and r["lost"] == [], r
-    worse = dict(outcome(a="passed", b="failed", c="passed", d="skipped"), config="native")
+    worse = dict(outcome(a="passed", b="failed", c="passed", d="skipped"), config="native",
+                 failures={"m.T::b": "AssertionError: 2 != 1"})
     r = upstream_tests.compare(torch, worse)
     assert not r["ok"] and r["lost"] == ["T::b"] and r["missed"] == ["passes_what_torch_passes"], r
+    assert r["lost_unexpected_why"] == {"T::b": "AssertionError: 2 != 1"}, r
     missing = dict(outcome(a="passed"), config="compact")
     assert upstream_tests.compare(torch, missing)["lost"] == ["T::b"], "a test that did not run is lost"
     none = dict(outcome(), config="expandable")

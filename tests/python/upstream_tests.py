@@ -120,6 +120,20 @@ def outcomes(junit_path):
     return out
 
 
+def failures(junit_path):
+    """test id -> the first line of its failure's message (at most 300 characters), for the
+    tests that failed: a run kept from a machine whose logs did not come back still says why."""
+    out = {}
+    for case in ET.parse(junit_path).getroot().iter("testcase"):
+        found = case.find("failure")
+        if found is None:
+            found = case.find("error")
+        if found is not None:
+            text = (found.get("message") or found.text or "").strip().splitlines()
+            out[test_id(case.get("classname"), case.get("name"))] = (text[0] if text else "")[:300]
+    return out
+
+
 def run(config, test_file, pytest_args):
     """One pytest process for `config` ("torch", or a segment mode under install())."""
     junit = os.path.join(results_dir(), f"{config}.xml")
@@ -138,6 +152,7 @@ def run(config, test_file, pytest_args):
     with open(log_path, errors="replace") as log:
         tail = log.read()[-4000:]
     found = outcomes(junit) if os.path.exists(junit) else {}
+    why = failures(junit) if os.path.exists(junit) else {}
     isolated = {}
     for test in [t for t in found if t.split("::")[-1] in ISOLATED]:
         name = test.split("::")[-1]
@@ -146,11 +161,14 @@ def run(config, test_file, pytest_args):
         with open(os.path.join(results_dir(), f"{config}-{name}.log"), "w") as log:
             subprocess.run(cmd_alone + ["-v", "-k", name] + pytest_args, env=env, stdout=log, stderr=subprocess.STDOUT)
         got = outcomes(alone).get(test, "not run") if os.path.exists(alone) else "not run"
+        why.pop(test, None)
+        if got == "failed":
+            why[test] = failures(alone).get(test, "")
         isolated[test] = {"in_file": found[test], "alone": got}
         found[test] = got
     extension = env.get("VRAM_LEDGER_TORCH_EXTENSION", "") if config != "torch" else ""
     result = {"config": config, "returncode": r.returncode, "outcomes": found, "isolated": isolated, "tail": tail,
-              "extension": extension}
+              "extension": extension, "failures": why}
     with open(os.path.join(results_dir(), f"{config}.json"), "w") as f:
         json.dump(result, f)
     return result
@@ -171,8 +189,10 @@ def compare(torch_run, mode_run):
     m.true("results_read", bool(passed) and "passed" in ours.values())
     m.true("passes_what_torch_passes", not unexpected)
     counts = {o: sum(1 for v in ours.values() if v == o) for o in ("passed", "failed", "skipped")}
+    why = {test_id(*t.rsplit("::", 1)): w for t, w in mode_run.get("failures", {}).items()}
+    failed_how = {t: why.get(t, ours.get(t, "not run")) for t in unexpected}
     return {"mode": mode_run["config"], "extension": mode_run.get("extension", ""), "torch_passed": len(passed), "counts": counts, "lost": lost,
-            "lost_unexpected": unexpected, "marks": m.met, "ok": m.ok, "missed": m.missed()}
+            "lost_unexpected": unexpected, "lost_unexpected_why": failed_how, "marks": m.met, "ok": m.ok, "missed": m.missed()}
 
 
 def main(argv):
