@@ -59,6 +59,13 @@ def with_extension(code: str, build_fails: bool = False) -> dict:
     return run_on_sim(STAND_IN + f"build_fails = {build_fails}\n" + EXTENSION + code)
 
 
+def installed(code: str) -> dict:
+    """`code` run after install(extension=True) has built the stand-in, with CUDA initialised and
+    `source` the stand-in's C++ context source."""
+    prelude = 'vl.install(mode="remap", extension=True)\nstate["initialized"] = True\n'
+    return with_extension(prelude + "source = ctypes.cast(CPP_SOURCE, ctypes.c_void_p).value\n" + code)
+
+
 def test_install_with_the_extension_hands_it_the_librarys_hooks_in_place_of_the_pluggable_allocator():
     r = with_extension(
         """
@@ -126,10 +133,8 @@ print(json.dumps(seen))
 
 def test_compile_contexts_are_recorded_on_each_history_entry():
     # As test_cuda.py's test_memory_compile_regions reads them: "N/A" outside a compiled region.
-    r = with_extension(
+    r = installed(
         """
-vl.install(mode="remap", extension=True)
-state["initialized"] = True
 C = torch._C
 seen = {}
 for context in ["all", None]:
@@ -164,12 +169,8 @@ print(json.dumps(seen))
 
 
 def test_a_history_recorded_from_cpp_shows_the_stacks_its_recorder_gathered():
-    r = with_extension(
+    r = installed(
         """
-vl.install(mode="remap", extension=True)
-state["initialized"] = True
-from vram_ledger import _torch_stats
-source = ctypes.cast(CPP_SOURCE, ctypes.c_void_p).value
 # What the extension's recordHistory calls: torch::cuda::_record_memory_history(True, ctx, 10, ctx, ctx).
 ext.record(True, 10, "alloc", False, [], source)
 region[0] = "Torch-Compiled Region: 0/0"
@@ -203,10 +204,8 @@ def test_a_free_shows_its_allocations_stack_and_region_unless_frees_are_recorded
     # With context "alloc" a free's entry carries its allocation's identifier (PyTorch shows the
     # allocation's stack there too); its region is then the allocation's, where PyTorch would
     # name the one the free ran in (documented).
-    r = with_extension(
+    r = installed(
         """
-vl.install(mode="remap", extension=True)
-state["initialized"] = True
 C = torch._C
 C._cuda_record_memory_history("all", "alloc", "python", sys.maxsize, True, True, False, [])
 region[0] = "Torch-Compiled Region: 0/0"
@@ -227,12 +226,9 @@ print(json.dumps([[e["action"], e["size"], e["compile_context"], bool(e.get("fra
 
 def test_whether_a_history_is_recorded_is_known_however_it_was_started():
     # inductor's CUDA-graph trees ask torch._C._cuda_isHistoryEnabled() before they record.
-    r = with_extension(
+    r = installed(
         """
-vl.install(mode="remap", extension=True)
-state["initialized"] = True
 C = torch._C
-source = ctypes.cast(CPP_SOURCE, ctypes.c_void_p).value
 seen = [[C._cuda_isHistoryEnabled(), cpp["history"]]]
 C._cuda_record_memory_history("all", "all", "python", sys.maxsize, False, False, False, [])
 seen.append([C._cuda_isHistoryEnabled(), cpp["history"]])
@@ -249,12 +245,9 @@ print(json.dumps(seen))
 
 
 def test_python_going_on_with_a_cpp_history_keeps_its_stacks_until_it_clears():
-    r = with_extension(
+    r = installed(
         """
-vl.install(mode="remap", extension=True)
-state["initialized"] = True
 C = torch._C
-source = ctypes.cast(CPP_SOURCE, ctypes.c_void_p).value
 ext.record(True, 100, "alloc", False, [], source)
 p = lib.vram_ledger_malloc(1 << 20, 0, None)
 C._cuda_record_memory_history("all", "alloc", "python", sys.maxsize, False, False, False, [])
@@ -273,11 +266,8 @@ print(json.dumps({"kept": kept, "stopped": [c for c in calls if c[0] == "stopped
 
 
 def test_a_cpp_snapshot_lets_the_extension_forget_what_the_ring_dropped():
-    r = with_extension(
+    r = installed(
         """
-vl.install(mode="remap", extension=True)
-state["initialized"] = True
-source = ctypes.cast(CPP_SOURCE, ctypes.c_void_p).value
 ext.record(True, 2, "alloc", False, [], source)
 ptrs = [lib.vram_ledger_malloc(1 << 20, 0, None) for _ in range(4)]
 for p in ptrs[1:]:

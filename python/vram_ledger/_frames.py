@@ -12,8 +12,9 @@ recorded (the extension's allocator, `_extension.py`), each allocation's identif
 the torch.compile region it was made in, even with context None.
 
 Invariants: an identifier is never 0 (0 is "none" to the library) and never has `CPP_ID` set
-(those are the extension's), and its frames are fixed when it is gathered. Stacks are kept until the history is cleared; each snapshot drops those
-nothing refers to any more, and between snapshots the newest `_KEPT` are kept.
+(those are the extension's), and its frames are fixed when it is gathered. Stacks are kept
+until the history is cleared; each snapshot drops those nothing refers to any more, and
+between snapshots the newest `_KEPT` are kept.
 """
 
 from __future__ import annotations
@@ -144,6 +145,13 @@ def _symbolize_together(ids: List[int], stacks: Dict[int, Tuple[Any, bool]]) -> 
         return {}
 
 
+def context_ids(snapshot: Dict[str, Any], key: str) -> List[int]:
+    """The identifiers (under `key`) of every trace entry and then every block, 0 where none."""
+    return [e.get(key, 0) for t in snapshot.get("device_traces", []) for e in t] + [
+        b.get(key, 0) for seg in snapshot.get("segments", []) for b in seg.get("blocks", [])
+    ]
+
+
 def resolve(
     snapshot: Dict[str, Any],
     key: str,
@@ -160,9 +168,7 @@ def resolve(
     skip = set(skip_actions or ())
     with _lock:
         stacks = dict(_stacks)
-    ids = [e.get(key, 0) for t in snapshot.get("device_traces", []) for e in t] + [
-        b.get(key, 0) for seg in snapshot.get("segments", []) for b in seg.get("blocks", [])
-    ]
+    ids = context_ids(snapshot, key)
     summaries = _symbolize_together(ids, stacks)
     resolved: Dict[int, List[Dict[str, Any]]] = {}
     cpp_ids = sorted({i for i in ids if i & CPP_ID}) if cpp is not None else []

@@ -235,9 +235,9 @@ def _record(
         ext.set_history_enabled(True)
     if source is not None:
         # C++'s recorder names each entry's stack and compile context (`csrc/torch_allocator.cpp`):
-        # asked for every entry, since PyTorch's own callbacks may push compile contexts whatever
-        # the context; it names none that has neither.
-        lib.vram_ledger_set_context_source(ctypes.c_void_p(source), 0b11)
+        # every allocation is asked, since PyTorch's own callbacks may push compile contexts
+        # whatever the context (it names none that has neither); frees only with "all".
+        lib.vram_ledger_set_context_source(ctypes.c_void_p(source), 0b11 if context == "all" else 0b01)
         return
     lib.vram_ledger_set_context_source(ctypes.cast(_frames.SOURCE, ctypes.c_void_p) if kinds else None, kinds)
 
@@ -259,9 +259,7 @@ def raw_snapshot(device: int, pool: Any, include_traces: bool) -> Dict[str, Any]
     snap = _read_snapshot(device)
     live = snap.pop(LIVE_KEY, [])
     if set(_RECORDING) <= {device}:
-        seen = set(live) | {e.get(CONTEXT_KEY, 0) for t in snap.get("device_traces", []) for e in t}
-        seen |= {b.get(CONTEXT_KEY, 0) for seg in snap.get("segments", []) for b in seg.get("blocks", [])}
-        _frames.keep_cpp(_extension.loaded(), seen)
+        _frames.keep_cpp(_extension.loaded(), set(live) | set(_frames.context_ids(snap, CONTEXT_KEY)))
     snap = _mempool.pool_filter(snap, (*tuple(pool), include_traces))
     skip = set(_RECORDING.get(device) or ())
     for trace in snap.get("device_traces", []):

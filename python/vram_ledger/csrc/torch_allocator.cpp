@@ -78,7 +78,6 @@ struct State {
     bool recording = false;
     // Any history, however it was started (isHistoryEnabled), as the package keeps it.
     bool history_enabled = false;
-    bool compile_contexts = false;
     at::CallbackHandle compile_handle = 0;
     std::unordered_map<uint64_t, Context> contexts;
     std::deque<uint64_t> order;
@@ -186,7 +185,6 @@ bool is_compiled_region(const at::RecordFunction& fn) {
 void set_compile_contexts(bool on) {
     State& s = state();
     std::lock_guard<std::mutex> g(s.mu);
-    s.compile_contexts = on;
     if (on && s.compile_handle == 0) {
         s.compile_handle = at::addGlobalCallback(
             at::RecordFunctionCallback(
