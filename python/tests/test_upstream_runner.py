@@ -81,6 +81,16 @@ def test_a_listed_layout_test_is_reported_not_counted(monkeypatch):
     assert r["ok"] and r["lost"] == ["T::b"] and r["lost_unexpected"] == [], r
 
 
+def test_tests_that_need_the_extension_count_only_with_it(monkeypatch):
+    monkeypatch.setitem(upstream_tests.NEEDS_EXTENSION, "b", "C++ calls the allocator")
+    torch = outcome(a="passed", b="passed")
+    lost_b = outcome(a="passed", b="failed")
+    without = upstream_tests.compare(torch, dict(lost_b, config="remap", extension=""))
+    assert without["ok"] and without["lost"] == ["T::b"], without
+    with_it = upstream_tests.compare(torch, dict(lost_b, config="remap", extension="1"))
+    assert not with_it["ok"] and with_it["lost_unexpected"] == ["T::b"], with_it
+
+
 def test_runs_from_other_folders_compare_by_class_and_test():
     # A run kept from an earlier session named its tests with the folder pytest saw then.
     torch = {"outcomes": {"upstream.test_cuda.T::a": "passed"}}

@@ -56,12 +56,19 @@ EXPECTED = {
     },
     "test_graph_memory_stats_and_use_result_after_destroy_graph": "counts segments as PyTorch's allocator cuts them",
     "test_allocator_settings": "PyTorch's block rounding settings (roundup_power2_divisions) on its own blocks",
-    "test_cachingAllocator_raw_alloc": "turns PyTorch's own caching off (caching_allocator_enable)",
     "test_graph_capture_reclaim_2_streams": (
         "asserts that PyTorch's allocator reuses one block's address inside a capture once side "
         "streams are joined (its opt-in graph_capture_record_stream_reuse setting)"
     ),
     "test_graph_capture_reclaim_4_streams": "as test_graph_capture_reclaim_2_streams",
+}
+
+# Tests that only install(extension=True) can pass, because C++ calls the allocator for them
+# where no Python patch reaches; expected lost in a run without the extension.
+NEEDS_EXTENSION = {
+    "test_cpp_memory_snapshot_pickle": "C++ starts the history and takes the snapshot itself (recordHistory, snapshot)",
+    "test_memory_compile_regions": "torch.compile's regions reach only C++ (pushCompileContext)",
+    "test_cachingAllocator_raw_alloc": "torch.cuda.caching_allocator_enable reaches only C++ (enable)",
 }
 
 # Tests whose outcome in a run of the whole file depends on the tests before them, run once more
@@ -183,7 +190,9 @@ def compare(torch_run, mode_run):
     theirs, ours = by_id(torch_run), by_id(mode_run)
     passed = {t for t, o in theirs.items() if o == "passed"}
     lost = sorted(t for t in passed if ours.get(t) != "passed")
-    unexpected = [t for t in lost if t.split("::")[-1] not in EXPECTED]
+    with_extension = mode_run.get("extension", "").strip().lower() in ("1", "true", "yes", "on")
+    allowed = EXPECTED if with_extension else {**EXPECTED, **NEEDS_EXTENSION}
+    unexpected = [t for t in lost if t.split("::")[-1] not in allowed]
     m = Marks()
     # A file that fails to import leaves one failed entry and nothing passed: that is no reading.
     m.true("results_read", bool(passed) and "passed" in ours.values())

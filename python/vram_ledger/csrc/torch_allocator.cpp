@@ -12,6 +12,8 @@
 // - pushCompileContext / popCompileContext: the "Torch-Compiled Region" that torch.compile's
 //   code is running in, recorded on allocation entries (and frees with context "all") as
 //   PyTorch's allocator records it.
+// - enable / isEnabled (torch.cuda.caching_allocator_enable): with caching off, allocations
+//   bypass the library as they bypass PyTorch's allocator.
 //
 // Invariants:
 // - A context id handed to the library has bit 62 set (the Python recorder's never do, so
@@ -21,6 +23,8 @@
 // - Nothing here holds `mu` while it waits for the GIL or runs a recorder: the recorder takes
 //   the GIL itself, and the snapshot takes the GIL before `mu`.
 // - Nothing thrown here crosses into the library: the context source catches everything.
+// - A pointer is in `uncached_` exactly while it is live and came from cudaMalloc here, and
+//   `uncached_count_` is its size.
 #include <torch/extension.h>
 
 #include <ATen/record_function.h>
@@ -29,6 +33,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/csrc/profiler/combined_traceback.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -279,8 +284,59 @@ CDA::TraceEntry entry_of(State& s, const py::dict& e, c10::DeviceIndex device, c
 }
 
 class LedgerAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+    using Base = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+
   public:
     using CUDAPluggableAllocator::CUDAPluggableAllocator;
+
+    // torch.cuda.caching_allocator_enable(False): as with PyTorch's allocator, what is
+    // allocated meanwhile comes from cudaMalloc and goes back to cudaFree, so the library
+    // never sees it (its figures count it as memory outside the allocator).
+    void enable(bool value) override {
+        caching_.store(value);
+    }
+
+    bool isEnabled() const override {
+        return caching_.load();
+    }
+
+    c10::DataPtr allocate(size_t size) override {
+        if (size == 0 || caching_.load(std::memory_order_relaxed)) {
+            return Base::allocate(size);
+        }
+        c10::DeviceIndex device = c10::cuda::current_device();
+        void* p = uncached_alloc(size);
+        return {p, p, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device)};
+    }
+
+    void* raw_alloc(size_t nbytes) override {
+        if (nbytes == 0 || caching_.load(std::memory_order_relaxed)) {
+            return Base::raw_alloc(nbytes);
+        }
+        return uncached_alloc(nbytes);
+    }
+
+    void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+        if (nbytes == 0 || caching_.load(std::memory_order_relaxed)) {
+            return Base::raw_alloc_with_stream(nbytes, stream);
+        }
+        return uncached_alloc(nbytes);
+    }
+
+    // Every free passes here (the tensors' deleter calls it too); a pointer from cudaMalloc
+    // goes back to cudaFree whether or not caching is on again by then.
+    void raw_delete(void* ptr) override {
+        if (uncached_count_.load(std::memory_order_relaxed) != 0) {
+            std::unique_lock<std::mutex> g(uncached_mu_);
+            if (uncached_.erase(ptr) != 0) {
+                uncached_count_.fetch_sub(1, std::memory_order_relaxed);
+                g.unlock();
+                C10_CUDA_CHECK(cudaFree(ptr));
+                return;
+            }
+        }
+        Base::raw_delete(ptr);
+    }
 
     bool isHistoryEnabled() override {
         State& s = state();
@@ -356,6 +412,22 @@ class LedgerAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
         info.config_metadata.last_allocator_settings = "";
         return info;
     }
+
+  private:
+    void* uncached_alloc(size_t nbytes) {
+        void* p = nullptr;
+        C10_CUDA_CHECK(cudaMalloc(&p, nbytes));
+        std::lock_guard<std::mutex> g(uncached_mu_);
+        uncached_.insert(p);
+        uncached_count_.fetch_add(1, std::memory_order_relaxed);
+        return p;
+    }
+
+    std::atomic<bool> caching_{true};
+    // Written only while caching is off or such pointers are live; read on every free.
+    std::atomic<size_t> uncached_count_{0};
+    std::mutex uncached_mu_;
+    std::unordered_set<void*> uncached_;
 };
 
 template <typename F>
