@@ -362,6 +362,24 @@ int vram_ledger_graph_end(int device, void *stream, uint64_t pool_a, uint64_t po
  */
 int vram_ledger_graph_release(int device, uint64_t pool_a, uint64_t pool_b);
 
+/* What the pool (`pool_a`, `pool_b`) holds allocated now, as JSON: `blocks`, each with its
+ * `addr`, `size`, `requested` bytes and `tag`, in address order (PyTorch's
+ * `getCheckpointState`). NULL when the pool is unknown.
+ */
+char *vram_ledger_pool_checkpoint(int device, uint64_t pool_a, uint64_t pool_b);
+
+/* Put the pool back to `checkpoint` (the JSON `vram_ledger_pool_checkpoint` gave): every block
+ * it holds allocated now is freed and the checkpoint's are allocated again at their addresses
+ * (PyTorch's `setCheckpointPoolState`). Returns JSON: `freed`, the addresses freed, and
+ * `made`, the blocks allocated (the caller owns them; an address may be in both). NULL, with
+ * nothing changed, when the checkpoint is malformed or no longer fits the pool, or while a
+ * capture runs.
+ *
+ * Safety:
+ * `checkpoint` is NULL or a NUL-terminated string.
+ */
+char *vram_ledger_pool_restore(int device, uint64_t pool_a, uint64_t pool_b, const char *checkpoint);
+
 /* ---- src/ffi/pools.rs -------------------------------------------------------
  * Memory pools (PyTorch's `torch.cuda.MemPool` and `use_mem_pool`, which its pluggable
  * allocator does not forward: the Python package calls these for its MemPool), and the

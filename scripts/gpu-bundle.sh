@@ -140,7 +140,7 @@ step gpu-bench gpu_bench
 step torch-bench torch_bench
 step profile profile
 step kv-engine bin/kv_engine
-for s in h200_torch h200_contract h200_graphs h200_package h200_sleep h200_vllm_profile h200_step_cost; do
+for s in h200_torch h200_contract h200_graphs h200_package h200_sleep h200_vllm_profile h200_graph_trees h200_step_cost; do
     step "$s" script "$s"
 done
 step h200_engine script h200_engine torch alone hold churn together resize

@@ -217,6 +217,9 @@ pub enum Error {
     #[error("the KV cache cannot grow: {0}")]
     KvShort(Box<OomCause>),
 
+    #[error("the graph pool's checkpoint cannot be restored: {0}")]
+    StaleCheckpoint(String),
+
     #[error("no KV cache is reserved on this device")]
     NoKvCache,
 

@@ -40,8 +40,8 @@ mod threads;
 pub mod units;
 
 pub use allocator::{
-    Allocation, Allocator, Config, GraphMemory, KvCache, KvCommit, KvRoom, Limit, PoolOptions,
-    PoolStats, SegmentMode, SleepReport, WakeReport,
+    Allocation, Allocator, CheckpointBlock, Config, GraphMemory, KvCache, KvCommit, KvRoom, Limit,
+    PoolCheckpoint, PoolOptions, PoolRestore, PoolStats, SegmentMode, SleepReport, WakeReport,
 };
 pub use driver::{Capture, DevicePtr, Driver, GraphPool, StreamId};
 pub use error::{Error, OomCause, OomReport, Result};

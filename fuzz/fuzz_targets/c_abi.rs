@@ -35,6 +35,18 @@ enum Call {
     PoolEnd { device: i8, id: u8 },
     PoolRelease { device: i8, id: u8 },
     Reporter { on: bool, profiling: u8 },
+    Checkpoint { device: i8, id: u8 },
+    /// A checkpoint this input took (`text` None), or arbitrary bytes as one.
+    Restore { device: i8, id: u8, pick: u8, text: Option<Vec<u8>> },
+}
+
+/// The addresses in a restore's result: those it freed and those it made.
+fn restored(json: &str) -> (Vec<u64>, Vec<u64>) {
+    let v: serde_json::Value = serde_json::from_str(json).expect("a restore's result is JSON");
+    let addrs = |key: &str, addr: fn(&serde_json::Value) -> Option<u64>| -> Vec<u64> {
+        v[key].as_array().expect("a list").iter().map(|x| addr(x).expect("an address")).collect()
+    };
+    (addrs("freed", |x| x.as_u64()), addrs("made", |x| x["addr"].as_u64()))
 }
 
 /// A pool's own allocator for the fuzzer: host memory, refused above 64 MiB (the library sees
@@ -79,6 +91,7 @@ fuzz_target!(|calls: Vec<Call>| {
     // References this input took (holds and routes), dropped at its end: inputs share the
     // library's state.
     let (mut refs, mut routes): (Vec<(i32, u64)>, Vec<(i32, u64)>) = (Vec::new(), Vec::new());
+    let mut checkpoints: Vec<CString> = Vec::new();
     for c in calls.into_iter().take(100) {
         match c {
             Call::Malloc { size, device, stream } => {
@@ -175,6 +188,36 @@ fuzz_target!(|calls: Vec<Call>| {
                 if let Some(i) = refs.iter().rposition(|&r| r == (d, u64::from(id % 8))) {
                     refs.remove(i);
                     vram_ledger_graph_release(d, 0, u64::from(id % 8));
+                }
+            }
+            Call::Checkpoint { device, id } => {
+                let p = vram_ledger_pool_checkpoint(i32::from(device % 3), 0, u64::from(id % 8));
+                if !p.is_null() && checkpoints.len() < 4 {
+                    // SAFETY: a string the library returned, freed once below.
+                    checkpoints.push(unsafe { std::ffi::CStr::from_ptr(p) }.to_owned());
+                }
+                unsafe { vram_ledger_string_free(p) };
+            }
+            Call::Restore { device, id, pick, text } => {
+                let d = i32::from(device % 3);
+                let text = match text {
+                    Some(t) => match CString::new(t) {
+                        Ok(t) => t,
+                        Err(_) => continue,
+                    },
+                    None if checkpoints.is_empty() => continue,
+                    None => checkpoints[pick as usize % checkpoints.len()].clone(),
+                };
+                // SAFETY: `text` is a CString alive for the call.
+                let p = unsafe { vram_ledger_pool_restore(d, 0, u64::from(id % 8), text.as_ptr()) };
+                if !p.is_null() {
+                    // SAFETY: a string the library returned.
+                    let json = unsafe { std::ffi::CStr::from_ptr(p) }.to_str().unwrap().to_owned();
+                    unsafe { vram_ledger_string_free(p) };
+                    // What the pool freed is no longer this input's to free; what it made is.
+                    let (freed, made) = restored(&json);
+                    live.retain(|&(q, qd)| qd != d || !freed.contains(&(q as u64)));
+                    live.extend(made.into_iter().map(|a| (a as *mut c_void, d)));
                 }
             }
             Call::Reporter { on, profiling: p } => {

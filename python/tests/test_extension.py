@@ -26,7 +26,7 @@ CPP_SOURCE = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_int)(cpp_source)
 class Extension:
     def install(self, *args):
         calls.append(["extension_install", *args[:6]])
-        self.record, self.raw_snapshot = args[6], args[7]
+        self.record, self.raw_snapshot, self.checkpoint, self.restore = args[6:10]
     def set_compile_contexts(self, on): calls.append(["compile_contexts", on])
     def compile_context(self): return region[0]
     def stopped(self, forget):
@@ -73,7 +73,9 @@ got = vl.install(mode="remap", extension=True)
 fns = ["vram_ledger_malloc_or_throw", "vram_ledger_free", "vram_ledger_init", "vram_ledger_reset",
        "vram_ledger_memory_fraction", "vram_ledger_record_stream"]
 print(json.dumps({"calls": calls, "want": [address(f) for f in fns], "got": got,
-                  "record": ext.record.__name__, "snapshot": ext.raw_snapshot.__name__}))
+                  "record": ext.record.__name__, "snapshot": ext.raw_snapshot.__name__,
+                  "checkpoint": [ext.checkpoint.__name__, ext.restore.__name__],
+                  "trees": inductor.config.triton.cudagraph_trees}))
 """
     )
     names = [c[0] for c in r["calls"]]
@@ -83,6 +85,60 @@ print(json.dumps({"calls": calls, "want": [address(f) for f in fns], "got": got,
     assert "plug" not in names and "change" not in names, "PyTorch's plain pluggable allocator is not installed"
     assert r["got"] == "current", "install() returns PyTorch's current allocator, the extension's"
     assert (r["record"], r["snapshot"]) == ("record_from_cpp", "raw_snapshot"), r
+    assert r["checkpoint"] == ["checkpoint", "restore"], r
+    assert r["trees"] is True, "the extension answers the trees' checkpoints: inductor keeps them"
+
+
+def test_a_pools_checkpoint_is_restored_through_the_functions_the_extension_calls():
+    r = installed(
+        """
+from vram_ledger._lib import VramLedgerError
+pool = (0, 7)
+assert lib.vram_ledger_pool_hold(0, *pool, None, None, 0) == 0
+def in_pool(n):
+    assert lib.vram_ledger_pool_begin(0, *pool) == 0
+    p = lib.vram_ledger_malloc(n, 0, None)
+    assert lib.vram_ledger_pool_end(0, *pool) == 0
+    return p
+x, y = in_pool(1 << 20), in_pool(3000)
+text, live = ext.checkpoint(0, pool)
+lib.vram_ledger_free(y, 3000, 0, None)
+z = in_pool(5000)
+errors = []
+for bad in ["{", '{"blocks": [{"addr": 1}]}', json.dumps({"blocks": [{"addr": x, "size": 512, "requested": 9, "tag": "weights"}, {"addr": x + 8, "size": 512, "requested": 9, "tag": "weights"}]})]:
+    try:
+        ext.restore(0, pool, bad)
+    except VramLedgerError as e:
+        errors.append(str(e))
+unchanged = ext.checkpoint(0, pool)[1]
+freed, made = ext.restore(0, pool, text)
+after = ext.checkpoint(0, pool)
+try:
+    ext.checkpoint(0, (5, 5))
+    unknown = None
+except VramLedgerError as e:
+    unknown = str(e)
+# As a captured graph's private pool: the library's id until the capture ends, then PyTorch's
+# name for it (graph.pool()) in snapshots and checkpoints.
+segs = lambda: [tuple(s["segment_pool_id"]) for s in ext.raw_snapshot(0, (0, 0), False)["segments"]]
+before_alias = segs()
+vl._torch._POOL_ALIASES[(31, 0)] = pool
+named = [segs(), ext.checkpoint(0, (31, 0))[1]]
+print(json.dumps({"xyz": [x, y, z], "live": live, "errors": errors, "unchanged": unchanged,
+                  "freed": freed, "made": made, "after": after, "text": text, "unknown": unknown,
+                  "before_alias": before_alias, "named": named}))
+"""
+    )
+    x, y, z = r["xyz"]
+    assert r["live"] == sorted([x, y]), r
+    assert len(r["errors"]) == 3 and "malformed checkpoint" in r["errors"][0] and "overlap" in r["errors"][2], r["errors"]
+    assert r["unchanged"] == sorted([x, z]), "a refused restore changed the pool"
+    assert sorted(r["freed"]) == sorted([x, z]) and r["made"] == sorted([x, y]), r
+    assert r["after"] == [r["text"], sorted([x, y])], "the pool holds what the checkpoint recorded"
+    assert "graph pool" in r["unknown"], r["unknown"]
+    assert [0, 7] in r["before_alias"] and [31, 0] not in r["before_alias"], r["before_alias"]
+    assert [31, 0] in r["named"][0] and [0, 7] not in r["named"][0], "the snapshot names the pool as PyTorch does"
+    assert r["named"][1] == sorted([x, y]), "a checkpoint of PyTorch's name is the library pool's"
 
 
 def test_a_failed_build_raises_and_changes_nothing():
@@ -108,6 +164,24 @@ print(json.dumps({"error": error, "calls": calls, "mode": mode, "installed": "al
     assert [c[0] for c in r["calls"]] == ["build"], "nothing is handed to PyTorch after a failed build"
     assert r["mode"] != "compact", "the mode is not configured before the build succeeds"
     assert r["installed"] is False, r
+
+
+def test_graph_trees_asked_for_without_the_extension_are_refused_before_anything_changes():
+    r = with_extension(
+        """
+errors = []
+for kwargs in [dict(cudagraph_trees=True), dict(cudagraph_trees=True, extension=False)]:
+    try:
+        vl.install(mode="compact", **kwargs)
+    except ValueError as e:
+        errors.append(str(e))
+off = vl.install(mode="expandable", cudagraph_trees=False, extension=True) is not None
+print(json.dumps({"errors": errors, "calls": [c[0] for c in calls], "trees": inductor.config.triton.cudagraph_trees, "off": off}))
+"""
+    )
+    assert len(r["errors"]) == 2 and all("cudagraph_trees=True needs install(extension=True)" in e for e in r["errors"]), r
+    assert r["calls"][:2] == ["build", "extension_install"], "the refused calls built and installed nothing"
+    assert r["off"] and r["trees"] is False, "cudagraph_trees=False turns the trees off with the extension too"
 
 
 def test_the_environment_names_the_default_and_a_bad_value_is_refused():

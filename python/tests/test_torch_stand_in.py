@@ -75,6 +75,9 @@ def unsupported(what):
         raise RuntimeError("CUDAPluggableAllocator does not yet support " + what)
     return f
 torch._C = types.SimpleNamespace(
+    _cuda_beginAllocateCurrentThreadToPool=unsupported("beginAllocateToPool"),
+    _cuda_endAllocateToPool=unsupported("endAllocateToPool"),
+    _cuda_releasePool=unsupported("releasePool"),
     _cuda_record_memory_history=unsupported("recordHistory"),
     _cuda_record_memory_history_legacy=unsupported("recordHistory"),
     _cuda_memorySnapshot=unsupported("snapshot"),
@@ -419,6 +422,14 @@ def test_mempool_under_install_is_the_librarys_pool():
             b = lib.vram_ledger_malloc(1 << 20, 0, None)
         plain = lib.vram_ledger_malloc(1 << 20, 0, None)
         seen["nested"] = [inside(inner.snapshot(), a), inside(outer.snapshot(), b), inside(outer.snapshot(), a)]
+        # As inductor's CUDA-graph trees route a thread: through torch._C's names.
+        trees = M()
+        torch._C._cuda_beginAllocateCurrentThreadToPool(0, trees.id)
+        t = lib.vram_ledger_malloc(1 << 20, 0, None)
+        torch._C._cuda_endAllocateToPool(0, trees.id)
+        torch._C._cuda_releasePool(0, trees.id)
+        seen["c_names_route"] = [inside(trees.snapshot(), t), trees.use_count()]
+        lib.vram_ledger_free(t, 1 << 20, 0, None)
         seen["all_pools_listed"] = inside(torch.cuda.memory_snapshot(), a) and inside(torch.cuda.memory_snapshot(), plain)
         seen["plain_in_a_pool"] = any(inside(p.snapshot(), plain) for p in (pool, outer, inner))
         ids = []
@@ -459,7 +470,7 @@ def test_mempool_under_install_is_the_librarys_pool():
         for p in (a, b, plain, k):
             lib.vram_ledger_free(p, 1 << 20, 0, None)
         key = tuple(pool.id)
-        del pool, outer, inner, kv
+        del pool, outer, inner, kv, trees
         import gc; gc.collect()
         lib.vram_ledger_reset()
         seen["left"] = [s["segment_pool_id"] for s in torch._C._cuda_memorySnapshot(None)["segments"] if tuple(s["segment_pool_id"]) != (0, 0)]
@@ -475,6 +486,7 @@ def test_mempool_under_install_is_the_librarys_pool():
     assert [r["count_before"], r["count_inside"], r["count_after"]] == [1, 2, 1], r
     assert r["segments_kept"] == 1 and r["x_in_pool"], "empty_cache inside the pool kept its segment"
     assert r["nested"] == [True, True, False] and not r["plain_in_a_pool"], r
+    assert r["c_names_route"] == [True, 1], "torch._C's names route the thread to the pool and count as PyTorch does"
     assert r["all_pools_listed"], "memory_snapshot() lists every pool's segments and the rest"
     assert r["thread_ids"] == 4, r
     assert "CUDAPluggableAllocator(path, alloc_name, free_name) after install()" in r["refused"][0], r

@@ -3,8 +3,8 @@ built with torch's C++ extension tools the first time (torch caches the build, i
 TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions) and loaded in place of PyTorch's plain
 pluggable allocator. It is that allocator, with the library's hooks, plus what C++ code calls
 on the current allocator directly and the pluggable one refuses: `recordHistory` and
-`snapshot` (torch::cuda::_record_memory_history, _memory_snapshot_pickled) and the compile
-contexts of torch.compile's regions. The build needs a C++ compiler, ninja and the CUDA
+`snapshot` (torch::cuda::_record_memory_history, _memory_snapshot_pickled), the compile
+contexts of torch.compile's regions, and graph pools' checkpoints (`_checkpoint.py`). The build needs a C++ compiler, ninja and the CUDA
 headers (what torch.utils.cpp_extension needs); without them install(extension=True) fails
 before anything is configured.
 
@@ -62,6 +62,8 @@ def loaded() -> Optional[Any]:
 
 def install(lib: Any, address: Callable[[Any], Optional[int]], record: Callable[..., None], raw_snapshot: Callable[..., Any]) -> None:
     """Make the extension's allocator PyTorch's current one, with the library's hooks."""
+    from . import _checkpoint
+
     m = module()
     m.install(
         address(lib.vram_ledger_malloc_or_throw),
@@ -72,4 +74,6 @@ def install(lib: Any, address: Callable[[Any], Optional[int]], record: Callable[
         address(lib.vram_ledger_record_stream),
         record,
         raw_snapshot,
+        _checkpoint.checkpoint,
+        _checkpoint.restore,
     )

@@ -89,6 +89,8 @@ USED = (
     "vram_ledger_graph_begin",
     "vram_ledger_graph_end",
     "vram_ledger_graph_release",
+    "vram_ledger_pool_checkpoint",
+    "vram_ledger_pool_restore",
     "vram_ledger_pool_hold",
     "vram_ledger_pool_begin",
     "vram_ledger_pool_end",

@@ -123,12 +123,15 @@ def patch(torch: Any) -> None:
     def release(device: int, pool_id: Any) -> None:
         _check(lib.vram_ledger_graph_release(_args.device(device), *_pool(pool_id)))
 
+    # torch.cuda.memory's names (use_mem_pool) and torch._C's (inductor's CUDA-graph trees call
+    # them there): PyTorch's bindings would reach its pluggable allocator, which drops them.
     for name, fn in [
         ("_cuda_beginAllocateCurrentThreadToPool", begin),
         ("_cuda_endAllocateToPool", end),
         ("_cuda_releasePool", release),
     ]:
         setattr(memory, name, fn)
+        setattr(torch._C, name, fn)
     memory.MemPool = MemPool
     torch.cuda.MemPool = MemPool
 

@@ -35,7 +35,7 @@ DEFAULT_MODE = "remap"
 def install(
     mode: Optional[str] = None,
     torch_stats: bool = True,
-    cudagraph_trees: bool = False,
+    cudagraph_trees: Optional[bool] = None,
     sleep: bool = False,
     extension: Optional[bool] = None,
 ) -> _CUDAAllocator:
@@ -52,11 +52,12 @@ def install(
     limit through its hook). See `_torch_stats.py`.
 
     torch.compile(mode="reduce-overhead") captures CUDA graphs. Inductor's CUDA-graph trees
-    checkpoint and restore the private pool state of PyTorch's own allocator, which a
-    pluggable allocator cannot provide, so install() turns them off
-    (torch._inductor.config.triton.cudagraph_trees = False): inductor then captures each
+    checkpoint and restore a graph pool's state through C++ calls (getCheckpointState,
+    setCheckpointPoolState) that only the extension's allocator answers. `cudagraph_trees`
+    None (the default) leaves them on with the extension and turns them off without it
+    (torch._inductor.config.triton.cudagraph_trees = False: inductor then captures each
     compiled graph with torch.cuda.graph, into a graph pool of vram-ledger's like any other
-    capture. `cudagraph_trees=True` leaves inductor's setting alone.
+    capture); False turns them off; True without the extension is a ValueError.
 
     `mode` defaults to remap (`DEFAULT_MODE`, chosen by measurement: see its comment).
     `sleep=True` keeps each tag's memory apart so that `sleep()` can give a tag's memory back
@@ -80,6 +81,13 @@ def install(
         first, *others = [m for m in abi().modes if m in abi().virtual_modes]
         raise ValueError(f"sleep=True needs a virtual-memory mode: install(mode={first!r}, sleep=True), or {', or '.join(others)}")
     with_extension = _extension.wanted(extension)
+    if cudagraph_trees is None:
+        cudagraph_trees = with_extension
+    elif cudagraph_trees and not with_extension:
+        raise ValueError(
+            "cudagraph_trees=True needs install(extension=True): inductor's CUDA-graph trees "
+            "checkpoint graph pools through C++ calls that PyTorch's plain pluggable allocator refuses"
+        )
     import torch
 
     # Checked before anything is configured: a refused install leaves the library as it was.

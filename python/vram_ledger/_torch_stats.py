@@ -279,6 +279,15 @@ def _read_snapshot(device: int) -> Dict[str, Any]:
             snap = pickle.load(f)
     finally:
         os.unlink(path)
+    # A graph's private pool has an id of ours until its capture ends; PyTorch's name for it
+    # (graph.pool()) from then on, as PyTorch's snapshot shows it.
+    from ._torch import _POOL_ALIASES
+
+    theirs = {ours: name for name, ours in _POOL_ALIASES.items() if name != ours}
+    for seg in snap.get("segments", []):
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        if pool in theirs:
+            seg["segment_pool_id"] = theirs[pool]
     traces = snap.get("device_traces", [])
     if device > 0 and len(traces) == 1:
         snap["device_traces"] = [[] for _ in range(device)] + traces

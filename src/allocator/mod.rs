@@ -12,10 +12,11 @@
 //!   cache's reserved range;
 //! - `shard/`: one shard's tables and the cached path;
 //! - `growth/`: how a shard obtains and gives back memory, one policy per file;
-//! - `front.rs`: the [`Allocator`] and its entry points; `graphs.rs`, `sleep.rs` and `kv.rs`
-//!   add the graph-pool, sleep and KV-cache entry points to it.
+//! - `front.rs`: the [`Allocator`] and its entry points; `graphs.rs`, `checkpoint.rs`, `sleep.rs`
+//!   and `kv.rs` add the graph-pool, pool-checkpoint, sleep and KV-cache entry points to it.
 
 pub(crate) mod block;
+mod checkpoint;
 mod config;
 mod core;
 pub mod dump;
@@ -45,6 +46,7 @@ mod stranded;
 mod streams;
 mod wake;
 
+pub use self::checkpoint::{CheckpointBlock, PoolCheckpoint, PoolRestore};
 pub use self::config::{Config, Limit, SegmentMode, UnknownMode, DEFAULT_REMAP_PIECE};
 pub use self::core::Allocation;
 pub(crate) use self::core::Profiled;

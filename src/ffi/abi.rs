@@ -97,6 +97,16 @@ pub(super) const SIGNATURES: &[Signature] = &[
         &["int", "uint64_t", "uint64_t"],
     ),
     sig(
+        "vram_ledger_pool_checkpoint",
+        "char *",
+        &["int", "uint64_t", "uint64_t"],
+    ),
+    sig(
+        "vram_ledger_pool_restore",
+        "char *",
+        &["int", "uint64_t", "uint64_t", "const char *"],
+    ),
+    sig(
         "vram_ledger_pool_hold",
         "int",
         &["int", "uint64_t", "uint64_t", POOL_ALLOC, POOL_FREE, "int"],

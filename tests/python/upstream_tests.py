@@ -33,27 +33,12 @@ MODES = ["native", "expandable", "compact", "remap"]
 
 # Tests that assert PyTorch's own segment layout or its own allocator's internals, with the
 # reason; a failure of one of these under install() is reported, not counted.
-_CHECKPOINT = (
-    "checkpoints and restores the private-pool state of PyTorch's own allocator "
-    "(getCheckpointState, setCheckpointPoolState), which inductor's CUDA-graph trees use; "
-    "install() turns the trees off"
-)
 EXPECTED = {
-    **{
-        name: _CHECKPOINT
-        for name in [
-            "test_additional_free_following_checkpoint",
-            "test_allocate_in_thread_to_pool",
-            "test_allocated_in_middle_of_segment",
-            "test_assigning_back_deleter_fns_to_tensor",
-            "test_check_pool_live_allocations",
-            "test_middle_allocations_contiguous",
-            "test_multiple_middle_allocations",
-            "test_resnet",
-            "test_simple",
-            "test_tensor_dies_after_checkpoint",
-        ]
-    },
+    "test_allocate_in_thread_to_pool": (
+        "counts the segments PyTorch's allocator cuts for a thread's pool: it reuses a freed "
+        "block at once on the stream that freed it, where vram-ledger reuses a pool's block once "
+        "that stream's event has completed, so back-to-back allocations may take new segments"
+    ),
     "test_graph_memory_stats_and_use_result_after_destroy_graph": "counts segments as PyTorch's allocator cuts them",
     "test_allocator_settings": "PyTorch's block rounding settings (roundup_power2_divisions) on its own blocks",
     "test_graph_capture_reclaim_2_streams": (
@@ -69,6 +54,23 @@ NEEDS_EXTENSION = {
     "test_cpp_memory_snapshot_pickle": "C++ starts the history and takes the snapshot itself (recordHistory, snapshot)",
     "test_memory_compile_regions": "torch.compile's regions reach only C++ (pushCompileContext)",
     "test_cachingAllocator_raw_alloc": "torch.cuda.caching_allocator_enable reaches only C++ (enable)",
+    **{
+        name: (
+            "a graph pool's checkpoint reaches only C++ (getCheckpointState, "
+            "setCheckpointPoolState, checkPoolLiveAllocations)"
+        )
+        for name in [
+            "test_additional_free_following_checkpoint",
+            "test_allocated_in_middle_of_segment",
+            "test_assigning_back_deleter_fns_to_tensor",
+            "test_check_pool_live_allocations",
+            "test_middle_allocations_contiguous",
+            "test_multiple_middle_allocations",
+            "test_resnet",
+            "test_simple",
+            "test_tensor_dies_after_checkpoint",
+        ]
+    },
 }
 
 # Tests whose outcome in a run of the whole file depends on the tests before them, run once more
@@ -83,10 +85,20 @@ ISOLATED = {
     ),
     "test_no_triton_on_import": (
         "its class's tearDown compares the graph-pool segments left with the count its setUp "
-        "took, which includes a pool the test before it left: under install() the class's "
-        "checkpoint tests (EXPECTED) fail with their graphs alive, and a graph the garbage "
-        "collector frees during this test takes its pool with it"
+        "took, which includes a pool the test before it left: under install() "
+        "test_allocate_in_thread_to_pool (EXPECTED) fails with its graph alive, and a graph the "
+        "garbage collector frees during this test takes its pool with it"
     ),
+    **{
+        name: (
+            "its class's tearDown compares the graph-pool segments left with the count its setUp "
+            "took: a test listed in EXPECTED that fails before it (test_allocate_in_thread_to_pool "
+            "in the class, test_graph_memory_stats_and_use_result_after_destroy_graph outside "
+            "native) leaves its graph alive in the failure's traceback, and the garbage collector "
+            "frees that graph's pool during this test"
+        )
+        for name in ["test_allocated_in_middle_of_segment", "test_additional_free_following_checkpoint"]
+    },
     "test_repeat_graph_capture_cublas_workspace_memory": (
         "compares the device's used memory (cudaMemGetInfo, every process's) before and after "
         "ten captures, so other processes on the GPU and what the tests before it left decide "

@@ -14,6 +14,9 @@
 //   PyTorch's allocator records it.
 // - enable / isEnabled (torch.cuda.caching_allocator_enable): with caching off, allocations
 //   bypass the library as they bypass PyTorch's allocator.
+// - getCheckpointState / setCheckpointPoolState / checkPoolLiveAllocations: a graph pool's
+//   checkpoint and its restore (inductor's CUDA-graph trees), done by the library
+//   (`vram_ledger_pool_checkpoint`, `vram_ledger_pool_restore`) through the package's Python.
 //
 // Invariants:
 // - A context id handed to the library has bit 62 set (the Python recorder's never do, so
@@ -25,6 +28,10 @@
 // - Nothing thrown here crosses into the library: the context source catches everything.
 // - A pointer is in `uncached_` exactly while it is live and came from cudaMalloc here, and
 //   `uncached_count_` is its size.
+// - Every live block the library handed out through this allocator has an entry in the base
+//   class's `allocation_metadata_` (its free needs it): a restore drops the entries of the
+//   blocks it freed and adds those of the blocks it made, from the checkpoint's copies. The
+//   entries are only ever copied here, never constructed (their constructors are not exported).
 #include <torch/extension.h>
 
 #include <ATen/record_function.h>
@@ -88,9 +95,23 @@ struct State {
     std::deque<uint64_t> order;
     uint64_t next = 1;
     // The package's functions: record(enabled, max_entries, context, clear, skip_actions,
-    // source) and raw_snapshot(device, pool, include_traces).
+    // source), raw_snapshot(device, pool, include_traces), checkpoint(device, pool) -> (text,
+    // live addresses) and restore(device, pool, text) -> (freed, made addresses).
     py::object record;
     py::object raw_snapshot;
+    py::object checkpoint;
+    py::object restore;
+};
+
+using Metadata = torch::cuda::CUDAPluggableAllocator::_AllocationMetadata;
+
+// A pool's checkpoint: the library's record of its allocated blocks, and PyTorch's metadata of
+// each (its size and stream, which its free passes back).
+struct PoolState : CCA::AllocatorState {
+    c10::DeviceIndex device = 0;
+    c10::cuda::MempoolId_t pool{0, 0};
+    std::string text;
+    std::unordered_map<void*, Metadata> metadata;
 };
 
 // Never destroyed: the allocator outlives Python's objects at exit, and a py::object dropped
@@ -413,6 +434,76 @@ class LedgerAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
         return info;
     }
 
+    std::shared_ptr<CCA::AllocatorState> getCheckpointState(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
+        auto out = std::make_shared<PoolState>();
+        out->device = device;
+        out->pool = id;
+        std::vector<uintptr_t> live;
+        {
+            py::gil_scoped_acquire gil;
+            py::tuple r = state().checkpoint(device, py::make_tuple(id.first, id.second));
+            out->text = r[0].cast<std::string>();
+            live = r[1].cast<std::vector<uintptr_t>>();
+        }
+        std::lock_guard<std::mutex> g(allocator_mutex_);
+        for (uintptr_t p : live) {
+            void* ptr = reinterpret_cast<void*>(p);
+            auto it = allocation_metadata_.find(ptr);
+            TORCH_CHECK(it != allocation_metadata_.end(), "vram-ledger: the pool's block at ", ptr, " was not allocated through PyTorch");
+            out->metadata.emplace(ptr, it->second);
+        }
+        return out;
+    }
+
+    CCA::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device, std::shared_ptr<CCA::AllocatorState> as) override {
+        auto pps = std::dynamic_pointer_cast<PoolState>(as);
+        TORCH_CHECK(pps != nullptr, "vram-ledger: this checkpoint was not taken by vram-ledger's allocator");
+        TORCH_CHECK(pps->device == device, "vram-ledger: this checkpoint is of device ", int(pps->device), ", not ", int(device));
+        std::vector<uintptr_t> freed;
+        std::vector<uintptr_t> made;
+        {
+            py::gil_scoped_acquire gil;
+            py::tuple r = state().restore(device, py::make_tuple(pps->pool.first, pps->pool.second), pps->text);
+            freed = r[0].cast<std::vector<uintptr_t>>();
+            made = r[1].cast<std::vector<uintptr_t>>();
+        }
+        CCA::CheckpointDelta delta;
+        std::lock_guard<std::mutex> g(allocator_mutex_);
+        for (uintptr_t p : freed) {
+            void* ptr = reinterpret_cast<void*>(p);
+            allocation_metadata_.erase(ptr);
+            delta.ptrs_freed.push_back(ptr);
+        }
+        for (uintptr_t p : made) {
+            void* ptr = reinterpret_cast<void*>(p);
+            // The library made exactly the checkpoint's blocks, whose metadata it copied.
+            allocation_metadata_.insert_or_assign(ptr, pps->metadata.at(ptr));
+            delta.dataptrs_allocd.emplace_back(ptr, ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
+        }
+        return delta;
+    }
+
+    bool checkPoolLiveAllocations(
+        c10::DeviceIndex device,
+        c10::cuda::MempoolId_t id,
+        const std::unordered_set<void*>& expected) override {
+        std::vector<uintptr_t> live;
+        {
+            py::gil_scoped_acquire gil;
+            py::tuple r = state().checkpoint(device, py::make_tuple(id.first, id.second));
+            live = r[1].cast<std::vector<uintptr_t>>();
+        }
+        if (live.size() != expected.size()) {
+            return false;
+        }
+        for (uintptr_t p : live) {
+            if (expected.count(reinterpret_cast<void*>(p)) == 0) {
+                return false;
+            }
+        }
+        return true;
+    }
+
   private:
     void* uncached_alloc(size_t nbytes) {
         void* p = nullptr;
@@ -443,7 +534,9 @@ void install(
     uintptr_t fraction_fn,
     uintptr_t record_stream_fn,
     py::object record,
-    py::object raw_snapshot) {
+    py::object raw_snapshot,
+    py::object checkpoint,
+    py::object restore) {
     TORCH_CHECK(malloc_fn != 0 && free_fn != 0, "vram-ledger: the allocator needs its malloc and free");
     auto m = as_fn<MallocFn>(malloc_fn);
     auto f = as_fn<FreeFn>(free_fn);
@@ -469,6 +562,8 @@ void install(
     State& s = state();
     s.record = std::move(record);
     s.raw_snapshot = std::move(raw_snapshot);
+    s.checkpoint = std::move(checkpoint);
+    s.restore = std::move(restore);
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
 }
 

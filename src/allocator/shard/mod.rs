@@ -30,6 +30,9 @@
 
 mod check;
 mod held;
+mod restore;
+
+pub use self::restore::CheckpointBlock;
 
 use std::num::NonZeroU64;
 
