@@ -2,7 +2,9 @@
 //! back exactly the blocks the checkpoint recorded (addresses, sizes, requests, tags), frees
 //! what the pool held since, leaves the memory it did not free untouched, keeps the ledger equal
 //! to a walk of the blocks, and is refused whole (nothing changed) while a capture runs, for a
-//! checkpoint that does not fit the pool, or when the wait for another stream's work fails.
+//! checkpoint that does not fit the pool, or when the wait for another stream's work fails;
+//! and random sequences of captures, frees, checkpoints and restores against a shadow of the
+//! pool's live blocks.
 
 #[path = "common/sim.rs"]
 mod common;
@@ -273,5 +275,179 @@ fn checkpoint_restore_remakes_blocks_that_all_died_since() {
         assert!(done.freed.is_empty(), "{mode}");
         assert_eq!(live(&a, P).len(), 2, "{mode}");
         check(&a);
+    }
+}
+
+/// One step of the shadow-model property below.
+#[derive(Clone, Debug)]
+enum Op {
+    /// A capture into P allocating blocks of these (size index, tag index), keeping those whose
+    /// bit is set in the mask (the rest die inside the capture).
+    Capture(Vec<(u8, u8)>, u16),
+    /// A live block of the pool dies.
+    Free(u16),
+    /// Eager work on another stream beside the pool.
+    Eager(u8),
+    Checkpoint,
+    Restore,
+    EmptyCache,
+}
+
+const SIZES: [u64; 7] = [512, 3000, MIB + 1, 2 * MIB, 5 * MIB, 20 * MIB, 40 * MIB];
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        3 => (proptest::collection::vec((0u8..7, 0u8..4), 1..6), any::<u16>())
+            .prop_map(|(v, keep)| Op::Capture(v, keep)),
+        3 => any::<u16>().prop_map(Op::Free),
+        1 => (0u8..7).prop_map(Op::Eager),
+        2 => Just(Op::Checkpoint),
+        2 => Just(Op::Restore),
+        1 => Just(Op::EmptyCache),
+    ]
+}
+
+/// What the pool holds allocated, as the shadow keeps it: address → (size, request, tag, stamp).
+type Shadow = std::collections::BTreeMap<u64, (u64, u64, Tag, u64)>;
+
+fn run(mode: SegmentMode, ops: &[Op]) -> Result<(), proptest::test_runner::TestCaseError> {
+    use proptest::prop_assert_eq;
+    let a = sim(mode);
+    // As a graph holds its pool: known, and its memory kept, whatever dies.
+    a.hold_pool(P, PoolOptions::default()).unwrap();
+    let contents = mode != SegmentMode::Native;
+    let mut shadow = Shadow::new();
+    let mut saved: Option<(vram_ledger::PoolCheckpoint, Shadow)> = None;
+    let mut seed = 0x9000u64;
+    for op in ops {
+        match op {
+            Op::Capture(blocks, keep) => {
+                let made: Vec<(Allocation, bool)> = captured(&a, P, || {
+                    let mut out = Vec::new();
+                    for (i, &(s, t)) in blocks.iter().enumerate() {
+                        let x = alloc(&a, SIZES[s as usize], CAPTURE, Tag::ALL[t as usize]);
+                        out.push((x, keep & (1 << i) != 0));
+                    }
+                    for (x, kept) in &out {
+                        if !kept {
+                            a.free(x.ptr).unwrap();
+                        }
+                    }
+                    out
+                });
+                for (x, _) in made.into_iter().filter(|m| m.1) {
+                    seed += 1;
+                    if contents {
+                        stamp(&a, &x, seed);
+                    }
+                    shadow.insert(x.ptr, (x.size, x.requested, x.tag, seed));
+                }
+            }
+            Op::Free(pick) if !shadow.is_empty() => {
+                let addr = *shadow.keys().nth(*pick as usize % shadow.len()).unwrap();
+                a.free(addr).unwrap();
+                shadow.remove(&addr);
+            }
+            Op::Free(_) => {}
+            Op::Eager(s) => {
+                let x = alloc(&a, SIZES[*s as usize], EAGER, Tag::Activation);
+                a.free(x.ptr).unwrap();
+            }
+            Op::Checkpoint => {
+                let cp = a.checkpoint_pool(P).unwrap();
+                let recorded: Vec<CheckpointBlock> = shadow
+                    .iter()
+                    .map(|(&addr, &(size, requested, tag, _))| CheckpointBlock {
+                        addr,
+                        size,
+                        requested,
+                        tag,
+                    })
+                    .collect();
+                prop_assert_eq!(&cp.blocks, &recorded, "{}: the checkpoint", mode);
+                saved = Some((cp, shadow.clone()));
+            }
+            Op::Restore => {
+                let Some((cp, then)) = &saved else { continue };
+                let done = a.restore_pool(cp).unwrap();
+                let mut freed = done.freed.clone();
+                freed.sort_unstable();
+                prop_assert_eq!(
+                    freed,
+                    shadow.keys().copied().collect::<Vec<_>>(),
+                    "{}: a restore frees what the pool held",
+                    mode
+                );
+                prop_assert_eq!(&done.made, &cp.blocks, "{}", mode);
+                // A block live at the checkpoint and still live now kept its bytes; one remade
+                // from a block that died since holds whatever it holds, and is stamped anew.
+                let mut now = Shadow::new();
+                for (&addr, &(size, requested, tag, s)) in then {
+                    let x = Allocation {
+                        ptr: addr,
+                        size,
+                        requested,
+                        stream: CAPTURE,
+                        tag,
+                    };
+                    let survived = shadow.get(&addr).is_some_and(|n| n.3 == s);
+                    let s = if survived {
+                        if contents {
+                            proptest::prop_assert!(
+                                stamped(&a, &x, s),
+                                "{}: contents at {:#x}",
+                                mode,
+                                addr
+                            );
+                        }
+                        s
+                    } else {
+                        seed += 1;
+                        if contents {
+                            stamp(&a, &x, seed);
+                        }
+                        seed
+                    };
+                    now.insert(addr, (size, requested, tag, s));
+                }
+                shadow = now;
+            }
+            Op::EmptyCache => a.empty_cache().unwrap(),
+        }
+        check(&a);
+        prop_assert_eq!(
+            live(&a, P),
+            shadow.keys().copied().collect::<Vec<_>>(),
+            "{}: the pool's live blocks after {:?}",
+            mode,
+            op
+        );
+    }
+    Ok(())
+}
+
+/// Random captures, frees, checkpoints and restores of one pool against a shadow of its live
+/// blocks, in every mode: each checkpoint records exactly the shadow's blocks, each restore
+/// succeeds, frees exactly what the pool held and makes exactly the checkpoint's blocks, blocks
+/// live throughout keep their contents, and the invariants hold after every step.
+/// Cases: `VRAM_LEDGER_CASES` / 8 per mode (default 125).
+#[test]
+fn checkpoint_restore_against_a_shadow_of_the_pool() {
+    let cases = std::env::var("VRAM_LEDGER_CASES")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .unwrap_or(1000)
+        / 8;
+    for mode in SegmentMode::ALL {
+        let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config {
+            cases: cases.max(1),
+            failure_persistence: None,
+            ..Default::default()
+        });
+        let ops = proptest::collection::vec(op(), 1..40);
+        if let Err(e) = runner.run(&ops, |ops| run(mode, &ops)) {
+            panic!("{mode}: {e}");
+        }
     }
 }
