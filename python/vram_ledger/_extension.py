@@ -4,9 +4,9 @@ TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions) and loaded in place of PyTorc
 pluggable allocator. It is that allocator, with the library's hooks, plus what C++ code calls
 on the current allocator directly and the pluggable one refuses: `recordHistory` and
 `snapshot` (torch::cuda::_record_memory_history, _memory_snapshot_pickled), the compile
-contexts of torch.compile's regions, and graph pools' checkpoints (`_checkpoint.py`). The build needs a C++ compiler, ninja and the CUDA
-headers (what torch.utils.cpp_extension needs); without them install(extension=True) fails
-before anything is configured.
+contexts of torch.compile's regions, and graph pools' checkpoints (`_checkpoint.py`). The
+build needs a C++ compiler, ninja and the CUDA headers (what torch.utils.cpp_extension
+needs); without them install(extension=True) fails before anything is configured.
 
 Invariants: the module is built and loaded at most once per process (`_MODULE`), after a
 failed build nothing of it is installed, and a build is never reused by another torch version
