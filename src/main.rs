@@ -414,6 +414,26 @@ fn replay_table(r: &replay::ReplayResult) -> String {
     s += &row("maps", d[DriverCall::Map], t[DriverCall::Map]);
     s += &row("memory frees", d.memory_frees(), t.memory_frees());
     s += &row("unmaps", d[DriverCall::Unmap], t[DriverCall::Unmap]);
+    s += &format!(
+        "  {:<28} {:>11.2} ms {:>11.2} ms\n",
+        "est. driver time",
+        r.driver_seconds * 1e3,
+        r.torch_driver_seconds * 1e3
+    );
+    // Where in the trace the driver time falls: the later tenths of a loop are its warm steps.
+    let tenths = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{:.1}", x * 1e3))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    s += &format!(
+        "  {:<28} {}\n  {:<28} {}\n",
+        "  by tenth of the trace (ms)",
+        tenths(&r.driver_seconds_by_tenth),
+        "  PyTorch's",
+        tenths(&r.torch_driver_seconds_by_tenth)
+    );
     s += &format!("  {:<28} {:>14}\n", "out of memory", r.ooms);
     for t in Tag::ALL {
         let p = r.per_tag[t];

@@ -84,6 +84,51 @@ fn replay_the_recorded_mode_reproduces_pytorch_from_the_traces_own_records() {
     }
 }
 
+#[test]
+fn replay_splits_driver_time_by_tenth_where_the_trace_had_its_segment_events() {
+    // Native replay makes PyTorch's segment calls at PyTorch's events, so each tenth of its
+    // estimated driver time must be what the trace's own segment events in that tenth cost,
+    // counted here from the events (only the 0.2 µs stream synchronisations of its cache
+    // releases are ours alone). Virtual modes split at the same events; every split adds up.
+    use vram_ledger::driver::cost::host_seconds;
+    use vram_ledger::replay::engine::TENTHS;
+    use vram_ledger::replay::trace::Action;
+    for (name, _) in RECORDED
+        .into_iter()
+        .chain([("streams-train-0", 0), ("gpt2-train", 0)])
+    {
+        let t = trace(name);
+        let n = t.events.len();
+        let mut theirs = [0.0; TENTHS];
+        for (i, e) in t.events.iter().enumerate() {
+            let call = match e.action {
+                Action::SegmentAlloc => DriverCall::AllocSegment,
+                Action::SegmentFree => DriverCall::FreeSegment,
+                _ => continue,
+            };
+            theirs[i * TENTHS / n] += host_seconds(call, e.size);
+        }
+        let r = run(name, SegmentMode::Native);
+        for (k, &recorded) in theirs.iter().enumerate() {
+            let ours = r.driver_seconds_by_tenth[k];
+            assert!(
+                (ours - recorded).abs() < 1e-6
+                    && (r.torch_driver_seconds_by_tenth[k] - recorded).abs() < 1e-9,
+                "{name}: tenth {k}: {ours} s replayed, {recorded} s in the trace's events"
+            );
+        }
+        assert!(
+            theirs.iter().filter(|&&x| x > 0.0).count() > 1,
+            "{name}: one tenth only"
+        );
+        for mode in [SegmentMode::Native, SegmentMode::Remap] {
+            let r = run(name, mode);
+            let sum: f64 = r.driver_seconds_by_tenth.iter().sum();
+            assert!((sum - r.driver_seconds).abs() < 1e-9, "{name} {mode}");
+        }
+    }
+}
+
 /// Remap on the trace `name` with the largest piece `piece` bytes.
 fn run_remap(name: &str, piece: u64) -> ReplayResult {
     let t = trace(name);

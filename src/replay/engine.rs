@@ -107,6 +107,11 @@ pub struct ReplayResult {
     /// The same estimate for the calls in `torch_driver_calls`, with a range-wide
     /// `cuMemSetAccess` priced per page (one call over a range costs what one per page does).
     pub torch_driver_seconds: f64,
+    /// `driver_seconds` split by tenths of the trace's events, in order: a training or serving
+    /// loop's later tenths are its warm steps, where driver calls cost step time.
+    pub driver_seconds_by_tenth: [f64; TENTHS],
+    /// `torch_driver_seconds` split the same way, by where the trace's segment events fall.
+    pub torch_driver_seconds_by_tenth: [f64; TENTHS],
     pub ooms: u64,
     pub per_tag: PerTag<TagPeak>,
     pub unknown_tags: std::collections::BTreeMap<String, u64>,
@@ -232,21 +237,44 @@ pub fn replay_on(
 ) -> Result<ReplayResult, Error> {
     let start = Instant::now();
     let host_before = alloc.driver().estimated_host_seconds();
+    let ours = || alloc.driver().estimated_host_seconds() - host_before;
     let mut r = Replayer::new(alloc, trace, opts.timeline_points);
+    let n = trace.events.len();
+    // Cumulative estimated driver time, ours and PyTorch's, at the end of each tenth.
+    let (mut at, mut torch_at) = ([0.0; TENTHS], [0.0; TENTHS]);
+    let mut tenth = 0;
+    let mut end_of_tenth = n.div_ceil(TENTHS);
     for (i, e) in trace.events.iter().enumerate() {
         r.event(i, e)?;
         r.sample(i);
+        // A trace of fewer events than tenths ends several at one event.
+        while tenth < TENTHS && i + 1 >= end_of_tenth {
+            (at[tenth], torch_at[tenth]) = (ours(), r.torch.seconds);
+            tenth += 1;
+            end_of_tenth = (n * (tenth + 1)).div_ceil(TENTHS);
+        }
         if i % 65536 == 0 {
             progress(i);
         }
     }
     r.sample_end();
     let seconds = start.elapsed().as_secs_f64();
-    let driver_seconds = alloc.driver().estimated_host_seconds() - host_before;
+    let driver_seconds = ours();
     let snap = alloc.snapshot();
     r.leave_nothing_live(opts.release_at_end)?;
     let held_after = alloc.driver().held_bytes();
-    Ok(r.result(opts, snap, seconds, driver_seconds, held_after))
+    let mut result = r.result(opts, snap, seconds, driver_seconds, held_after);
+    result.driver_seconds_by_tenth = by_tenth(&at);
+    result.torch_driver_seconds_by_tenth = by_tenth(&torch_at);
+    Ok(result)
+}
+
+/// Parts the trace's estimated driver time is split into ([`ReplayResult::driver_seconds_by_tenth`]).
+pub const TENTHS: usize = 10;
+
+/// What each tenth added to a running total read at the end of each.
+fn by_tenth(cumulative: &[f64; TENTHS]) -> [f64; TENTHS] {
+    std::array::from_fn(|k| cumulative[k] - if k == 0 { 0.0 } else { cumulative[k - 1] })
 }
 
 /// The trace's own live bytes, as PyTorch recorded them: until `free_requested` (per tag and in
@@ -562,6 +590,8 @@ impl<'a> Replayer<'a> {
             torch_driver_calls: self.torch.calls,
             driver_seconds,
             torch_driver_seconds: self.torch.seconds,
+            driver_seconds_by_tenth: [0.0; TENTHS],
+            torch_driver_seconds_by_tenth: [0.0; TENTHS],
             ooms: self.ooms,
             per_tag: PerTag(std::array::from_fn(|i| TagPeak {
                 peak_live: self.live.tag_peak.0[i],
