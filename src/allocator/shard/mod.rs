@@ -498,6 +498,13 @@ impl Shard {
         if !self.blocks[id].used_streams.is_empty() {
             return self.free_used_elsewhere(core, ptr, id);
         }
+        self.free_now(core, id);
+        Ok(())
+    }
+
+    /// Return allocated block `id` (out of `live`, used by no other stream) to the cache at
+    /// once: counted as freed, recorded in the history when it is, merged with free neighbours.
+    pub(super) fn free_now<D: Driver>(&mut self, core: &Core<D>, id: BlockId) {
         let b = &self.blocks[id];
         core.ledger
             .shard(self.id)
@@ -506,7 +513,6 @@ impl Shard {
             self.record_free(core, id, true);
         }
         self.insert_free(id);
-        Ok(())
     }
 
     /// Free block `id` (out of `live`) that other streams may still be using: it is reusable

@@ -172,15 +172,9 @@ impl Shard {
                 }
                 let ptr = self.blocks[id].addr;
                 self.live.remove(ptr);
-                let b = &mut self.blocks[id];
-                b.used_streams.clear();
-                core.ledger
-                    .shard(self.id)
-                    .on_free(b.tag, b.size, b.requested, false);
-                if self.recording {
-                    self.record_free(core, id, true);
-                }
-                self.insert_free(id);
+                // Other streams' work on it was waited for (`restore_sync`).
+                self.blocks[id].used_streams.clear();
+                self.free_now(core, id);
                 freed.push(ptr);
             }
         }
