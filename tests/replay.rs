@@ -1,5 +1,6 @@
-//! Replay of PyTorch memory snapshots: fidelity to what PyTorch recorded, the fragmentation
-//! goal, a synthetic snapshot with exact expectations, bad input, and the command line.
+//! Replay of PyTorch memory snapshots: fidelity to what PyTorch recorded (its peak, its segment
+//! calls and where in the trace they fall), the fragmentation goal, a synthetic snapshot with
+//! exact expectations, bad input, and the command line.
 
 use std::collections::BTreeMap;
 use std::path::Path;

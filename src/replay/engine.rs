@@ -13,6 +13,9 @@
 //!   floor of the fragmentation ratio counts it as live until then (nobody can reuse it);
 //! - where PyTorch released its cache (a run of `segment_free` or `segment_unmap` events:
 //!   `empty_cache`, or an out-of-memory retry), the replay releases the allocator's.
+//!
+//! The estimated driver time, ours and PyTorch's, is read at the end of each tenth of the
+//! events: both sides are split at the same events.
 
 use std::collections::HashMap;
 use std::time::Instant;

@@ -5,7 +5,8 @@
 //! This file holds the shard's tables and the cached path (best fit, split, free, merge,
 //! `record_stream`, pending events). How memory is obtained and given back is the growth
 //! policy's (`growth/`, where sleep also takes a tag's memory away and back); `check.rs` reads
-//! the tables whole (self-check, dump, pool figures).
+//! the tables whole (self-check, dump, pool figures); `restore.rs` puts a graph pool's blocks
+//! back as a checkpoint recorded them.
 //!
 //! Invariants (checked by `check.rs` and by `invariants::check` on a dump):
 //! - Each owner (a stream, its tag's region of it, or a graph pool) has one slot in `lists`;
