@@ -1,8 +1,8 @@
 //! An engine's memory in the order engines work, in Rust on cudarc: weights → profile → KV
 //! cache reserved → CUDA graphs captured against it → KV cache committed to what the budget
-//! contract leaves → serve.
+//! contract leaves → serve → committed again from what serving reserved → serve.
 //!
-//!     kv_engine [UTILIZATION]        (default 0.1 of the device; remap mode)
+//!     kv_engine [UTILIZATION] [MODE]     (default 0.1 of the device; remap mode)
 //!
 //! The graph of batch `b` writes `b` KV blocks that lie beyond the prefix mapped when it was
 //! captured: they exist only once the commit has mapped the rest of the reserved range, at the
@@ -44,7 +44,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .nth(1)
         .map_or(Ok(0.1), |a| a.parse())
         .map_err(|e| format!("UTILIZATION: {e}"))?;
-    devices::configure(Config::with_mode(SegmentMode::Remap));
+    let mode: SegmentMode = std::env::args()
+        .nth(2)
+        .map_or(Ok(SegmentMode::Remap), |a| a.parse())
+        .map_err(|e| format!("MODE: {e}"))?;
+    devices::configure(Config::with_mode(mode));
     let ctx = CudaContext::new(0)?;
     let stream = ctx.new_stream()?;
     let sid = stream_id(&stream);
@@ -175,6 +179,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             kernels.verify(&stream, block(first_block(*b)), b * BLOCK, *b, &mut errors)?;
         }
         kernels.verify(&stream, kv.base, PREFIX * BLOCK, 99, &mut errors)?;
+        stream.synchronize()?;
+        // Committed again once serving has run: sized from what serving reserved at most.
+        let again = alloc.commit_kv()?;
+        let more = again.kv.usable_blocks;
+        println!(
+            "committed after serving: {usable} → {more} blocks ({:.2} GiB)",
+            in_gib(more * BLOCK)
+        );
+        kernels.fill(&stream, kv.base, more * BLOCK, 77)?;
+        for batch in [8, 2, 6] {
+            forward(batch)?;
+        }
+        kernels.verify(&stream, kv.base, more * BLOCK, 77, &mut errors)?;
         stream.synchronize()?;
     }
     let bad = stream.clone_dtoh(&errors)?[0];

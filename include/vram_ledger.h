@@ -273,15 +273,15 @@ char *vram_ledger_profile_end(int device);
  */
 
 /* Reserve the KV cache on `device`: address space for `max_bytes` (negative: the device's
- * memory) in blocks of `block_bytes`, `initial_blocks` of them usable now (native mode: one
- * segment of what the contract leaves, every block usable). Returns the KV cache as JSON
- * (`base`, `block_bytes`, `reserved_blocks`, `usable_blocks`, `reserved_bytes`,
- * `mapped_bytes`, `native`).
+ * memory) in blocks of `block_bytes`, `initial_blocks` of them usable now. Returns the KV
+ * cache as JSON (`base`, `block_bytes`, `reserved_blocks`, `usable_blocks`, `reserved_bytes`,
+ * `mapped_bytes`).
  */
 char *vram_ledger_kv_reserve(int device, uint64_t block_bytes, int64_t max_bytes, uint64_t initial_blocks);
 
-/* Map the KV cache up to what the budget contract leaves now; returns the KV cache and what
- * was measured (`kv`, `room`, `blocks_before`) as JSON.
+/* Map the KV cache up to what the budget contract leaves now (again after serving: sized from
+ * what serving reserved at most); returns the KV cache and what was measured (`kv`, `room`,
+ * `blocks_before`) as JSON.
  */
 char *vram_ledger_kv_commit(int device);
 

@@ -23,11 +23,14 @@ use serde::{Deserialize, Serialize};
 use crate::driver::counting::DriverCalls;
 use crate::tag::Tag;
 
-/// A current value and its high-water mark, shared by any number of writers.
+/// A current value and its high-water mark, shared by any number of writers; and a second
+/// high-water mark that only [`Gauge::set_mark`] resets (the KV cache's sizing reads how high
+/// reserved memory rose since it last sized the cache, whatever the user did to the peaks).
 #[derive(Default, Debug)]
 pub(crate) struct Gauge {
     current: AtomicU64,
     peak: AtomicU64,
+    mark: AtomicU64,
 }
 
 impl Gauge {
@@ -36,6 +39,20 @@ impl Gauge {
         if now > self.peak.load(Relaxed) {
             self.peak.fetch_max(now, Relaxed);
         }
+        if now > self.mark.load(Relaxed) {
+            self.mark.fetch_max(now, Relaxed);
+        }
+    }
+
+    /// Start a new high-water mark at the current value.
+    pub(crate) fn set_mark(&self) {
+        self.mark.store(self.current.load(Relaxed), Relaxed);
+        self.mark.fetch_max(self.current.load(Relaxed), Relaxed);
+    }
+
+    /// The highest value since [`Gauge::set_mark`] (or since the start).
+    pub(crate) fn since_mark(&self) -> u64 {
+        self.mark.load(Relaxed).max(self.current.load(Relaxed))
     }
 
     pub(crate) fn sub(&self, n: u64) {

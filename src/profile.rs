@@ -454,9 +454,9 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
         if !result.overridden && self.requested <= result.non_kv + result.margin {
             return Err(ProfileError::NoRoomForKvCache(Box::new(result)));
         }
-        // Eager work's peak, what it still holds at the end (the weights, mostly) and, in the
-        // virtual-memory modes, what it still reserves once its cache is given back: the KV
-        // cache is sized for the pass's rise above them (allocator/kv.rs). The pools'
+        // Eager work's peak, what it still holds at the end (the weights, mostly) and what it
+        // still reserves once its cache is given back (unless a capture runs): the KV cache is
+        // sized for the pass's rise above them (allocator/kv.rs). The pools'
         // allocations are in the tags' peaks and in the pools both (the part still allocated
         // shows which; freed ones go uncounted, on the safe side).
         let in_pools = alloc.graph_memory().allocated;
@@ -472,7 +472,6 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
             eager_peak,
             held,
             kept,
-            graph_reserve: result.graph_pools + result.graph_outside,
             margin: result.margin,
         });
         if self.options.contract {

@@ -505,15 +505,16 @@ def test_sleep_refuses_untracked_without_force_and_an_empty_wake_wakes_nothing()
     assert vl.wake(()) == {}
 
 
-def test_kv_cache_is_reserved_committed_and_resized_on_a_simulated_device():
+@pytest.mark.parametrize("mode", ["remap", "native"])
+def test_kv_cache_is_reserved_committed_and_resized_on_a_simulated_device(mode):
     r = run_on_sim(
         """
         seen = {}
-        lib.vram_ledger_configure(b"remap")
+        assert lib.vram_ledger_configure(b"MODE") == 0
         with vl.profile(0.25, device=0) as p:
             pass
         kv = vl.kv_reserve(3 << 20, initial_blocks=8, device=0)
-        seen["first"] = [kv.usable_blocks, kv.reserved_blocks, kv.base, kv.native]
+        seen["first"] = [kv.usable_blocks, kv.reserved_blocks, kv.base]
         c = kv.commit()
         seen["committed"] = [kv.usable_blocks, c["blocks_before"], c["room"]["cap"], p.result["requested"]]
         seen["stats"] = vl.stats(0)["kv_cache"]
@@ -536,10 +537,10 @@ def test_kv_cache_is_reserved_committed_and_resized_on_a_simulated_device():
             except (ValueError, TypeError, OverflowError) as e:
                 seen.setdefault("refused", []).append([c.__name__ for c in type(e).__mro__])
         print(json.dumps(seen))
-        """
+        """.replace("MODE", mode)
     )
-    usable, reserved, base, native = r["first"]
-    assert usable == 8 and reserved > usable and base > 0 and not native
+    usable, reserved, base = r["first"]
+    assert usable == 8 and reserved > usable and base > 0
     committed, before, cap, requested = r["committed"]
     assert before == 8 and committed > 8 and cap == requested
     assert r["stats"]["usable"] == committed * (3 << 20)

@@ -5,12 +5,12 @@ capture CUDA graphs against it, commit it to what the budget contract leaves, se
     cache = kv.tensor(torch.bfloat16, (2, layers, block_tokens, heads, head_dim))
     ... capture CUDA graphs that read and write `cache` ...
     kv.commit()                      # now kv.usable_blocks blocks may be used
+    ... serve, its largest batches included ...
+    kv.commit()                      # again: sized from what serving reserved at most
     kv.resize(n, free_from=m)        # grow or shrink while serving
 
-In the virtual-memory modes the whole range is reserved at once, so `cache` keeps its shape and
-address while the blocks behind it are mapped; only blocks below `usable_blocks` may be touched.
-In native mode the KV cache is one segment of its final size, sized when it is reserved (every
-block usable; commit and resize change nothing).
+In every mode the whole range is reserved at once, so `cache` keeps its shape and address while
+the blocks behind it are mapped; only blocks below `usable_blocks` may be touched.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ class KvCache:
         self.usable_blocks = int(f["usable_blocks"])
         self.reserved_bytes = int(f["reserved_bytes"])
         self.mapped_bytes = int(f["mapped_bytes"])
-        self.native = bool(f["native"])
 
     def tensor(self, dtype: Any, block_shape: Sequence[int] = ()) -> Any:
         """A torch tensor over the whole reserved range: `(reserved_blocks, *block_shape)` of
@@ -61,8 +60,11 @@ class KvCache:
     def commit(self) -> Dict[str, Any]:
         """Map the KV cache up to what the budget contract leaves now (call it once the CUDA
         graphs are captured, instantiated and replayed): returns `kv`, `room` (what was
-        measured: cap, eager peak and now, graph pools, outside the allocator, margin, room) and
-        `blocks_before`."""
+        measured: cap, eager work now and the transient kept for it, serving's peak, graph
+        pools, outside the allocator, margin, room) and `blocks_before`. Called again once
+        the engine has served its largest batches, it sizes the cache from what serving
+        reserved at most (never less than the profiled pass takes), so memory the profile
+        kept for cuts serving did not make goes to the KV cache."""
         with self._lock:
             r = _json(load().vram_ledger_kv_commit(self.device))
             self._update(r["kv"])
@@ -87,7 +89,7 @@ class KvCache:
 
     def __repr__(self) -> str:
         return (f"KvCache(device={self.device}, base={self.base:#x}, block_bytes={self.block_bytes}, "
-                f"usable_blocks={self.usable_blocks}, reserved_blocks={self.reserved_blocks}, native={self.native})")
+                f"usable_blocks={self.usable_blocks}, reserved_blocks={self.reserved_blocks})")
 
 
 class _DeviceBytes:
@@ -101,8 +103,7 @@ class _DeviceBytes:
 def kv_reserve(block_bytes: int, max_bytes: Optional[int] = None, initial_blocks: int = 0, device: Optional[int] = None) -> KvCache:
     """Reserve the KV cache (after profile()): address space for `max_bytes` (default: the
     device's memory) in blocks of `block_bytes`, `initial_blocks` of them usable now for
-    warm-up and capture. In native mode: one segment of what the budget contract leaves, with
-    the graph memory profiling's captures took kept as reserve, at most `max_bytes`."""
+    warm-up and capture."""
     b = _args.integer(block_bytes, "block_bytes", minimum=1, maximum=_UINT64_MAX, c_type="uint64_t")
     m = _args.optional_integer(max_bytes, "max_bytes", minimum=1)
     n = _args.integer(initial_blocks, "initial_blocks", maximum=_UINT64_MAX, c_type="uint64_t")

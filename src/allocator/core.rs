@@ -89,11 +89,10 @@ pub(crate) struct Measured {
     pub(crate) eager_peak: AtomicU64,
     pub(crate) held: AtomicU64,
     pub(crate) kept: AtomicU64,
-    pub(crate) graph_reserve: AtomicU64,
     pub(crate) margin: AtomicU64,
 }
 
-/// What profiling measured of eager work (not the KV cache, not graph pools) and of graphs.
+/// What profiling measured of eager work (not the KV cache, not graph pools).
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Profiled {
     /// The pass's reserved peak, the bytes still allocated at its end, and the bytes still
@@ -101,9 +100,6 @@ pub(crate) struct Profiled {
     pub(crate) eager_peak: u64,
     pub(crate) held: u64,
     pub(crate) kept: u64,
-    /// The graph memory the representative captures took (pools and memory outside the
-    /// allocator), kept as reserve where the KV cache is sized before the real captures.
-    pub(crate) graph_reserve: u64,
     pub(crate) margin: u64,
 }
 

@@ -168,7 +168,6 @@ impl<D: Driver> Allocator<D> {
         m.eager_peak.store(p.eager_peak, Relaxed);
         m.held.store(p.held, Relaxed);
         m.kept.store(p.kept, Relaxed);
-        m.graph_reserve.store(p.graph_reserve, Relaxed);
         m.margin.store(p.margin, Relaxed);
     }
 

@@ -4,32 +4,33 @@
 //!
 //! The order engines use is weights, profile, KV cache, CUDA graphs, serve: a captured
 //! attention kernel reads the KV cache at fixed addresses, so the cache exists before the
-//! graphs, and the graphs' memory is not known when it is sized. In the virtual-memory modes
-//! nothing is estimated: [`Allocator::reserve_kv`] reserves the whole range and maps a prefix
-//! for warm-up and capture; [`Allocator::commit_kv`], after the captures, maps the rest up to
-//! what the cap leaves once everything else is measured at that moment. In native mode the KV
-//! cache is one segment of its final size, sized at once with the graph memory that profiling's
-//! representative captures took kept as reserve.
+//! graphs, and the graphs' memory is not known when it is sized. Nothing is estimated:
+//! [`Allocator::reserve_kv`] reserves the whole range and maps a prefix for warm-up and
+//! capture; [`Allocator::commit_kv`], after the captures, maps the rest up to what the cap
+//! leaves once everything else is measured at that moment. This holds in native mode too: only
+//! eager work's memory is in plain segments.
 //!
 //! What the cap must leave room for besides the KV cache, when sizing it:
 //! - eager work: what it holds now, after the cache is given back (weights, workspaces, graphs'
-//!   static inputs), and on top of it the transient memory profiling's pass took (its peak
-//!   above what it still held at the end: activations and their cache slack; in the
-//!   virtual-memory modes, above what it still reserved once its cache was given back, so
-//!   that free memory pinned beside live blocks is counted once: `transient_to_keep`);
-//! - graph pools, as held now (and, in native mode, the reserve for captures still to come);
+//!   static inputs), and on top of it the transient memory its passes take (`transient_to_keep`):
+//!   at the first sizing, profiling's pass; once the engine has served, the larger of what
+//!   serving reserved at most since the cache was last sized and what the profiled pass takes
+//!   in freshly cut memory;
+//! - graph pools, as held now;
 //! - memory outside the allocator, as this process's usage shows it now (CUDA context,
 //!   libraries, graph instantiation), and the margin profiling chose.
 //!
 //! Invariants: one KV cache per allocator; its lock is taken before any shard lock, never
 //! while one is held; nothing here runs while a capture is routed to a graph pool (giving the
-//! cache back and synchronising would spoil it).
+//! cache back and synchronising would spoil it). The ledger's reserved mark is set when the KV
+//! cache's size was last changed here, and only here.
 
 use std::sync::atomic::Ordering::Relaxed;
 
+use super::dump::DumpState;
 use super::front::Allocator;
 use super::kvregion::KvRegion;
-use crate::driver::{DevicePtr, Driver, StreamId};
+use crate::driver::{DevicePtr, Driver};
 use crate::error::{Error, OomCause, Result};
 
 /// The KV cache's shape and state.
@@ -46,8 +47,6 @@ pub struct KvCache {
     /// Address space reserved, and physical memory mapped into it.
     pub reserved_bytes: u64,
     pub mapped_bytes: u64,
-    /// One segment of its final size (native mode), not a reservation.
-    pub native: bool,
 }
 
 /// What the budget contract leaves the KV cache, and why.
@@ -55,19 +54,19 @@ pub struct KvCache {
 pub struct KvRoom {
     /// The memory this process requested (the cap).
     pub cap: u64,
-    /// What eager work holds now, and the transient memory profiling's pass took on top of
-    /// what it held.
+    /// What eager work holds now, and the transient memory kept for its passes on top of it.
     pub eager_now: u64,
     pub transient: u64,
+    /// Eager work's largest reserved bytes while serving, since the KV cache was first
+    /// committed (`None` until it has been).
+    pub served_peak: Option<u64>,
     /// Bytes held for CUDA graph pools now.
     pub graph_pools: u64,
     /// This process's memory outside the allocator now.
     pub outside: u64,
-    /// Graph memory kept for captures still to come (native mode).
-    pub graph_reserve: u64,
     pub margin: u64,
     /// What is left for the KV cache: cap − (eager now + transient + graph pools + outside +
-    /// graph reserve + margin).
+    /// margin).
     pub room: u64,
 }
 
@@ -88,16 +87,24 @@ fn info(r: &KvRegion) -> KvCache {
         usable_blocks: r.usable,
         reserved_bytes: r.reserved,
         mapped_bytes: r.mapped(),
-        native: r.is_plain(),
     }
+}
+
+/// How high eager work's reserved memory rose while serving, measured between sizings of the
+/// KV cache from the ledger's reserved mark: while neither the KV cache nor the graph pools
+/// change, reserved bytes above them are eager work's.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Served {
+    /// The KV cache's mapped bytes and the graph pools' bytes when the mark was set (`None`
+    /// before the first commit: profiling and captures are not serving).
+    since: Option<(u64, u64)>,
+    /// Eager work's largest reserved bytes over every window so far.
+    peak: Option<u64>,
 }
 
 impl<D: Driver> Allocator<D> {
     /// Reserve the KV cache: address space for `max_bytes` (default: the device's memory) in
     /// blocks of `block_bytes`, with `initial_blocks` of them mapped for warm-up and capture.
-    /// In native mode, one segment of its final size instead: what the budget contract leaves
-    /// now, with the graph memory profiling's captures took kept as reserve, at most
-    /// `max_bytes` (`initial_blocks` is then ignored: every block is usable).
     pub fn reserve_kv(
         &self,
         block_bytes: u64,
@@ -116,59 +123,28 @@ impl<D: Driver> Allocator<D> {
             )));
         }
         let g = self.core.granularity;
-        let region = if self.growth.is_virtual() {
-            let max = max_bytes.unwrap_or(self.core.device_total);
-            if max < block_bytes || max >= super::rules::ABSURD_SIZE {
-                return Err(Error::InvalidArgument(format!(
-                    "the KV cache's largest size ({max} bytes) must hold one block of {block_bytes} and be under 1 EiB"
-                )));
+        let max = max_bytes.unwrap_or(self.core.device_total);
+        if max < block_bytes || max >= super::rules::ABSURD_SIZE {
+            return Err(Error::InvalidArgument(format!(
+                "the KV cache's largest size ({max} bytes) must hold one block of {block_bytes} and be under 1 EiB"
+            )));
+        }
+        let mut region = KvRegion::reserve(&self.core, max.div_ceil(g) * g, block_bytes)?;
+        if initial_blocks > region.reserved_blocks() {
+            if let Err(e) = region.release(&self.core) {
+                tracing::warn!(error = %e, "could not give back the address space of a refused KV cache");
             }
-            let mut region = KvRegion::reserve(&self.core, max.div_ceil(g) * g, block_bytes)?;
-            if initial_blocks > region.reserved_blocks() {
-                if let Err(e) = region.release(&self.core) {
-                    tracing::warn!(error = %e, "could not give back the address space of a refused KV cache");
-                }
-                return Err(Error::InvalidArgument(format!(
-                    "{initial_blocks} initial blocks do not fit in the {} the KV cache may hold",
-                    region.reserved_blocks()
-                )));
+            return Err(Error::InvalidArgument(format!(
+                "{initial_blocks} initial blocks do not fit in the {} the KV cache may hold",
+                region.reserved_blocks()
+            )));
+        }
+        if let Err(e) = region.set_blocks(&self.core, initial_blocks) {
+            if let Err(e2) = region.release(&self.core) {
+                tracing::warn!(error = %e2, "could not give back the address space of a KV cache that failed to map");
             }
-            if let Err(e) = region.set_blocks(&self.core, initial_blocks) {
-                if let Err(e2) = region.release(&self.core) {
-                    tracing::warn!(error = %e2, "could not give back the address space of a KV cache that failed to map");
-                }
-                return Err(e);
-            }
-            region
-        } else {
-            self.check_not_capturing("reserve the KV cache")?;
-            self.empty_cache()?;
-            let room = match self.cap() {
-                Some(_) => Some(self.kv_room(0, true)?.room),
-                None => None,
-            };
-            let bytes = match (room, max_bytes) {
-                (Some(r), Some(m)) => r.min(m),
-                (Some(r), None) => r,
-                (None, Some(m)) => m,
-                (None, None) => {
-                    return Err(Error::InvalidArgument(
-                        "a native-mode KV cache needs its size, or a budget contract to size it from (profile first)".into(),
-                    ))
-                }
-            };
-            let blocks = (bytes / g * g) / block_bytes;
-            if blocks == 0 {
-                return Err(Error::KvShort(Box::new(OomCause::Cap {
-                    wanted: block_bytes,
-                    held: self.core.ledger.reserved(),
-                    outside: self.core.outside_now(),
-                    cap: self.cap().unwrap_or(bytes),
-                })));
-            }
-            let seg = (blocks * block_bytes).div_ceil(g) * g;
-            KvRegion::allocate(&self.core, seg, block_bytes, StreamId::DEFAULT)?
-        };
+            return Err(e);
+        }
         let out = info(&region);
         tracing::info!(
             base = out.base,
@@ -192,19 +168,28 @@ impl<D: Driver> Allocator<D> {
     /// graphs are captured, instantiated and replayed once): the cache of eager work is given
     /// back first, then everything else is measured (see the module's notes). It never maps past
     /// the cap nor unmaps: when less is left than is mapped already, the KV cache stays as it is
-    /// (and the result says so). Addresses do not change. A native-mode KV cache is sized
-    /// already: the result reports what is left.
+    /// (and the result says so). Addresses do not change.
+    ///
+    /// Committing again once the engine has served sizes the cache from what serving reserved
+    /// at most since the last commit instead of from the profiled pass alone (see the module's
+    /// notes): memory kept for cuts the serving mix did not make goes to the KV cache, and a
+    /// serving mix that needed more than the profile is kept room for. Commit again only after
+    /// serving has run its largest batches.
     pub fn commit_kv(&self) -> Result<KvCommit> {
         let mut kv = self.kv.lock();
         let region = kv.as_mut().ok_or(Error::NoKvCache)?;
         self.check_not_capturing("commit the KV cache")?;
+        self.close_window(region);
         self.empty_cache()?;
         let before = region.usable;
-        let room = self.kv_room(region.mapped(), false)?;
+        let room = self.kv_room(region)?;
         let g = self.core.granularity;
         let fits = ((room.room / g * g) / region.unit).min(region.reserved_blocks());
-        if !region.is_plain() && fits > before {
-            region.set_blocks(&self.core, fits)?;
+        if fits > before {
+            if let Err(e) = region.set_blocks(&self.core, fits) {
+                self.open_window(region);
+                return Err(e);
+            }
         } else if fits < before {
             tracing::warn!(
                 usable = before,
@@ -212,6 +197,7 @@ impl<D: Driver> Allocator<D> {
                 "the budget contract leaves the KV cache less than it holds already; it stays as it is"
             );
         }
+        self.open_window(region);
         let out = KvCommit {
             kv: info(region),
             room,
@@ -249,9 +235,10 @@ impl<D: Driver> Allocator<D> {
                 free_from.min(region.usable)
             )));
         }
+        self.close_window(region);
         if blocks > region.usable {
             self.empty_cache()?;
-            let room = self.kv_room(region.mapped(), false)?;
+            let room = self.kv_room(region)?;
             let g = self.core.granularity;
             let want = (blocks * region.unit).div_ceil(g) * g;
             if want > room.room {
@@ -263,7 +250,9 @@ impl<D: Driver> Allocator<D> {
                 })));
             }
         }
-        region.set_blocks(&self.core, blocks)?;
+        let set = region.set_blocks(&self.core, blocks);
+        self.open_window(region);
+        set?;
         Ok(info(region))
     }
 
@@ -277,71 +266,116 @@ impl<D: Driver> Allocator<D> {
         Ok(())
     }
 
-    /// What the budget contract leaves the KV cache now (`kv_mapped` of it mapped), with the
-    /// graph reserve profiling measured when `graphs_to_come`.
-    fn kv_room(&self, kv_mapped: u64, graphs_to_come: bool) -> Result<KvRoom> {
+    /// Fold the window since the KV cache was last sized into what serving reserved at most.
+    /// Reserved bytes at the window's peak were the KV cache's (unchanged since: it changes only
+    /// here), the graph pools' and eager work's; the smaller of the pools' bytes then and now is
+    /// taken off, so that pools captured (or released) in the window make the figure high.
+    fn close_window(&self, region: &mut KvRegion) {
+        let Some((kv, graphs)) = region.served.since else {
+            return;
+        };
+        let graphs = graphs.min(self.core.ledger.graph_reserved.get());
+        let eager = self
+            .core
+            .ledger
+            .reserved
+            .since_mark()
+            .saturating_sub(kv.min(region.mapped()) + graphs);
+        region.served.peak = Some(region.served.peak.map_or(eager, |p| p.max(eager)));
+    }
+
+    /// Start a new window: the KV cache was just sized.
+    fn open_window(&self, region: &mut KvRegion) {
+        region.served.since = Some((region.mapped(), self.core.ledger.graph_reserved.get()));
+        self.core.ledger.reserved.set_mark();
+    }
+
+    /// What the budget contract leaves the KV cache now.
+    fn kv_room(&self, region: &KvRegion) -> Result<KvRoom> {
         let cap = self.cap().ok_or_else(|| {
             Error::InvalidArgument(
                 "sizing the KV cache needs a budget contract: profile first, or set a cap".into(),
             )
         })?;
-        let m = &self.core.measured;
         let outside = self.core.outside_now();
         let reserved = self.core.ledger.reserved();
         let graph_pools = self.core.ledger.graph_reserved.get();
-        let eager_now = reserved.saturating_sub(kv_mapped + graph_pools);
-        let transient = self.transient_to_keep();
-        let graph_reserve = if graphs_to_come {
-            m.graph_reserve.load(Relaxed)
-        } else {
-            0
-        };
-        let margin = m.margin.load(Relaxed);
-        let non_kv = eager_now + transient + graph_pools + outside + graph_reserve + margin;
+        let eager_now = reserved.saturating_sub(region.mapped() + graph_pools);
+        let served_peak = region.served.peak;
+        let transient = self.transient_to_keep(eager_now, served_peak);
+        let margin = self.core.measured.margin.load(Relaxed);
+        let non_kv = eager_now + transient + graph_pools + outside + margin;
         Ok(KvRoom {
             cap,
             eager_now,
             transient,
+            served_peak,
             graph_pools,
             outside,
-            graph_reserve,
             margin,
             room: cap.saturating_sub(non_kv),
         })
     }
 
-    /// What eager work's next pass may take on top of what it holds now: the profiled pass's
-    /// rise above what it held at its end.
+    /// What eager work's next pass may take on top of what it holds now (`eager_now`).
     ///
-    /// In native mode the rise above the bytes still allocated: everything reserved now comes
-    /// on top, free memory in segments still in use included, as a plain segment keeps the
-    /// cuts of the requests it served and a pass of another shape may find its free blocks of
-    /// no use (a serving mix on the H200 needed up to all of it: docs/results.md §3). The
+    /// Before the engine has served, the profiled pass's rise above what it held at its end. In
+    /// native mode the rise above the bytes still allocated: everything reserved now comes on
+    /// top, free memory in segments still in use included, as a plain segment keeps the cuts
+    /// of the requests it served and a pass of another shape may find its free blocks of no
+    /// use (a serving mix on the H200 needed up to all of it: docs/results.md §3). The
     /// virtual-memory modes map new memory per request, page or piece and unmap what is wholly
     /// free before growing under the cap: the next pass takes what the profiled one took, so
     /// the rise is above what eager work still reserved once its cache was given back, and what
     /// survived (free memory pinned beside live blocks) is counted once, in what it holds now.
-    fn transient_to_keep(&self) -> u64 {
+    ///
+    /// Once it has served (`served_peak`), what serving reserved at most, but never less than
+    /// the profiled pass takes in freshly cut memory (its rise above what eager work reserved
+    /// once its cache was given back), in case serving has not yet run the largest batch: in
+    /// native mode the serving mix shows which cuts it makes, which one profiled shape cannot.
+    fn transient_to_keep(&self, eager_now: u64, served_peak: Option<u64>) -> u64 {
         let m = &self.core.measured;
         let peak = m.eager_peak.load(Relaxed);
         let rise = peak.saturating_sub(m.held.load(Relaxed));
-        if !self.growth.is_virtual() {
-            return rise;
+        let fresh = rise.min(peak.saturating_sub(m.kept.load(Relaxed)));
+        match served_peak {
+            Some(served) => served.saturating_sub(eager_now).max(fresh),
+            None if self.growth.is_virtual() => fresh,
+            None => rise,
         }
-        rise.min(peak.saturating_sub(m.kept.load(Relaxed)))
     }
 
-    /// Eager work's reserved bytes once its cache is given back, in the virtual-memory modes
-    /// when no capture runs (giving the cache back would spoil it); `None` otherwise.
+    /// Eager work's reserved bytes once its cache is given back, when no capture runs (giving
+    /// the cache back would spoil it); `None` otherwise. The virtual-memory modes give it back
+    /// now. Native mode keeps its cache, as PyTorch's allocator does after a pass, and reads
+    /// what giving it back would free from its segments: those of streams whose blocks are all
+    /// free.
     pub(crate) fn eager_kept(&self) -> Result<Option<u64>> {
-        if !self.growth.is_virtual() || self.check_not_capturing("").is_err() {
+        if self.check_not_capturing("").is_err() {
             return Ok(None);
         }
-        self.empty_cache()?;
+        let releasable = if self.growth.is_virtual() {
+            self.empty_cache()?;
+            0
+        } else {
+            self.dump()
+                .segments
+                .iter()
+                .filter(|s| s.pool_key.is_none() && !s.blocks.is_empty())
+                .filter(|s| {
+                    s.blocks
+                        .iter()
+                        .all(|b| matches!(b.state, DumpState::Free | DumpState::Pending))
+                })
+                .map(|s| s.size)
+                .sum()
+        };
         let kv_mapped = self.kv.lock().as_ref().map_or(0, |r| r.mapped());
         let graph_pools = self.core.ledger.graph_reserved.get();
         let reserved = self.core.ledger.reserved();
-        Ok(Some(reserved.saturating_sub(kv_mapped + graph_pools)))
+        Ok(Some(
+            reserved.saturating_sub(kv_mapped + graph_pools + releasable),
+        ))
     }
 
     fn check_not_capturing(&self, what: &'static str) -> Result<()> {

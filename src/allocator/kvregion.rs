@@ -1,9 +1,9 @@
 //! The KV cache as the allocator holds it: one range of address space reserved whole at its
 //! largest size, mapped from its base up to what the engine may use, in pieces of physical
-//! memory of their own (virtual-memory modes); or, in native mode, one plain segment of its
-//! final size. The engine builds its KV tensor over the whole range, so the tensor's shape and
-//! address never change, and CUDA graphs captured against it stay valid while the mapped part
-//! grows and shrinks.
+//! memory of their own, in every mode (native mode's plain segments are eager work's; the KV
+//! cache is one tensor the engine carves itself). The engine builds its KV tensor over the
+//! whole range, so the tensor's shape and address never change, and CUDA graphs captured
+//! against it stay valid while the mapped part grows and shrinks.
 //!
 //! Invariants:
 //! - Pieces are mapped contiguously from `base`: piece `i` starts where piece `i - 1` ends, each
@@ -21,8 +21,9 @@
 use super::core::{Core, GrowError};
 use super::dump::{BlockDump, DumpState, SegmentDump};
 use super::growth::mapped::map_one;
+use super::kv::Served;
 use super::rules::PoolKind;
-use crate::driver::{DevicePtr, Driver, PhysHandle, StreamId};
+use crate::driver::{DevicePtr, Driver, PhysHandle};
 use crate::error::{Error, Result};
 use crate::tag::Tag;
 use crate::units::MIB;
@@ -43,7 +44,7 @@ struct Piece {
 #[derive(Debug)]
 pub(crate) struct KvRegion {
     pub(crate) base: DevicePtr,
-    /// Address space reserved (virtual), or the segment's size (plain).
+    /// Address space reserved.
     pub(crate) reserved: u64,
     /// The engine's block size.
     pub(crate) unit: u64,
@@ -51,8 +52,8 @@ pub(crate) struct KvRegion {
     pub(crate) usable: u64,
     mapped: u64,
     pieces: Vec<Piece>,
-    /// One `cuMemAlloc` of its final size (native mode): nothing to grow or shrink.
-    plain: bool,
+    /// How high eager work's memory rose while serving (read when the cache is sized again).
+    pub(crate) served: Served,
 }
 
 impl KvRegion {
@@ -68,42 +69,12 @@ impl KvRegion {
             usable: 0,
             mapped: 0,
             pieces: Vec::new(),
-            plain: false,
-        })
-    }
-
-    /// A plain segment of `bytes` (a multiple of the granularity) for blocks of `unit` bytes,
-    /// all of them usable, committed against the limit and the cap first.
-    pub(crate) fn allocate<D: Driver>(
-        core: &Core<D>,
-        bytes: u64,
-        unit: u64,
-        stream: StreamId,
-    ) -> Result<KvRegion> {
-        let base = core
-            .obtain(bytes, true, || core.driver.alloc_segment(bytes, stream))
-            .map_err(short)?;
-        core.ledger.kv_reserved(bytes);
-        core.ledger.kv_mapped.add(bytes);
-        let usable = bytes / unit;
-        core.ledger.kv_usable(usable * unit);
-        Ok(KvRegion {
-            base,
-            reserved: bytes,
-            unit,
-            usable,
-            mapped: bytes,
-            pieces: Vec::new(),
-            plain: true,
+            served: Served::default(),
         })
     }
 
     pub(crate) fn mapped(&self) -> u64 {
         self.mapped
-    }
-
-    pub(crate) fn is_plain(&self) -> bool {
-        self.plain
     }
 
     /// Blocks the reservation holds.
@@ -121,11 +92,6 @@ impl KvRegion {
             want <= self.reserved,
             "callers bound the blocks by the reservation"
         );
-        if self.plain {
-            return Err(Error::InvalidArgument(
-                "a native-mode KV cache is one segment of its final size: it cannot grow or shrink in place".into(),
-            ));
-        }
         if want > self.mapped {
             self.grow(core, want)?;
         } else if want < self.mapped {
@@ -274,21 +240,13 @@ impl KvRegion {
         }
     }
 
-    /// Give everything back: unmap and release every piece and the address space (or free the
-    /// plain segment), after the device is synchronised. On an error what is left stays, whole
-    /// and counted, and releasing can be tried again.
+    /// Give everything back: unmap and release every piece and the address space, after the
+    /// device is synchronised. On an error what is left stays, whole and counted, and releasing
+    /// can be tried again.
     pub(crate) fn release<D: Driver>(&mut self, core: &Core<D>) -> Result<()> {
         core.driver.sync_device()?;
-        if self.plain {
-            core.driver.free_segment(self.base, self.reserved)?;
-            core.ledger.on_unreserve(self.reserved, true);
-            core.ledger.kv_mapped.sub(self.reserved);
-            core.uncommit(self.reserved);
-            self.mapped = 0;
-        } else {
-            self.shrink(core, 0)?;
-            core.driver.release_va(self.base, self.reserved)?;
-        }
+        self.shrink(core, 0)?;
+        core.driver.release_va(self.base, self.reserved)?;
         self.usable = 0;
         core.ledger.kv_usable(0);
         core.ledger.kv_reserved(0);
@@ -323,7 +281,7 @@ impl KvRegion {
             stream: None,
             region: None,
             size: self.reserved,
-            expandable: !self.plain,
+            expandable: true,
             external: false,
             mapped: if self.mapped > 0 {
                 vec![(self.base, self.mapped)]

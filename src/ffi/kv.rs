@@ -16,10 +16,9 @@ fn json<T: serde::Serialize>(r: crate::Result<T>) -> Result<*mut c_char, String>
 }
 
 /// Reserve the KV cache on `device`: address space for `max_bytes` (negative: the device's
-/// memory) in blocks of `block_bytes`, `initial_blocks` of them usable now (native mode: one
-/// segment of what the contract leaves, every block usable). Returns the KV cache as JSON
-/// (`base`, `block_bytes`, `reserved_blocks`, `usable_blocks`, `reserved_bytes`,
-/// `mapped_bytes`, `native`).
+/// memory) in blocks of `block_bytes`, `initial_blocks` of them usable now. Returns the KV
+/// cache as JSON (`base`, `block_bytes`, `reserved_blocks`, `usable_blocks`, `reserved_bytes`,
+/// `mapped_bytes`).
 #[no_mangle]
 pub extern "C" fn vram_ledger_kv_reserve(
     device: c_int,
@@ -34,8 +33,9 @@ pub extern "C" fn vram_ledger_kv_reserve(
     })
 }
 
-/// Map the KV cache up to what the budget contract leaves now; returns the KV cache and what
-/// was measured (`kv`, `room`, `blocks_before`) as JSON.
+/// Map the KV cache up to what the budget contract leaves now (again after serving: sized from
+/// what serving reserved at most); returns the KV cache and what was measured (`kv`, `room`,
+/// `blocks_before`) as JSON.
 #[no_mangle]
 pub extern "C" fn vram_ledger_kv_commit(device: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {

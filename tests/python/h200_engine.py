@@ -1,5 +1,6 @@
 """The budget contract in the order engines work, on a real GPU: load weights, profile, reserve
-the KV cache, capture CUDA graphs of several batch sizes against it, commit the KV cache, serve.
+the KV cache, capture CUDA graphs of several batch sizes against it, commit the KV cache, serve,
+commit it again from what serving reserved, serve a mix in another order.
 One process per engine (installing the allocator is permanent for a process); one JSON line per
 engine; exit 1 when any engine misses a mark (a missing reading is a miss).
 
@@ -17,9 +18,7 @@ the KV cache at fixed addresses). Marks, per engine:
 Scenarios: alone; beside a process holding 70% of the device (hold); beside one that takes and
 frees 10 GiB every 30 ms (churn); three different engines started together; and resize: two
 engines share the GPU, one exits, the other's cap is raised and its KV cache grows in place.
-In native mode the KV cache is sized before the captures: profiling captures the same graphs
-against a scratch cache (their memory is measured and kept as reserve), and they are destroyed
-before the KV cache is allocated.
+Every mode runs the same flow (the KV cache's range is reserved in native mode too).
 """
 
 import json
@@ -190,21 +189,9 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
         with vl.profile(utilization) as p:
             with vl.tag("activation"):
                 e.prefill(big)
-                if mode == "native":
-                    # The graphs the engine will capture, against a scratch cache: their memory
-                    # is measured here and kept as reserve for the real captures.
-                    scratch = torch.zeros((FIRST_BLOCKS, *e.block_shape), dtype=torch.bfloat16, device="cuda")
-                    trial = e.capture(scratch, plan(FIRST_BLOCKS))
-                    replay_diffs(e, scratch, trial, rounds=1)
         requested = p.result["requested"]
-        if mode == "native":
-            del trial, scratch
-            import gc
-
-            gc.collect()
-            torch.cuda.synchronize()
-        # The KV cache: its whole range reserved (native: allocated), a prefix for warm-up and
-        # capture; the graphs' blocks spread over it.
+        # The KV cache: its whole range reserved, a prefix for warm-up and capture; the graphs'
+        # blocks spread over it.
         with vl.tag("kv"):
             kv = vl.kv_reserve(e.block_bytes, initial_blocks=FIRST_BLOCKS)
             cache = kv.tensor(torch.bfloat16, e.block_shape)
@@ -213,18 +200,32 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
         diff_before = replay_diffs(e, cache, graphs, rounds=1)
         c = kv.commit()
         t_commit = time.time()
+        first_commit = kv.usable_blocks
         refused, last = [], None
-        for shape in e.shapes:
-            try:
-                with vl.tag("activation"):
-                    e.prefill(shape)
-            except RuntimeError as err:
-                refused.append(list(shape))
-                last = str(err)[:300]
+
+        def serve(shapes, label):
+            nonlocal last
+            for shape in shapes:
+                try:
+                    with vl.tag("activation"):
+                        e.prefill(shape)
+                except RuntimeError as err:
+                    refused.append([label, *shape])
+                    last = str(err)[:300]
+
+        serve(e.shapes, "first")
         # Serving writes the whole committed cache: every usable block is backed.
         cache[: kv.usable_blocks].fill_(1)
         torch.cuda.synchronize()
         diff_after = replay_diffs(e, cache, graphs)
+        torch.cuda.synchronize()
+        # Committed again now that serving has run its largest batches, then a mix in another
+        # order (other cuts of the same segments) with every usable block written.
+        c2 = kv.commit()
+        cache[: kv.usable_blocks].fill_(3)
+        torch.cuda.synchronize()
+        serve(list(reversed(e.shapes)), "after recommit")
+        diff_after = max(diff_after, replay_diffs(e, cache, graphs))
         torch.cuda.synchronize()
         grown = None
         if grow_to is not None:
@@ -237,13 +238,7 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
             g = kv.commit()
             cache[: kv.usable_blocks].fill_(2)  # more sequences' blocks in use, in place
             torch.cuda.synchronize()
-            for shape in e.shapes:
-                try:
-                    with vl.tag("activation"):
-                        e.prefill(shape)
-                except RuntimeError as err:
-                    refused.append(["after growth", *shape])
-                    last = str(err)[:300]
+            serve(e.shapes, "after growth")
             grown = dict(before=before, after=kv.usable_blocks, base_kept=g["kv"]["base"] == kv.base,
                          cap=vl.cap(), replay_diff=replay_diffs(e, cache, graphs))
             requested = vl.cap()
@@ -263,6 +258,8 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
         marks["grew_in_place"] = grown["after"] > grown["before"] and grown["base_kept"]
     emit(case="engine", model=name, mode=mode, utilization=utilization, requested=requested,
          kv_blocks=kv.usable_blocks, kv_bytes=kv.usable_blocks * e.block_bytes, kv_first_blocks=first,
+         kv_blocks_first_commit=first_commit, transient_after_serving=c2["room"]["transient"],
+         served_peak=c2["room"]["served_peak"],
          graph_pools=c["room"]["graph_pools"], outside_at_commit=c["room"]["outside"],
          eager_now=c["room"]["eager_now"], transient=c["room"]["transient"], margin=c["room"]["margin"], peak_usage=peak,
          peak_over_requested=ratio, samples=poll.samples, nvml_misses=poll.misses, refused=refused,
