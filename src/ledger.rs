@@ -23,14 +23,16 @@ use serde::{Deserialize, Serialize};
 use crate::driver::counting::DriverCalls;
 use crate::tag::Tag;
 
-/// A current value and its high-water mark, shared by any number of writers; and a second
-/// high-water mark that only [`Gauge::set_mark`] resets (the KV cache's sizing reads how high
-/// reserved memory rose since it last sized the cache, whatever the user did to the peaks).
+/// A current value and its high-water mark, shared by any number of writers; and a high- and
+/// a low-water mark that only [`Gauge::set_mark`] resets (the KV cache's sizing reads how high
+/// reserved memory rose, and how low graph pools fell, since it last sized the cache, whatever
+/// the user did to the peaks).
 #[derive(Default, Debug)]
 pub(crate) struct Gauge {
     current: AtomicU64,
     peak: AtomicU64,
     mark: AtomicU64,
+    low: AtomicU64,
 }
 
 impl Gauge {
@@ -44,10 +46,15 @@ impl Gauge {
         }
     }
 
-    /// Start a new high-water mark at the current value.
+    /// Start new high- and low-water marks at the current value. A change that races with it
+    /// may be missed if it is undone before the second read.
     pub(crate) fn set_mark(&self) {
-        self.mark.store(self.current.load(Relaxed), Relaxed);
-        self.mark.fetch_max(self.current.load(Relaxed), Relaxed);
+        let now = self.current.load(Relaxed);
+        self.mark.store(now, Relaxed);
+        self.low.store(now, Relaxed);
+        let now = self.current.load(Relaxed);
+        self.mark.fetch_max(now, Relaxed);
+        self.low.fetch_min(now, Relaxed);
     }
 
     /// The highest value since [`Gauge::set_mark`] (or since the start).
@@ -55,8 +62,16 @@ impl Gauge {
         self.mark.load(Relaxed).max(self.current.load(Relaxed))
     }
 
+    /// The lowest value since [`Gauge::set_mark`] (0 before the first).
+    pub(crate) fn low_since_mark(&self) -> u64 {
+        self.low.load(Relaxed).min(self.current.load(Relaxed))
+    }
+
     pub(crate) fn sub(&self, n: u64) {
-        self.current.fetch_sub(n, Relaxed);
+        let now = self.current.fetch_sub(n, Relaxed) - n;
+        if now < self.low.load(Relaxed) {
+            self.low.fetch_min(now, Relaxed);
+        }
     }
 
     pub(crate) fn get(&self) -> u64 {
@@ -630,6 +645,23 @@ impl Snapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gauges_marks_follow_it_from_the_last_set_mark_whatever_resets_the_peak() {
+        let g = Gauge::default();
+        g.add(100);
+        g.set_mark();
+        g.add(50);
+        g.sub(120);
+        g.add(40);
+        g.reset_peak();
+        assert_eq!(g.get(), 70);
+        assert_eq!(g.since_mark(), 150, "the highest since the mark");
+        assert_eq!(g.low_since_mark(), 30, "the lowest since the mark");
+        assert_eq!(g.read().peak, 70, "the peak was reset");
+        g.set_mark();
+        assert_eq!((g.since_mark(), g.low_since_mark()), (70, 70));
+    }
 
     #[test]
     fn peaks_are_summed_over_shards() {

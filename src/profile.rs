@@ -88,7 +88,7 @@ impl MemorySnapshot {
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
     #[error(
-        "Free memory on device ({} / {}) on startup is less than desired GPU memory utilization ({utilization}, {}). \
+        "Free memory on device ({} / {}, counting this allocator's own) on startup is less than desired GPU memory utilization ({utilization}, {}). \
          Decrease GPU memory utilization or reduce GPU memory used by other processes.",
         Bytes(*free), Bytes(*total), Bytes(*requested)
     )]
@@ -164,6 +164,9 @@ impl Default for ProfileOptions {
 }
 
 /// `ceil(total × utilization)`, or an error worded like vLLM's when the device has less free.
+/// Free memory is counted as vLLM counts it at startup, before the engine allocated anything:
+/// free now plus what this allocator holds (the engine's weights, loaded before profiling, are
+/// part of its request, not taken from it).
 pub fn request_memory<D: Driver>(
     alloc: &Allocator<D>,
     utilization: f64,
@@ -173,9 +176,10 @@ pub fn request_memory<D: Driver>(
     }
     let info = alloc.driver().mem_info()?;
     let requested = (info.total as f64 * utilization).ceil() as u64;
-    if info.free < requested {
+    let free = info.free.saturating_add(alloc.ledger().reserved());
+    if free < requested {
         return Err(ProfileError::InsufficientFreeMemory {
-            free: info.free,
+            free,
             total: info.total,
             utilization,
             requested,

@@ -380,7 +380,11 @@ fn contract_native_kv_commit_after_serving_takes_what_the_profile_kept_for_cuts_
     let below_margin = e.requested - r.margin;
     let kv = reserved_and_captured(&e);
     let first = e.alloc.commit_kv().unwrap();
-    assert_eq!(first.room.served_peak, None);
+    assert_eq!(first.room.served_rise, None);
+    // Committed again before serving: nothing measured says the profile kept too much.
+    let early = e.alloc.commit_kv().unwrap();
+    assert_eq!(early.room.served_rise, Some(0));
+    assert_eq!(early.kv, first.kv);
     let peak = native_serving(&e);
     assert!(peak <= below_margin, "{peak} past {below_margin}");
     let unused = below_margin - peak;
@@ -388,18 +392,23 @@ fn contract_native_kv_commit_after_serving_takes_what_the_profile_kept_for_cuts_
         unused >= 100 * MIB - 2 * MIB,
         "the first commit keeps the workspace segment's free part for serving: {unused} unused"
     );
+    // A resize that grows sees serving too, and so does the commit after it.
+    let grown = e
+        .alloc
+        .resize_kv(first.kv.usable_blocks + 50, first.kv.usable_blocks)
+        .unwrap();
+    assert_eq!(grown.base, kv.base, "the address does not move");
     let again = e.alloc.commit_kv().unwrap();
-    assert_eq!(again.kv.base, kv.base, "the address does not move");
-    assert!(again.room.served_peak.is_some());
+    assert_eq!(again.room.served_rise, Some(GIB));
     assert!(
-        again.kv.usable_blocks > first.kv.usable_blocks,
+        again.kv.usable_blocks > grown.usable_blocks,
         "{} blocks, as before",
         again.kv.usable_blocks
     );
     // Serving the same mix again fills what was requested, less the margin and the rounding.
     let peak = native_serving(&e);
     fills_the_request(SegmentMode::Native, below_margin, peak);
-    // With nothing served since, a third commit measures the same and changes nothing.
+    // Serving the same mix again, a third commit measures the same and changes nothing.
     assert_eq!(e.alloc.commit_kv().unwrap().kv, again.kv);
     invariants::check_sim(&e.alloc).unwrap();
 }
@@ -438,6 +447,39 @@ fn contract_kv_commit_after_serving_keeps_room_for_a_mix_larger_than_the_profile
             .alloc
             .allocate_tagged(GIB + 812 * MIB, MAIN, Tag::Activation)
             .unwrap();
+        assert!(e.usage() <= e.requested, "{mode}");
+        e.alloc.free(again.ptr).unwrap();
+        invariants::check_sim(&e.alloc).unwrap();
+    }
+}
+
+#[test]
+fn contract_kv_commit_after_serving_keeps_the_rise_on_top_of_what_stayed_allocated_since() {
+    // Serving rose 1.8 GiB; then 512 MiB stayed allocated (a workspace, an adapter; in native
+    // mode it pins the batch's cached segment). The next commit keeps the rise on top of it,
+    // so the same batch still runs beside it. (The engine shrank its KV cache first to make
+    // room: a commit never unmaps.)
+    for mode in MODES {
+        let e = fresh(mode);
+        reserved_and_captured(&e);
+        let n = e.alloc.commit_kv().unwrap().kv.usable_blocks;
+        let fewer = n - (2500 * MIB).div_ceil(BLOCK);
+        e.alloc.resize_kv(fewer, fewer).unwrap();
+        let batch = GIB + 812 * MIB;
+        let big = e
+            .alloc
+            .allocate_tagged(batch, MAIN, Tag::Activation)
+            .unwrap();
+        e.alloc.free(big.ptr).unwrap();
+        e.alloc
+            .allocate_tagged(512 * MIB, MAIN, Tag::Untracked)
+            .unwrap();
+        let c = e.alloc.commit_kv().unwrap();
+        assert!(c.room.transient >= batch, "{mode}: {:?}", c.room);
+        let again = e
+            .alloc
+            .allocate_tagged(batch, MAIN, Tag::Activation)
+            .unwrap_or_else(|err| panic!("{mode}: {err}"));
         assert!(e.usage() <= e.requested, "{mode}");
         e.alloc.free(again.ptr).unwrap();
         invariants::check_sim(&e.alloc).unwrap();
@@ -503,5 +545,39 @@ fn kv_commit_counts_memory_the_profiled_pass_held_once() {
     for mode in MODES {
         let (e, margin, peak) = converted_weights_then_served(mode);
         fills_the_request(mode, e.requested - margin, peak);
+    }
+}
+
+#[test]
+fn contract_kv_commit_after_serving_sees_the_rise_made_in_a_released_graph_pools_memory() {
+    // A graph's pool is released while serving, a batch uses its memory, and another graph is
+    // captured before the next commit: graph pools hold as much at the commit as when the
+    // window opened, but less at serving's peak, where eager work had the pool's 200 MiB.
+    for mode in MODES {
+        let e = fresh(mode);
+        e.alloc.reserve_kv(BLOCK, None, 16).unwrap();
+        let p1 = e.capture(1, 0);
+        e.capture(2, 0);
+        let n = e.alloc.commit_kv().unwrap().kv.usable_blocks;
+        let fewer = n - (1000 * MIB).div_ceil(BLOCK);
+        e.alloc.resize_kv(fewer, fewer).unwrap();
+        e.alloc.free(p1).unwrap();
+        e.alloc.release_graph_pool(GraphPool(1, 0)).unwrap();
+        let batch = GIB + 500 * MIB + 300 * MIB;
+        let big = e
+            .alloc
+            .allocate_tagged(batch, MAIN, Tag::Activation)
+            .unwrap();
+        e.alloc.free(big.ptr).unwrap();
+        e.capture(3, 0);
+        let c = e.alloc.commit_kv().unwrap();
+        assert!(c.room.transient >= batch, "{mode}: {:?}", c.room);
+        let again = e
+            .alloc
+            .allocate_tagged(batch, MAIN, Tag::Activation)
+            .unwrap_or_else(|err| panic!("{mode}: {err}"));
+        assert!(e.usage() <= e.requested, "{mode}");
+        e.alloc.free(again.ptr).unwrap();
+        invariants::check_sim(&e.alloc).unwrap();
     }
 }

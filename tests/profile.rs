@@ -356,6 +356,26 @@ fn profile_three_engines_started_together() {
 }
 
 #[test]
+fn profile_counts_the_engines_own_weights_as_part_of_its_request() {
+    // 40 GiB of another process and 8 GiB of this engine's weights leave 31.5 GiB free of 80;
+    // the engine asks for 0.4 (32 GiB), which its weights are part of: it fits.
+    let dev = SimDevice::new(SimConfig::default());
+    dev.set_other_usage(40 * GIB);
+    let a = Allocator::new(dev.spawn_process().unwrap(), Config::default()).unwrap();
+    let p = Profiler::new(&a).unwrap();
+    a.allocate_tagged(8 * GIB, S, Tag::Weights).unwrap();
+    assert!(a.driver().mem_info().unwrap().free < 32 * GIB);
+    let r = p.profile(opts(0.4), || {}).unwrap();
+    assert_eq!(r.requested, 32 * GIB);
+    // At 0.5 (40 GiB) it does not: 31.5 GiB free and 8 GiB held.
+    let err = p.profile(opts(0.5), || panic!("must not run")).unwrap_err();
+    assert!(
+        matches!(err, ProfileError::InsufficientFreeMemory { free, .. } if free == 31 * GIB + GIB / 2 + 8 * GIB),
+        "{err}"
+    );
+}
+
+#[test]
 fn profile_fails_fast_when_free_is_below_the_request() {
     let dev = SimDevice::new(SimConfig::default());
     dev.set_other_usage(40 * GIB);
@@ -365,8 +385,9 @@ fn profile_fails_fast_when_free_is_below_the_request() {
     let text = err.to_string();
     assert!(matches!(err, ProfileError::InsufficientFreeMemory { .. }));
     assert!(
-        text.contains("Free memory on device (39.50 GiB / 80.00 GiB)")
-            && text.contains("(0.6, 48.00 GiB)"),
+        text.contains(
+            "Free memory on device (39.50 GiB / 80.00 GiB, counting this allocator's own)"
+        ) && text.contains("(0.6, 48.00 GiB)"),
         "{text}"
     );
     assert!(matches!(

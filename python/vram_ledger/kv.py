@@ -6,7 +6,7 @@ capture CUDA graphs against it, commit it to what the budget contract leaves, se
     ... capture CUDA graphs that read and write `cache` ...
     kv.commit()                      # now kv.usable_blocks blocks may be used
     ... serve, its largest batches included ...
-    kv.commit()                      # again: sized from what serving reserved at most
+    kv.commit()                      # again: sized from serving's largest rise
     kv.resize(n, free_from=m)        # grow or shrink while serving
 
 In every mode the whole range is reserved at once, so `cache` keeps its shape and address while
@@ -60,11 +60,12 @@ class KvCache:
     def commit(self) -> Dict[str, Any]:
         """Map the KV cache up to what the budget contract leaves now (call it once the CUDA
         graphs are captured, instantiated and replayed): returns `kv`, `room` (what was
-        measured: cap, eager work now and the transient kept for it, serving's peak, graph
-        pools, outside the allocator, margin, room) and `blocks_before`. Called again once
-        the engine has served its largest batches, it sizes the cache from what serving
-        reserved at most (never less than the profiled pass takes), so memory the profile
-        kept for cuts serving did not make goes to the KV cache."""
+        measured: cap, eager work now and the transient kept for it, serving's largest rise,
+        graph pools, outside the allocator, margin, room) and `blocks_before`. Called again
+        once the engine has served its largest batches, it keeps serving's largest rise
+        instead of the profiled pass's (once serving has taken at least what that pass takes
+        in fresh memory), so memory the profile kept for cuts serving did not make goes to
+        the KV cache."""
         with self._lock:
             r = _json(load().vram_ledger_kv_commit(self.device))
             self._update(r["kv"])

@@ -13,17 +13,21 @@
 //! What the cap must leave room for besides the KV cache, when sizing it:
 //! - eager work: what it holds now, after the cache is given back (weights, workspaces, graphs'
 //!   static inputs), and on top of it the transient memory its passes take (`transient_to_keep`):
-//!   at the first sizing, profiling's pass; once the engine has served, the larger of what
-//!   serving reserved at most since the cache was last sized and what the profiled pass takes
-//!   in freshly cut memory;
+//!   profiling's pass, until serving has risen at least as far as that pass does in freshly cut
+//!   memory; from then on, the largest rise serving made above what eager work held when the
+//!   KV cache was last sized before it;
 //! - graph pools, as held now;
 //! - memory outside the allocator, as this process's usage shows it now (CUDA context,
 //!   libraries, graph instantiation), and the margin profiling chose.
 //!
 //! Invariants: one KV cache per allocator; its lock is taken before any shard lock, never
 //! while one is held; nothing here runs while a capture is routed to a graph pool (giving the
-//! cache back and synchronising would spoil it). The ledger's reserved mark is set when the KV
-//! cache's size was last changed here, and only here.
+//! cache back and synchronising would spoil it). The marks of the ledger's reserved and
+//! graph-pool bytes are set by every commit and resize of the KV cache (after any change to
+//! it), and by nothing else; the KV cache changes only under its lock, so within a window its
+//! mapped bytes are those recorded when the window opened. Not seen: memory other threads take
+//! and give back while a commit or resize runs, and the serving of a KV cache released before
+//! this one was reserved.
 
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -57,9 +61,9 @@ pub struct KvRoom {
     /// What eager work holds now, and the transient memory kept for its passes on top of it.
     pub eager_now: u64,
     pub transient: u64,
-    /// Eager work's largest reserved bytes while serving, since the KV cache was first
-    /// committed (`None` until it has been).
-    pub served_peak: Option<u64>,
+    /// The largest rise of eager work's reserved bytes while serving, above their level when
+    /// the KV cache was last sized before it (`None` until the cache has been sized once).
+    pub served_rise: Option<u64>,
     /// Bytes held for CUDA graph pools now.
     pub graph_pools: u64,
     /// This process's memory outside the allocator now.
@@ -90,16 +94,23 @@ fn info(r: &KvRegion) -> KvCache {
     }
 }
 
-/// How high eager work's reserved memory rose while serving, measured between sizings of the
-/// KV cache from the ledger's reserved mark: while neither the KV cache nor the graph pools
-/// change, reserved bytes above them are eager work's.
+/// How far eager work's reserved memory rose while serving, measured between sizings of the KV
+/// cache from the ledger's marks: while the KV cache does not change, reserved bytes above it
+/// and the graph pools are eager work's.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Served {
-    /// The KV cache's mapped bytes and the graph pools' bytes when the mark was set (`None`
-    /// before the first commit: profiling and captures are not serving).
-    since: Option<(u64, u64)>,
-    /// Eager work's largest reserved bytes over every window so far.
-    peak: Option<u64>,
+    /// When the current window opened (the KV cache was last committed or resized): its mapped
+    /// bytes and eager work's reserved bytes.
+    since: Option<Window>,
+    /// The largest rise of eager work's reserved bytes above their level when a window opened,
+    /// over every window of this KV cache so far.
+    rise: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Window {
+    kv: u64,
+    eager: u64,
 }
 
 impl<D: Driver> Allocator<D> {
@@ -170,11 +181,11 @@ impl<D: Driver> Allocator<D> {
     /// the cap nor unmaps: when less is left than is mapped already, the KV cache stays as it is
     /// (and the result says so). Addresses do not change.
     ///
-    /// Committing again once the engine has served sizes the cache from what serving reserved
-    /// at most since the last commit instead of from the profiled pass alone (see the module's
-    /// notes): memory kept for cuts the serving mix did not make goes to the KV cache, and a
-    /// serving mix that needed more than the profile is kept room for. Commit again only after
-    /// serving has run its largest batches.
+    /// Committing again once the engine has served sizes the cache from the largest rise
+    /// serving made instead of from the profiled pass (see the module's notes): memory kept
+    /// for cuts the serving mix did not make goes to the KV cache, and a serving mix that
+    /// needed more than the profile is kept room for. Until serving has risen as far as the
+    /// profiled pass does in fresh memory, the profiled figure stands.
     pub fn commit_kv(&self) -> Result<KvCommit> {
         let mut kv = self.kv.lock();
         let region = kv.as_mut().ok_or(Error::NoKvCache)?;
@@ -266,28 +277,36 @@ impl<D: Driver> Allocator<D> {
         Ok(())
     }
 
-    /// Fold the window since the KV cache was last sized into what serving reserved at most.
-    /// Reserved bytes at the window's peak were the KV cache's (unchanged since: it changes only
-    /// here), the graph pools' and eager work's; the smaller of the pools' bytes then and now is
-    /// taken off, so that pools captured (or released) in the window make the figure high.
+    /// Fold the window since the KV cache was last sized into the largest rise serving made.
+    /// The KV cache has not changed since (it changes only here, under its lock); graph pools
+    /// may have, so their lowest level in the window is taken off: eager work's peak is read
+    /// high, never low.
     fn close_window(&self, region: &mut KvRegion) {
-        let Some((kv, graphs)) = region.served.since else {
+        let Some(w) = region.served.since else {
             return;
         };
-        let graphs = graphs.min(self.core.ledger.graph_reserved.get());
-        let eager = self
-            .core
-            .ledger
+        let l = &self.core.ledger;
+        let peak = l
             .reserved
             .since_mark()
-            .saturating_sub(kv.min(region.mapped()) + graphs);
-        region.served.peak = Some(region.served.peak.map_or(eager, |p| p.max(eager)));
+            .saturating_sub(w.kv.min(region.mapped()) + l.graph_reserved.low_since_mark());
+        let rise = peak.saturating_sub(w.eager);
+        region.served.rise = Some(region.served.rise.map_or(rise, |r| r.max(rise)));
     }
 
     /// Start a new window: the KV cache was just sized.
     fn open_window(&self, region: &mut KvRegion) {
-        region.served.since = Some((region.mapped(), self.core.ledger.graph_reserved.get()));
-        self.core.ledger.reserved.set_mark();
+        let l = &self.core.ledger;
+        l.reserved.set_mark();
+        l.graph_reserved.set_mark();
+        let eager = l
+            .reserved
+            .get()
+            .saturating_sub(region.mapped() + l.graph_reserved.get());
+        region.served.since = Some(Window {
+            kv: region.mapped(),
+            eager,
+        });
     }
 
     /// What the budget contract leaves the KV cache now.
@@ -301,15 +320,15 @@ impl<D: Driver> Allocator<D> {
         let reserved = self.core.ledger.reserved();
         let graph_pools = self.core.ledger.graph_reserved.get();
         let eager_now = reserved.saturating_sub(region.mapped() + graph_pools);
-        let served_peak = region.served.peak;
-        let transient = self.transient_to_keep(eager_now, served_peak);
+        let served_rise = region.served.rise;
+        let transient = self.transient_to_keep(served_rise);
         let margin = self.core.measured.margin.load(Relaxed);
         let non_kv = eager_now + transient + graph_pools + outside + margin;
         Ok(KvRoom {
             cap,
             eager_now,
             transient,
-            served_peak,
+            served_rise,
             graph_pools,
             outside,
             margin,
@@ -317,39 +336,41 @@ impl<D: Driver> Allocator<D> {
         })
     }
 
-    /// What eager work's next pass may take on top of what it holds now (`eager_now`).
+    /// What eager work's next pass may take on top of what it holds now.
     ///
-    /// Before the engine has served, the profiled pass's rise above what it held at its end. In
-    /// native mode the rise above the bytes still allocated: everything reserved now comes on
-    /// top, free memory in segments still in use included, as a plain segment keeps the cuts
-    /// of the requests it served and a pass of another shape may find its free blocks of no
-    /// use (a serving mix on the H200 needed up to all of it: docs/results.md §3). The
+    /// The profiled pass's rise above what it held at its end, until serving has shown more.
+    /// In native mode the rise above the bytes still allocated: everything reserved now comes
+    /// on top, free memory in segments still in use included, as a plain segment keeps the
+    /// cuts of the requests it served and a pass of another shape may find its free blocks of
+    /// no use (a serving mix on the H200 needed up to all of it: docs/results.md §3). The
     /// virtual-memory modes map new memory per request, page or piece and unmap what is wholly
     /// free before growing under the cap: the next pass takes what the profiled one took, so
     /// the rise is above what eager work still reserved once its cache was given back, and what
     /// survived (free memory pinned beside live blocks) is counted once, in what it holds now.
     ///
-    /// Once it has served (`served_peak`), what serving reserved at most, but never less than
-    /// the profiled pass takes in freshly cut memory (its rise above what eager work reserved
-    /// once its cache was given back), in case serving has not yet run the largest batch: in
-    /// native mode the serving mix shows which cuts it makes, which one profiled shape cannot.
-    fn transient_to_keep(&self, eager_now: u64, served_peak: Option<u64>) -> u64 {
+    /// Once serving has risen at least as far as that second figure (`fresh`: the profiled
+    /// pass's rise in freshly cut memory), it has run a pass as large as the profiled one, and
+    /// its largest rise is kept instead: in native mode the serving mix shows which cuts it
+    /// makes, which one profiled shape cannot. Until then (nothing served since the commit, or
+    /// only small batches) the profiled figure stands.
+    fn transient_to_keep(&self, served_rise: Option<u64>) -> u64 {
         let m = &self.core.measured;
         let peak = m.eager_peak.load(Relaxed);
         let rise = peak.saturating_sub(m.held.load(Relaxed));
         let fresh = rise.min(peak.saturating_sub(m.kept.load(Relaxed)));
-        match served_peak {
-            Some(served) => served.saturating_sub(eager_now).max(fresh),
-            None if self.growth.is_virtual() => fresh,
-            None => rise,
+        match served_rise {
+            Some(served) if served >= fresh => served,
+            _ if self.growth.is_virtual() => fresh,
+            _ => rise,
         }
     }
 
     /// Eager work's reserved bytes once its cache is given back, when no capture runs (giving
     /// the cache back would spoil it); `None` otherwise. The virtual-memory modes give it back
     /// now. Native mode keeps its cache, as PyTorch's allocator does after a pass, and reads
-    /// what giving it back would free from its segments: those of streams whose blocks are all
-    /// free.
+    /// what giving it back would free from its segments: those outside any pool whose blocks
+    /// are all free, or freed and waiting for their streams (counted as freed: the pass's rise
+    /// above the rest comes out higher, not lower).
     pub(crate) fn eager_kept(&self) -> Result<Option<u64>> {
         if self.check_not_capturing("").is_err() {
             return Ok(None);

@@ -259,7 +259,7 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
     emit(case="engine", model=name, mode=mode, utilization=utilization, requested=requested,
          kv_blocks=kv.usable_blocks, kv_bytes=kv.usable_blocks * e.block_bytes, kv_first_blocks=first,
          kv_blocks_first_commit=first_commit, transient_after_serving=c2["room"]["transient"],
-         served_peak=c2["room"]["served_peak"],
+         served_rise=c2["room"]["served_rise"],
          graph_pools=c["room"]["graph_pools"], outside_at_commit=c["room"]["outside"],
          eager_now=c["room"]["eager_now"], transient=c["room"]["transient"], margin=c["room"]["margin"], peak_usage=peak,
          peak_over_requested=ratio, samples=poll.samples, nvml_misses=poll.misses, refused=refused,
