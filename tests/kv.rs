@@ -581,3 +581,43 @@ fn contract_kv_commit_after_serving_sees_the_rise_made_in_a_released_graph_pools
         invariants::check_sim(&e.alloc).unwrap();
     }
 }
+
+#[test]
+fn contract_kv_a_refused_reservation_whose_undo_fails_loses_nothing() {
+    // More initial blocks than the device holds: the growth fails part-way and is undone, with
+    // the undo itself failing at one release or unmap. The ledger stays consistent with what
+    // the driver holds, and once the faults are gone everything can be given back.
+    for mode in MODES {
+        for call in [
+            DriverCall::ReleasePhysical,
+            DriverCall::Unmap,
+            DriverCall::ReleaseVa,
+        ] {
+            for n in 1..=4 {
+                let e = fresh(mode);
+                // No cap: the growth fails at the driver, part-way, not against the cap first.
+                e.alloc.set_cap(None);
+                e.alloc
+                    .driver()
+                    .fail_nth(call, e.alloc.driver().calls(call) + n);
+                let err = e
+                    .alloc
+                    .reserve_kv(32 * MIB, None, 2500)
+                    .expect_err("more than the device holds");
+                assert!(
+                    matches!(err, Error::KvShort(_) | Error::Driver(_)),
+                    "{mode}, {call:?} #{n}: {err}"
+                );
+                invariants::check_sim(&e.alloc).unwrap();
+                e.alloc.driver().clear_faults();
+                e.alloc.empty_cache().unwrap();
+                if e.alloc.kv_cache().is_some() {
+                    e.alloc.release_kv().unwrap();
+                }
+                invariants::check_sim(&e.alloc).unwrap();
+                assert_eq!(e.alloc.snapshot().lost_bytes, 0, "{mode}, {call:?} #{n}");
+                e.alloc.reserve_kv(BLOCK, None, 16).unwrap();
+            }
+        }
+    }
+}

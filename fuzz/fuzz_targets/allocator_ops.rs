@@ -1,13 +1,16 @@
 //! Arbitrary operation sequences on the allocator over the simulated driver, with the invariant
-//! checker after every step; at the end everything can be freed and returned.
+//! checker after every step; at the end everything can be freed and returned. The KV cache's
+//! operations are among them: a commit or resize that maps memory never takes this process past
+//! its cap, and a failed one leaves the KV cache as it was.
 #![no_main]
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
+use vram_ledger::driver::Driver;
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{invariants, Allocation, Allocator, Config, Limit, SegmentMode, Tag};
+use vram_ledger::{invariants, Allocation, Allocator, Config, KvCache, Limit, SegmentMode, Tag};
 
 #[derive(Arbitrary, Debug)]
 enum Op {
@@ -50,6 +53,20 @@ enum Op {
     Wake {
         mask: u8,
     },
+    Cap {
+        mib: Option<u16>,
+    },
+    KvReserve {
+        block_kib: u16,
+        max_mib: Option<u16>,
+        initial: u8,
+    },
+    KvCommit,
+    KvResize {
+        blocks: u16,
+        free_from: u16,
+    },
+    KvRelease,
 }
 
 fn tags(mask: u8) -> Vec<Tag> {
@@ -72,6 +89,18 @@ fn check(a: &Allocator<SimDriver>) {
     d.driver_held = Some(a.driver().held_bytes());
     if let Err(v) = invariants::check(&d) {
         panic!("{v}");
+    }
+}
+
+/// A KV cache that mapped more keeps this process within its cap (when it had one).
+fn kv_grew_within_cap(a: &Allocator<SimDriver>, before: Option<KvCache>, after: KvCache) {
+    let grew = before.is_none_or(|b| after.mapped_bytes > b.mapped_bytes);
+    if let (true, Some(cap)) = (grew, a.cap()) {
+        let usage = a.driver().process_usage().unwrap().unwrap();
+        assert!(
+            usage <= cap,
+            "the KV cache grew to {usage} bytes of usage past the cap {cap}"
+        );
     }
 }
 
@@ -169,6 +198,32 @@ fuzz_target!(|input: Input| {
             Op::Wake { mask } => {
                 let _ = a.wake(&tags(mask));
             }
+            Op::Cap { mib } => a.set_cap(mib.map(|m| u64::from(m) * MIB)),
+            Op::KvReserve {
+                block_kib,
+                max_mib,
+                initial,
+            } => {
+                let max = max_mib.map(|m| u64::from(m) * MIB);
+                let _ = a.reserve_kv(u64::from(block_kib) * 1024, max, u64::from(initial));
+            }
+            Op::KvCommit => {
+                let before = a.kv_cache();
+                match a.commit_kv() {
+                    Ok(c) => kv_grew_within_cap(&a, before, c.kv),
+                    Err(_) => assert_eq!(a.kv_cache(), before, "a failed commit changes nothing"),
+                }
+            }
+            Op::KvResize { blocks, free_from } => {
+                let before = a.kv_cache();
+                match a.resize_kv(u64::from(blocks), u64::from(free_from)) {
+                    Ok(kv) => kv_grew_within_cap(&a, before, kv),
+                    Err(_) => assert_eq!(a.kv_cache(), before, "a failed resize changes nothing"),
+                }
+            }
+            Op::KvRelease => {
+                let _ = a.release_kv();
+            }
             _ => {}
         }
         if touched {
@@ -177,12 +232,17 @@ fuzz_target!(|input: Input| {
     }
     a.driver().clear_faults();
     a.set_limit(None).unwrap();
+    a.set_cap(None);
     // Frees of sleeping memory are deferred; with the rest given back, what slept fits again.
     for x in live {
         a.free(x.ptr).unwrap();
     }
     dev.complete_all();
+    // Giving the cache back retries stranded undos first: then the KV cache's range is free.
     a.empty_cache().unwrap();
+    if a.kv_cache().is_some() {
+        a.release_kv().unwrap();
+    }
     if input.mode & 8 != 0 && mode != SegmentMode::Native {
         a.wake(&[]).unwrap();
         a.empty_cache().unwrap();

@@ -116,6 +116,8 @@ struct Window {
 impl<D: Driver> Allocator<D> {
     /// Reserve the KV cache: address space for `max_bytes` (default: the device's memory) in
     /// blocks of `block_bytes`, with `initial_blocks` of them mapped for warm-up and capture.
+    /// When that fails and the address space cannot be given back, it stays reserved (an empty
+    /// KV cache) until [`Allocator::release_kv`] gives it back.
     pub fn reserve_kv(
         &self,
         block_bytes: u64,
@@ -141,18 +143,20 @@ impl<D: Driver> Allocator<D> {
             )));
         }
         let mut region = KvRegion::reserve(&self.core, max.div_ceil(g) * g, block_bytes)?;
-        if initial_blocks > region.reserved_blocks() {
-            if let Err(e) = region.release(&self.core) {
-                tracing::warn!(error = %e, "could not give back the address space of a refused KV cache");
-            }
-            return Err(Error::InvalidArgument(format!(
+        let refused = if initial_blocks > region.reserved_blocks() {
+            Some(Error::InvalidArgument(format!(
                 "{initial_blocks} initial blocks do not fit in the {} the KV cache may hold",
                 region.reserved_blocks()
-            )));
-        }
-        if let Err(e) = region.set_blocks(&self.core, initial_blocks) {
+            )))
+        } else {
+            region.set_blocks(&self.core, initial_blocks).err()
+        };
+        if let Some(e) = refused {
+            // A reservation that cannot be given back stays, held and counted, for
+            // `release_kv` to try again; nothing is dropped while the driver holds it.
             if let Err(e2) = region.release(&self.core) {
-                tracing::warn!(error = %e2, "could not give back the address space of a KV cache that failed to map");
+                tracing::warn!(error = %e2, "could not give back the address space of a refused KV cache; it stays reserved until release_kv");
+                *kv = Some(region);
             }
             return Err(e);
         }

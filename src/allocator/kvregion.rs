@@ -14,7 +14,8 @@
 //!   the cap exactly while the driver holds them, and in its KV figures; the KV cache counts as
 //!   one allocation of the KV tag while anything is mapped.
 //! - A growth or shrink either completes or leaves the region as it was: a growth that fails
-//!   gives back what it mapped; a shrink gives its handles back first (a released handle stays
+//!   gives back what it mapped (a piece whose undo fails goes to the stranded list, counted as
+//!   lost and not as the region's); a shrink gives its handles back first (a released handle stays
 //!   mapped, and valid, until unmapped) and, if an unmap fails, maps fresh memory where pieces
 //!   were already unmapped. Memory is unmapped only after the device is synchronised.
 
@@ -120,10 +121,9 @@ impl KvRegion {
                     done += bytes;
                 }
                 Err(e) => {
-                    // Give back what this growth mapped; what cannot be stays, counted.
-                    let kept = self.undo_growth(core, before, start);
-                    core.uncommit(more - kept);
-                    self.account_mapped(core, kept, true);
+                    // Give back what this growth mapped (what cannot be is stranded).
+                    self.undo_growth(core, before, start);
+                    core.uncommit(more);
                     return Err(e.into());
                 }
             }
@@ -134,27 +134,29 @@ impl KvRegion {
 
     /// Unmap the pieces from index `from` (mapped by a growth that failed, starting at offset
     /// `start`); returns the bytes that could not be unmapped and stay mapped.
-    fn undo_growth<D: Driver>(&mut self, core: &Core<D>, from: usize, start: u64) -> u64 {
+    /// Give back the pieces from `from` on (mapped from `start`). A piece whose release or unmap
+    /// fails is handed to the stranded list (counted as lost, never reserved, its undo retried
+    /// when the cache is given back), so that the region stays the prefix it was.
+    fn undo_growth<D: Driver>(&mut self, core: &Core<D>, from: usize, start: u64) {
         let mut off = start;
-        let mut kept = 0;
         let made: Vec<Piece> = self.pieces.drain(from..).collect();
         for p in made {
             let va = self.base + off;
-            let undone = core
-                .driver
-                .release_physical(p.handle)
-                .and_then(|()| core.driver.unmap(va, p.bytes));
-            if let Err(e) = undone {
-                tracing::warn!(error = %e, va, "could not undo a KV cache mapping; it stays mapped and counted");
-                self.pieces.push(Piece {
-                    released: true,
-                    ..p
-                });
-                kept += p.bytes;
+            // Release then unmap, each tried even when the other fails: the memory goes with
+            // the mapping, and what is left to undo is as small as it can be.
+            let released = core.driver.release_physical(p.handle).is_ok();
+            let unmapped = core.driver.unmap(va, p.bytes).is_ok();
+            if !(released && unmapped) {
+                core.stranded.strand(
+                    &core.ledger,
+                    va,
+                    p.bytes,
+                    !unmapped,
+                    (!released).then_some(p.handle),
+                );
             }
             off += p.bytes;
         }
-        kept
     }
 
     /// Give back the whole pieces above `want` bytes (the device synchronised first).
