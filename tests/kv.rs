@@ -413,6 +413,26 @@ fn contract_native_kv_commit_after_serving_takes_what_the_profile_kept_for_cuts_
     invariants::check_sim(&e.alloc).unwrap();
 }
 
+/// After a commit that followed serving: the batch runs again, inside the request.
+fn runs_again_inside_the_request(e: &Engine, mode: SegmentMode, batch: u64) {
+    let again = e
+        .alloc
+        .allocate_tagged(batch, MAIN, Tag::Activation)
+        .unwrap_or_else(|err| panic!("{mode}: {err}"));
+    assert!(e.usage() <= e.requested, "{mode}");
+    e.alloc.free(again.ptr).unwrap();
+    invariants::check_sim(&e.alloc).unwrap();
+}
+
+/// Committed, then shrunk by `bytes` to make room for serving (a commit never unmaps); returns
+/// the blocks the commit gave.
+fn committed_then_shrunk(e: &Engine, bytes: u64) -> u64 {
+    let n = e.alloc.commit_kv().unwrap().kv.usable_blocks;
+    let fewer = n - bytes.div_ceil(BLOCK);
+    e.alloc.resize_kv(fewer, fewer).unwrap();
+    n
+}
+
 #[test]
 fn contract_kv_commit_after_serving_keeps_room_for_a_mix_larger_than_the_profile() {
     // Serving needs 512 MiB more than the profiled pass took (the engine had shrunk its KV
@@ -421,9 +441,7 @@ fn contract_kv_commit_after_serving_keeps_room_for_a_mix_larger_than_the_profile
     for mode in MODES {
         let e = fresh(mode);
         reserved_and_captured(&e);
-        let n = e.alloc.commit_kv().unwrap().kv.usable_blocks;
-        let fewer = n - (600 * MIB).div_ceil(BLOCK);
-        e.alloc.resize_kv(fewer, fewer).unwrap();
+        let n = committed_then_shrunk(&e, 600 * MIB);
         let big = e
             .alloc
             .allocate_tagged(GIB + 300 * MIB + 512 * MIB, MAIN, Tag::Activation)
@@ -443,13 +461,7 @@ fn contract_kv_commit_after_serving_keeps_room_for_a_mix_larger_than_the_profile
             c.kv.usable_blocks < n,
             "{mode}: the KV cache did not grow back"
         );
-        let again = e
-            .alloc
-            .allocate_tagged(GIB + 812 * MIB, MAIN, Tag::Activation)
-            .unwrap();
-        assert!(e.usage() <= e.requested, "{mode}");
-        e.alloc.free(again.ptr).unwrap();
-        invariants::check_sim(&e.alloc).unwrap();
+        runs_again_inside_the_request(&e, mode, GIB + 812 * MIB);
     }
 }
 
@@ -462,9 +474,7 @@ fn contract_kv_commit_after_serving_keeps_the_rise_on_top_of_what_stayed_allocat
     for mode in MODES {
         let e = fresh(mode);
         reserved_and_captured(&e);
-        let n = e.alloc.commit_kv().unwrap().kv.usable_blocks;
-        let fewer = n - (2500 * MIB).div_ceil(BLOCK);
-        e.alloc.resize_kv(fewer, fewer).unwrap();
+        committed_then_shrunk(&e, 2500 * MIB);
         let batch = GIB + 812 * MIB;
         let big = e
             .alloc
@@ -476,13 +486,7 @@ fn contract_kv_commit_after_serving_keeps_the_rise_on_top_of_what_stayed_allocat
             .unwrap();
         let c = e.alloc.commit_kv().unwrap();
         assert!(c.room.transient >= batch, "{mode}: {:?}", c.room);
-        let again = e
-            .alloc
-            .allocate_tagged(batch, MAIN, Tag::Activation)
-            .unwrap_or_else(|err| panic!("{mode}: {err}"));
-        assert!(e.usage() <= e.requested, "{mode}");
-        e.alloc.free(again.ptr).unwrap();
-        invariants::check_sim(&e.alloc).unwrap();
+        runs_again_inside_the_request(&e, mode, batch);
     }
 }
 
@@ -558,9 +562,7 @@ fn contract_kv_commit_after_serving_sees_the_rise_made_in_a_released_graph_pools
         e.alloc.reserve_kv(BLOCK, None, 16).unwrap();
         let p1 = e.capture(1, 0);
         e.capture(2, 0);
-        let n = e.alloc.commit_kv().unwrap().kv.usable_blocks;
-        let fewer = n - (1000 * MIB).div_ceil(BLOCK);
-        e.alloc.resize_kv(fewer, fewer).unwrap();
+        committed_then_shrunk(&e, 1000 * MIB);
         e.alloc.free(p1).unwrap();
         e.alloc.release_graph_pool(GraphPool(1, 0)).unwrap();
         let batch = GIB + 500 * MIB + 300 * MIB;
@@ -572,13 +574,7 @@ fn contract_kv_commit_after_serving_sees_the_rise_made_in_a_released_graph_pools
         e.capture(3, 0);
         let c = e.alloc.commit_kv().unwrap();
         assert!(c.room.transient >= batch, "{mode}: {:?}", c.room);
-        let again = e
-            .alloc
-            .allocate_tagged(batch, MAIN, Tag::Activation)
-            .unwrap_or_else(|err| panic!("{mode}: {err}"));
-        assert!(e.usage() <= e.requested, "{mode}");
-        e.alloc.free(again.ptr).unwrap();
-        invariants::check_sim(&e.alloc).unwrap();
+        runs_again_inside_the_request(&e, mode, batch);
     }
 }
 
