@@ -15,9 +15,10 @@
 //!   one allocation of the KV tag while anything is mapped.
 //! - A growth or shrink either completes or leaves the region as it was: a growth that fails
 //!   gives back what it mapped (a piece whose undo fails goes to the stranded list, counted as
-//!   lost and not as the region's); a shrink gives its handles back first (a released handle stays
-//!   mapped, and valid, until unmapped) and, if an unmap fails, maps fresh memory where pieces
-//!   were already unmapped. Memory is unmapped only after the device is synchronised.
+//!   lost and not as the region's); a shrink gives its handles back first (a released handle
+//!   stays mapped, and valid, until unmapped) and, if an unmap fails, maps fresh memory where
+//!   pieces were already unmapped. Memory is unmapped only after the device is synchronised,
+//!   except a failed growth's, which nothing has used.
 
 use super::core::{Core, GrowError};
 use super::dump::{BlockDump, DumpState, SegmentDump};
@@ -132,8 +133,6 @@ impl KvRegion {
         Ok(())
     }
 
-    /// Unmap the pieces from index `from` (mapped by a growth that failed, starting at offset
-    /// `start`); returns the bytes that could not be unmapped and stay mapped.
     /// Give back the pieces from `from` on (mapped from `start`). A piece whose release or unmap
     /// fails is handed to the stranded list (counted as lost, never reserved, its undo retried
     /// when the cache is given back), so that the region stays the prefix it was.
