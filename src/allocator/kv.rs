@@ -99,18 +99,12 @@ fn info(r: &KvRegion) -> KvCache {
 /// and the graph pools are eager work's.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Served {
-    /// When the current window opened (the KV cache was last committed or resized): its mapped
-    /// bytes and eager work's reserved bytes.
-    since: Option<Window>,
+    /// Eager work's reserved bytes when the current window opened (the KV cache was last
+    /// committed or resized).
+    since: Option<u64>,
     /// The largest rise of eager work's reserved bytes above their level when a window opened,
     /// over every window of this KV cache so far.
     rise: Option<u64>,
-}
-
-#[derive(Clone, Copy, Debug)]
-struct Window {
-    kv: u64,
-    eager: u64,
 }
 
 impl<D: Driver> Allocator<D> {
@@ -200,19 +194,20 @@ impl<D: Driver> Allocator<D> {
         let room = self.kv_room(region)?;
         let g = self.core.granularity;
         let fits = ((room.room / g * g) / region.unit).min(region.reserved_blocks());
-        if fits > before {
-            if let Err(e) = region.set_blocks(&self.core, fits) {
-                self.open_window(region);
-                return Err(e);
-            }
-        } else if fits < before {
+        let grown = if fits > before {
+            region.set_blocks(&self.core, fits)
+        } else {
+            Ok(())
+        };
+        self.open_window(region);
+        grown?;
+        if fits < before {
             tracing::warn!(
                 usable = before,
                 fits,
                 "the budget contract leaves the KV cache less than it holds already; it stays as it is"
             );
         }
-        self.open_window(region);
         let out = KvCommit {
             kv: info(region),
             room,
@@ -282,19 +277,19 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// Fold the window since the KV cache was last sized into the largest rise serving made.
-    /// The KV cache has not changed since (it changes only here, under its lock); graph pools
-    /// may have, so their lowest level in the window is taken off: eager work's peak is read
-    /// high, never low.
+    /// The KV cache's mapped bytes have not changed since (they change only here, under its
+    /// lock); graph pools may have, so their lowest level in the window is taken off: eager
+    /// work's peak is read high, never low.
     fn close_window(&self, region: &mut KvRegion) {
-        let Some(w) = region.served.since else {
+        let Some(eager) = region.served.since else {
             return;
         };
         let l = &self.core.ledger;
         let peak = l
             .reserved
             .since_mark()
-            .saturating_sub(w.kv.min(region.mapped()) + l.graph_reserved.low_since_mark());
-        let rise = peak.saturating_sub(w.eager);
+            .saturating_sub(region.mapped() + l.graph_reserved.low_since_mark());
+        let rise = peak.saturating_sub(eager);
         region.served.rise = Some(region.served.rise.map_or(rise, |r| r.max(rise)));
     }
 
@@ -307,10 +302,7 @@ impl<D: Driver> Allocator<D> {
             .reserved
             .get()
             .saturating_sub(region.mapped() + l.graph_reserved.get());
-        region.served.since = Some(Window {
-            kv: region.mapped(),
-            eager,
-        });
+        region.served.since = Some(eager);
     }
 
     /// What the budget contract leaves the KV cache now.
