@@ -7,6 +7,7 @@
 //!       OUTSIDE_MIB of cuMemAlloc behind the allocator's back, as NCCL would), profile at
 //!       UTILIZATION, allocate the KV budget, run the pass again, and record the budget, vLLM's
 //!       device-wide budget and the process's peak usage (NVML) against what it requested.
+//!       Exits 1 when that peak is past the request or NVML gives no reading.
 
 use std::time::Duration;
 
@@ -111,9 +112,15 @@ fn engine(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     kernels.fill(&stream, kv.ptr(), result.kv_budget / 8 * 8, 7)?;
     stream.synchronize()?;
     let driver = alloc.driver();
-    let mut peak = driver.process_usage()?.unwrap_or(0);
+    // A reading NVML does not give is a failure: taken as 0 it would pass the mark below.
+    let usage = || -> Result<u64, Box<dyn std::error::Error>> {
+        driver
+            .process_usage()?
+            .ok_or_else(|| "NVML does not list this process: no usage to check".into())
+    };
+    let mut peak = usage()?;
     pass(false)?;
-    peak = peak.max(driver.process_usage()?.unwrap_or(0));
+    peak = peak.max(usage()?);
     // The ground truth: the budget that would have filled the request exactly.
     let truth = result.kv_budget as i64 + result.requested as i64 - peak as i64;
     let rel = |b: i64| (b - truth) as f64 / truth as f64;
@@ -134,6 +141,14 @@ fn engine(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     });
     std::fs::write(&out, serde_json::to_string_pretty(&json)?)?;
     println!("{}", result.report_lines().join("\n"));
+    // The mark: this process stayed within what it requested, its KV cache allocated.
+    if peak > result.requested {
+        return Err(format!(
+            "peak usage {peak} bytes is past the {} bytes requested",
+            result.requested
+        )
+        .into());
+    }
     for p in outside {
         unsafe { sys::cuMemFree_v2(p).result()? };
     }

@@ -4,9 +4,11 @@
 #  2. Three engines started together at 0.3 each.
 # Writes one JSON per engine to $1 and prints a table.
 #
-# Exits 1 when any engine fails (each PID is waited on and its status checked), when the
-# holder fails before it is stopped, or when the table cannot be made; the table is printed
-# from whatever finished either way.
+# Exits 1 when any engine fails (each PID is waited on and its status checked; an engine fails
+# when its peak usage passes its request or NVML gives no reading), when the holder fails
+# before it is stopped, or when an engine's result is missing or misses `within_request`
+# (VRAM_LEDGER_TIGHTEN=within_request makes every one miss); the table is printed from
+# whatever finished either way.
 set -u
 out="${1:-profile-out}"
 mkdir -p "$out"
@@ -48,10 +50,20 @@ python3 - "$out" <<'PY'
 import json, sys, glob, os
 G = 1 << 30
 print(f"{'run':<12} {'requested':>10} {'ours':>10} {'device-wide':>12} {'truth':>10} {'err ours':>9} {'err dev-wide':>12} {'peak<=req':>9}")
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+missed = []
+for name in ["seed", "together-1", "together-2", "together-3"]:
+    f = os.path.join(sys.argv[1], name + ".json")
+    if not os.path.exists(f):
+        missed.append(f"{name}: no result")
+        continue
     r = json.load(open(f))
-    print(f"{os.path.basename(f)[:-5]:<12} {r['requested']/G:>9.2f}G {r['kv_budget']/G:>9.2f}G {r['device_wide_kv_budget']/G:>11.2f}G "
+    print(f"{name:<12} {r['requested']/G:>9.2f}G {r['kv_budget']/G:>9.2f}G {r['device_wide_kv_budget']/G:>11.2f}G "
           f"{r['ground_truth_budget']/G:>9.2f}G {100*r['error_ours']:>8.3f}% {100*r['error_device_wide']:>11.2f}% {str(r['within_request']):>9}")
+    if r["within_request"] is not True or "within_request" in os.environ.get("VRAM_LEDGER_TIGHTEN", "").split(","):
+        missed.append(f"{name}: within_request")
+for m in missed:
+    print(f"missed: {m}", file=sys.stderr)
+sys.exit(1 if missed else 0)
 PY
-[ $? -eq 0 ] || fail "the table could not be made"
+[ $? -eq 0 ] || fail "a mark was missed, or the table could not be made"
 [ "$failures" -eq 0 ] || { echo "$failures failure(s)" >&2; exit 1; }
