@@ -2,6 +2,7 @@
 snapshots `vram-ledger replay` reads: kinds the shared traces lack, each run for a few steps.
 
     python3 scripts/record_workloads.py OUT_DIR [NAME ...] [--seed N] [--device cpu] [--timeout S]
+                                        [--no-frames] [--max-entries N]
 
 NAMES (default: all):
   serve-dyncache  continuous batching on a Llama (random weights) with HF's DynamicCache:
@@ -21,7 +22,10 @@ prints one JSON line: its steps, PyTorch's own peak reserved and peak allocated 
 ratio, and the file's size. `--device cpu` runs the same code with tiny sizes and no recording
 (a check of the workloads themselves, on a machine without a GPU). A different `--seed` gives
 other request lengths, batch sizes and routing: traces to hold out of any tuning. `--timeout S`
-gives each workload's process S seconds (it is then reported as failed).
+gives each workload's process S seconds (it is then reported as failed). `--no-frames` records
+no stack frames (replay reads only the events; a trace of millions of events then stays small
+enough to move), and `--max-entries N` sizes the history (5,000,000 by default). A history that
+filled up holds a trace cut short: the workload is then reported as failed, its file kept.
 """
 
 from __future__ import annotations
@@ -235,7 +239,7 @@ WORKLOADS = {
 
 
 def main(argv):
-    seed, device, timeout = 0, "cuda", None
+    seed, device, timeout, frames, max_entries = 0, "cuda", None, True, 5_000_000
     args = []
     it = iter(argv)
     for a in it:
@@ -245,6 +249,10 @@ def main(argv):
             device = next(it)
         elif a == "--timeout":
             timeout = float(next(it))
+        elif a == "--no-frames":
+            frames = False
+        elif a == "--max-entries":
+            max_entries = int(next(it))
         else:
             args.append(a)
     if not args:
@@ -261,7 +269,8 @@ def main(argv):
         # replay assumes, whatever the workload before it left cached or loaded.
         rc = 0
         for name in names:
-            extra = ["--seed", str(seed), "--device", device]
+            extra = ["--seed", str(seed), "--device", device, "--max-entries", str(max_entries)]
+            extra += [] if frames else ["--no-frames"]
             try:
                 rc |= subprocess.run([sys.executable, os.path.abspath(__file__), out_dir, name, *extra],
                                      timeout=timeout).returncode
@@ -280,7 +289,8 @@ def main(argv):
         if record:
             # Python frames only: C++ frames cost a symbolisation per allocation, and replay reads
             # only the events.
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=5_000_000)
+            torch.cuda.memory._record_memory_history(context="all" if frames else None, stacks="python",
+                                                     max_entries=max_entries)
         t0 = time.perf_counter()
         try:
             steps = WORKLOADS[name](torch, rng, device, small)
@@ -302,6 +312,9 @@ def main(argv):
             events = sum(len(t) for t in snap.get("device_traces", []))
             line.update(file=path, bytes=os.path.getsize(path), events=events, peak_reserved=reserved,
                         peak_allocated=allocated, pytorch_ratio=round(reserved / max(allocated, 1), 4))
+            if events >= max_entries:
+                line.update(ok=False, error=f"the history filled its {max_entries} entries: the trace is cut short")
+                failed = True
         print(json.dumps(line), flush=True)
     return 1 if failed else 0
 
