@@ -1,5 +1,6 @@
 //! A Rust engine on cudarc using vram-ledger: tagged buffers as kernel arguments, and the
-//! ledger afterwards. Runs on device 0; says so and exits when there is no GPU.
+//! ledger afterwards. Runs on device 0; says so and exits when there is no GPU; exits 1 when a
+//! word the kernels wrote reads back wrong.
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use vram_ledger::devices::{self, DeviceBuffer};
@@ -42,5 +43,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("KV cache verified: {bad} mismatched words");
     print!("{}", report::ledger_table(&alloc.snapshot()));
     drop((weights, kv));
+    if bad != 0 {
+        return Err(format!("{bad} mismatched words in the KV cache").into());
+    }
     Ok(())
 }

@@ -104,12 +104,30 @@ step() {
     return 0
 }
 
+# unskipped COMMAND...: COMMAND, failing where it says it skipped: this bundle runs on a machine
+# with a GPU, where a GPU test or example that finds no driver or device has not run at all.
+unskipped() {
+    local out rc
+    out=$("$@")
+    rc=$?
+    printf '%s\n' "$out"
+    [ "$rc" -ne 0 ] && return "$rc"
+    if grep -qE '(^|: )skipped: ' <<<"$out"; then
+        echo "unskipped: $1 skipped on a machine meant to have a GPU"
+        return 1
+    fi
+    return 0
+}
+
 gpu_tests=()
 for t in tests/*; do
     [ -f "$t" ] || continue
     name=$(basename "$t")
     case "$name" in gpu_*) gpu_tests+=("$t") ;; *) [ -n "${SKIP_CPU_TESTS:-}" ] && continue ;; esac
-    step "test-$name" "$t" --test-threads=1 --show-output
+    case "$name" in
+        gpu_*) step "test-$name" unskipped "$t" --test-threads=1 --show-output ;;
+        *) step "test-$name" "$t" --test-threads=1 --show-output ;;
+    esac
     grep -sE "^test result|skipped:" "$logs/test-$name.log" | sed "s/^/$name: /"
 done
 [ ${#gpu_tests[@]} -gt 0 ] || failed+=("no GPU test binary in $here/tests")
@@ -128,10 +146,11 @@ if command -v compute-sanitizer >/dev/null; then
             echo "memcheck $name: $(grep -E 'ERROR SUMMARY|LEAK SUMMARY' "$logs/memcheck-$name.log" | tr '\n' ' ')"
     done
 else
-    echo "memcheck: not run: compute-sanitizer is not on PATH"
+    # The results report every GPU test binary clean under memcheck: not running it is a miss.
+    step memcheck-gpu_tests sh -c 'echo "compute-sanitizer is not on PATH"; exit 1'
 fi
 
-gpu_bench() { bin/gpu_bench >"$logs/gpu-bench.jsonl"; }
+gpu_bench() { unskipped bin/gpu_bench >"$logs/gpu-bench.jsonl"; }
 torch_bench() { python3 scripts/torch_alloc_bench.py >>"$logs/gpu-bench.jsonl"; }
 profile() { scripts/h200_profile.sh "$logs/profile" >"$logs/profile.txt"; }
 # Each GPU script exits 1 when any of its marks is missed (tests/python/marks.py).
@@ -139,7 +158,7 @@ script() { python3 "tests/python/$1.py" "${@:2}" >"$logs/$1.jsonl"; }
 step gpu-bench gpu_bench
 step torch-bench torch_bench
 step profile profile
-step kv-engine bin/kv_engine
+step kv-engine unskipped bin/kv_engine
 for s in h200_torch h200_contract h200_graphs h200_package h200_sleep h200_vllm_profile h200_graph_trees h200_step_cost; do
     step "$s" script "$s"
 done

@@ -55,7 +55,8 @@ def test_a_run_is_read_from_pytests_results(tmp_path):
 
 
 def outcome(**tests):
-    return {"outcomes": {f"m.T::{k}": v for k, v in tests.items()}}
+    # pytest's exit code when it ran the whole file and some tests failed.
+    return {"outcomes": {f"m.T::{k}": v for k, v in tests.items()}, "returncode": 1}
 
 
 def test_a_mode_that_loses_a_passing_test_misses():
@@ -93,8 +94,8 @@ def test_tests_that_need_the_extension_count_only_with_it(monkeypatch):
 
 def test_runs_from_other_folders_compare_by_class_and_test():
     # A run kept from an earlier session named its tests with the folder pytest saw then.
-    torch = {"outcomes": {"upstream.test_cuda.T::a": "passed"}}
-    mode = {"outcomes": {"test_cuda.T::a": "passed"}, "config": "native"}
+    torch = {"outcomes": {"upstream.test_cuda.T::a": "passed"}, "returncode": 0}
+    mode = {"outcomes": {"test_cuda.T::a": "passed"}, "config": "native", "returncode": 0}
     r = upstream_tests.compare(torch, mode)
     assert r["ok"] and r["lost"] == [], r
 
@@ -115,10 +116,38 @@ def test_saved_runs_are_compared_without_running_anything(tmp_path, monkeypatch,
     monkeypatch.setenv("UPSTREAM_RESULTS", str(tmp_path))
     for config, outcomes in [("torch", {"T::a": "passed", "T::b": "passed"}), ("remap", {"T::a": "passed", "T::b": "passed"}),
                              ("native", {"T::a": "passed", "T::b": "failed"})]:
-        (tmp_path / f"{config}.json").write_text(json.dumps({"config": config, "outcomes": outcomes, "extension": "1"}))
+        (tmp_path / f"{config}.json").write_text(json.dumps({"config": config, "outcomes": outcomes, "extension": "1",
+                                                             "returncode": 1}))
     assert upstream_tests.main(["--saved", "torch", "remap"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line.get("mode") for line in lines] == [None, "remap", None] and lines[1]["extension"] == "1", lines
     assert upstream_tests.main(["--saved", "torch", "native"]) == 1, "native lost T::b"
     assert upstream_tests.main(["--saved", "torch", "compact"]) == 1, "a configuration that kept no run is no reading"
     assert "no saved run of compact" in capsys.readouterr().err
+
+
+def test_a_run_pytest_did_not_finish_misses():
+    # Interrupted (2), an internal error (3), nothing collected (5): the outcomes are partial.
+    torch = outcome(a="passed")
+    for code in (2, 3, 5, None):
+        r = upstream_tests.compare(torch, dict(outcome(a="passed"), config="remap", returncode=code))
+        assert not r["ok"] and r["missed"] == ["pytest_finished"], (code, r)
+    r = upstream_tests.compare(dict(torch, returncode=2), dict(outcome(a="passed"), config="remap"))
+    assert r["missed"] == ["pytest_finished"], r
+
+
+def test_a_report_left_by_an_earlier_run_is_not_read_as_this_ones(tmp_path):
+    results = tmp_path / "results"
+    env = {**os.environ, "UPSTREAM_RESULTS": str(results)}
+    good = tmp_path / "test_things.py"
+    good.write_text(TESTS)
+    r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), str(good), "torch"],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and (results / "torch.xml").exists(), r.stdout + r.stderr
+    # The next run's file does not even parse: pytest writes no report of tests run.
+    good.write_text("def broken(:\n")
+    r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), str(good), "torch"],
+                       env=env, capture_output=True, text=True)
+    saved = json.loads((results / "torch.json").read_text())
+    assert "passed" not in saved["outcomes"].values(), saved["outcomes"]
+    assert r.returncode == 1, r.stdout + r.stderr

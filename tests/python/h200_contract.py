@@ -196,10 +196,13 @@ def case_serve(mode, utilization="0.2", name="llama"):
         m.at_least("peak_read", poll.samples, 1, 1 << 60)
         m.at_most("within", peak, requested, requested // 2)
         m.at_most("no_forward_refused", failures, 0, -1)
+        # Started after the CUDA context exists: any poll NVML did not answer lost a reading.
+        m.at_most("no_reading_missed", poll.misses, 0, -1)
         emit(m, case="serve", model=name, mode=mode, utilization=utilization, requested=requested,
              outside_at_profile=outside_at_profile, outside_max_serving=outside_max, refused=refused,
              graph_pools=p.result.get("graph_pools"), graph_outside=p.result.get("graph_outside"), kv_budget=p.kv_budget, peak_usage=poll.peak,
              peak_over_requested=poll.peak / requested, within=poll.peak <= requested, samples=poll.samples,
+             nvml_misses=poll.misses,
              failures=failures, device_wide_kv_budget=p.result.get("device_wide_kv_budget"),
              cap=vl.cap(), kv=int(kv.numel()), report=p.report, last_failure=locals().get("last"))
 

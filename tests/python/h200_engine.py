@@ -14,7 +14,11 @@ the KV cache at fixed addresses). Marks, per engine:
   within [99.5%, 100%] of the requested memory;
 - no forward refused while serving (prefills of other shapes, graph replays);
 - every graph replay as close to the eager step as with PyTorch's own allocator (the `torch`
-  case measures that, in the same run; without it, the replay must equal eager exactly).
+  case measures that, in the same run; without it, the replay must equal eager exactly);
+- no poll unanswered by NVML once the process was listed (a lost reading may be the peak);
+- resize: the KV cache grew at the same base, and the peak before the cap was raised stayed
+  within the first request.
+Every engine asked for must report (a misspelt scenario fails).
 Scenarios: alone; beside a process holding 70% of the device (hold); beside one that takes and
 frees 10 GiB every 30 ms (churn); three different engines started together; and resize: two
 engines share the GPU, one exits, the other's cap is raised and its KV cache grows in place.
@@ -234,13 +238,17 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
             while not os.path.exists(flag) and time.time() < deadline:
                 time.sleep(0.05)
             before = kv.usable_blocks
+            # The first request held until the cap is raised: its peak is checked against it.
+            time.sleep(0.05)
+            peak_before_growth = poll.snapshot()
             vl.set_cap(int(torch.cuda.get_device_properties(0).total_memory * float(grow_to)))
             g = kv.commit()
             cache[: kv.usable_blocks].fill_(2)  # more sequences' blocks in use, in place
             torch.cuda.synchronize()
             serve(e.shapes, "after growth")
             grown = dict(before=before, after=kv.usable_blocks, base_kept=g["kv"]["base"] == kv.base,
-                         cap=vl.cap(), replay_diff=replay_diffs(e, cache, graphs))
+                         cap=vl.cap(), replay_diff=replay_diffs(e, cache, graphs),
+                         requested_before=requested, peak_before_growth=peak_before_growth)
             requested = vl.cap()
     poll.finish()
     peak = poll.peak if poll.samples else None
@@ -253,16 +261,21 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
         "at_least_99_5": ratio is not None and ratio >= 0.995,
         "no_forward_refused": not refused,
         "replay_as_with_torch": worst == 0.0 if limit is None else worst <= limit,
+        # A poll NVML did not answer once the process was listed may have been the peak.
+        "no_reading_missed": poll.samples > 0 and poll.misses_after_first == 0,
     }
     if grown is not None:
         marks["grew_in_place"] = grown["after"] > grown["before"] and grown["base_kept"]
+        pb = grown["peak_before_growth"]
+        marks["within_before_growth"] = pb is not None and pb <= grown["requested_before"]
     emit(case="engine", model=name, mode=mode, utilization=utilization, requested=requested,
          kv_blocks=kv.usable_blocks, kv_bytes=kv.usable_blocks * e.block_bytes, kv_first_blocks=first,
          kv_blocks_first_commit=first_commit, transient_after_serving=c2["room"]["transient"],
          served_rise=c2["room"]["served_rise"],
          graph_pools=c["room"]["graph_pools"], outside_at_commit=c["room"]["outside"],
          eager_now=c["room"]["eager_now"], transient=c["room"]["transient"], margin=c["room"]["margin"], peak_usage=peak,
-         peak_over_requested=ratio, samples=poll.samples, nvml_misses=poll.misses, refused=refused,
+         peak_over_requested=ratio, samples=poll.samples, nvml_misses=poll.misses,
+         nvml_misses_after_first=poll.misses_after_first, refused=refused,
          last_refusal=last, replay_diff=worst, torch_replay_diff=limit, grown=grown,
          seconds_profile_to_commit=round(t_commit - t_profile, 2), marks=marks, ok=all(marks.values()))
 
@@ -356,7 +369,13 @@ def main():
             if tenant_proc is not None:
                 tenant_proc.kill()
                 tenant_proc.wait()
-    print(json.dumps({"summary": True, "engines": len([r for r in results if r.get("case") == "engine"]),
+    engines = len([r for r in results if r.get("case") == "engine"])
+    expected = sum({"alone": 1, "hold": 1, "churn": 1}.get(s, 0) * len(models) * len(modes)
+                   + (3 * len(modes) if s == "together" else 0) + (2 if s == "resize" else 0) for s in scenarios)
+    unknown = [s for s in scenarios if s not in ("torch", "alone", "hold", "churn", "together", "resize")]
+    # Every engine asked for must have reported: a scenario that ran nothing is a miss.
+    failed += bool(unknown) + (engines != expected)
+    print(json.dumps({"summary": True, "engines": engines, "expected": expected, "unknown_scenarios": unknown,
                       "failed": failed}), flush=True)
     sys.exit(1 if failed else 0)
 

@@ -308,8 +308,11 @@ def case_devices(mode):
     sleeping = {d: vl.stats(d)["sleeping_bytes"]["weights"] for d in range(2)}
     woke = vl.wake()
     intact = [checksum([w]) == s for w, s in zip(weights, sums)]
-    ok = sorted(slept) == [0, 1] and sorted(woke) == [0, 1] and all(intact) and all(sleeping[d] >= 4 * G for d in range(2))
-    emit(case="devices", mode=mode, ok=ok, held=held, asleep=asleep, sleeping=sleeping, intact=intact,
+    # Each device gave its weights' memory back while asleep.
+    given_back = all(held[d] - asleep[d] >= 4 * G for d in range(2))
+    ok = (sorted(slept) == [0, 1] and sorted(woke) == [0, 1] and all(intact) and given_back
+          and all(sleeping[d] >= 4 * G for d in range(2)))
+    emit(case="devices", mode=mode, ok=ok, held=held, asleep=asleep, given_back=given_back, sleeping=sleeping, intact=intact,
          sleep_s={d: r["seconds"] for d, r in slept.items()}, wake_s={d: r["seconds"] for d, r in woke.items()})
 
 

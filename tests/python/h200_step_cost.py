@@ -166,7 +166,12 @@ def driver_calls(config):
     import vram_ledger as vl
 
     calls = {}
-    for line in vl.metrics().splitlines():
+    text = vl.metrics()
+    # Only calls made so far have samples, but the family is always introduced: without it the
+    # count is no reading, not 0.
+    if "# TYPE vram_ledger_driver_calls_total counter" not in text:
+        raise RuntimeError("vram_ledger_driver_calls_total is not among the metrics: no driver-call count")
+    for line in text.splitlines():
         if line.startswith("vram_ledger_driver_calls_total{"):
             labels, value = line.rsplit(" ", 1)
             call = labels.split('call="', 1)[1].split('"', 1)[0]

@@ -35,19 +35,30 @@ class NvmlUsage:
 
 
 class Poller(threading.Thread):
+    """Polls this process's usage every `period` seconds. `misses` counts polls NVML did not
+    answer for this process; those before its first reading are expected (a poller starts before
+    the process has a CUDA context), those after it (`misses_after_first`) are readings lost,
+    which may have been the peak. `snapshot()` gives the peak so far."""
+
     def __init__(self, period=0.002):
         super().__init__(daemon=True)
         self.usage, self.period, self.peak, self.samples, self.misses, self.stop = NvmlUsage(), period, 0, 0, 0, False
+        self.misses_after_first = 0
 
     def run(self):
         while not self.stop:
             u = self.usage.read()
             if u is None:
                 self.misses += 1
+                self.misses_after_first += self.samples > 0
             else:
                 self.peak = max(self.peak, u)
                 self.samples += 1
             time.sleep(self.period)
+
+    def snapshot(self):
+        """The peak read so far (None before the first reading)."""
+        return self.peak if self.samples else None
 
     def finish(self):
         time.sleep(0.05)

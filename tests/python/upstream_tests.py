@@ -156,6 +156,10 @@ def failures(junit_path):
 def run(config, test_file, pytest_args):
     """One pytest process for `config` ("torch", or a segment mode under install())."""
     junit = os.path.join(results_dir(), f"{config}.xml")
+    # A report left by an earlier run in the same folder must not pass for this one's.
+    for old in [junit] + [os.path.join(results_dir(), f"{config}-{n}.xml") for n in ISOLATED]:
+        if os.path.exists(old):
+            os.remove(old)
     env = dict(os.environ)
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
@@ -208,6 +212,9 @@ def compare(torch_run, mode_run):
     m = Marks()
     # A file that fails to import leaves one failed entry and nothing passed: that is no reading.
     m.true("results_read", bool(passed) and "passed" in ours.values())
+    # pytest exits 0 or 1 when it ran the file to its end (1: some tests failed); anything else
+    # (interrupted, an internal error, nothing collected) leaves the outcomes incomplete.
+    m.true("pytest_finished", mode_run.get("returncode") in (0, 1) and torch_run.get("returncode") in (0, 1))
     m.true("passes_what_torch_passes", not unexpected)
     counts = {o: sum(1 for v in ours.values() if v == o) for o in ("passed", "failed", "skipped")}
     why = {test_id(*t.rsplit("::", 1)): w for t, w in mode_run.get("failures", {}).items()}
