@@ -255,8 +255,8 @@ void vram_ledger_record_stream(void *ptr, void *stream);
  */
 
 /* Open a profiling scope on `device` (its baseline was taken at the device's first use). A
- * negative `margin_bytes` means the default (`Margin::Auto`: none in native mode, a little
- * room for placement in the virtual-memory modes).
+ * negative `margin_bytes` means the default (`Margin::Auto`: 0.25% of the requested memory, in
+ * every mode, as room for serving's other placement).
  */
 int vram_ledger_profile_begin(int device, double utilization, int64_t margin_bytes);
 

@@ -22,8 +22,8 @@ enum Scope {
 static SCOPES: OnceLock<Mutex<HashMap<usize, Scope>>> = OnceLock::new();
 
 /// Open a profiling scope on `device` (its baseline was taken at the device's first use). A
-/// negative `margin_bytes` means the default (`Margin::Auto`: none in native mode, a little
-/// room for placement in the virtual-memory modes).
+/// negative `margin_bytes` means the default (`Margin::Auto`: 0.25% of the requested memory, in
+/// every mode, as room for serving's other placement).
 #[no_mangle]
 pub extern "C" fn vram_ledger_profile_begin(
     device: c_int,
