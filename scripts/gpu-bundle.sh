@@ -157,6 +157,8 @@ profile() { scripts/h200_profile.sh "$logs/profile" >"$logs/profile.txt"; }
 script() { python3 "tests/python/$1.py" "${@:2}" >"$logs/$1.jsonl"; }
 step gpu-bench gpu_bench
 step torch-bench torch_bench
+# The cached path against PyTorch's allocator, from the two benchmarks just run.
+step bench-marks python3 tests/python/bench_marks.py "$logs/gpu-bench.jsonl"
 step profile profile
 step kv-engine unskipped bin/kv_engine
 for s in h200_torch h200_contract h200_graphs h200_package h200_sleep h200_vllm_profile h200_graph_trees h200_step_cost; do
