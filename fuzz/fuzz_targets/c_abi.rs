@@ -1,5 +1,7 @@
 //! The C ABI entry points with arbitrary arguments, on the simulated backend: every call returns
 //! (an error code, NULL, or a value), nothing panics or crashes, and the allocator keeps working.
+//! The KV cache's calls and the cap among them: every result is NULL or JSON, and a release
+//! leaves no KV cache.
 //!
 //! Safety of the `unsafe` entry points: the simulated backend hands streams to no driver, so
 //! any stream value meets their contracts; pointers to free are only looked up; strings are
@@ -38,6 +40,24 @@ enum Call {
     Checkpoint { device: i8, id: u8 },
     /// A checkpoint this input took (`text` None), or arbitrary bytes as one.
     Restore { device: i8, id: u8, pick: u8, text: Option<Vec<u8>> },
+    SetCap { device: i8, bytes: i64 },
+    KvReserve { device: i8, block_bytes: u32, max_bytes: i64, initial: u16 },
+    KvCommit(i8),
+    KvResize { device: i8, blocks: u32, free_from: u32 },
+    KvInfo(i8),
+    KvRelease(i8),
+}
+
+/// A KV cache result: NULL (refused, the reason in the last error) or JSON the library made,
+/// freed here once.
+fn kv_result(p: *mut std::ffi::c_char) {
+    if !p.is_null() {
+        // SAFETY: a string the library returned.
+        let text = unsafe { std::ffi::CStr::from_ptr(p) }.to_str().expect("UTF-8").to_owned();
+        serde_json::from_str::<serde_json::Value>(&text).expect("a KV result is JSON");
+    }
+    // SAFETY: NULL or a string from the library, freed once.
+    unsafe { vram_ledger_string_free(p) };
 }
 
 /// The addresses in a restore's result: those it freed and those it made.
@@ -220,6 +240,24 @@ fuzz_target!(|calls: Vec<Call>| {
                     live.extend(made.into_iter().map(|a| (a as *mut c_void, d)));
                 }
             }
+            // Caps from a few bytes to past the device, so that growths are refused, and
+            // raised again, as a co-tenant's leaving would.
+            Call::SetCap { device, bytes } => {
+                vram_ledger_set_cap(i32::from(device % 3), bytes % (1 << 36));
+            }
+            Call::KvReserve { device, block_bytes, max_bytes, initial } => {
+                // Blocks of up to 16 MiB (0 and other odd sizes refused), ranges up to 64 GiB.
+                let block = u64::from(block_bytes % (16 << 20));
+                kv_result(vram_ledger_kv_reserve(i32::from(device % 3), block, max_bytes % (1 << 36), u64::from(initial)));
+            }
+            Call::KvCommit(d) => kv_result(vram_ledger_kv_commit(i32::from(d % 3))),
+            Call::KvResize { device, blocks, free_from } => {
+                kv_result(vram_ledger_kv_resize(i32::from(device % 3), u64::from(blocks % 4096), u64::from(free_from % 4096)));
+            }
+            Call::KvInfo(d) => kv_result(vram_ledger_kv_info(i32::from(d % 3))),
+            Call::KvRelease(d) => {
+                vram_ledger_kv_release(i32::from(d % 3));
+            }
             Call::Reporter { on, profiling: p } => {
                 PROFILING.store(p, std::sync::atomic::Ordering::Relaxed);
                 if on {
@@ -242,6 +280,16 @@ fuzz_target!(|calls: Vec<Call>| {
         assert_eq!(vram_ledger_graph_release(d, 0, id), 0, "a pool this input holds is known");
     }
     vram_ledger_set_memory_reporter(None, None);
+    // The KV cache and the cap this input left go with it (release fails only where none is).
+    for d in 0..2 {
+        vram_ledger_kv_release(d);
+        assert_eq!(vram_ledger_set_cap(d, -1), 0, "the cap lifts");
+        let info = vram_ledger_kv_info(d);
+        // SAFETY: a string the library returned.
+        let text = unsafe { std::ffi::CStr::from_ptr(info) }.to_str().unwrap().to_owned();
+        unsafe { vram_ledger_string_free(info) };
+        assert_eq!(text, "null", "device {d}: no KV cache after its release");
+    }
     // A pool that went while its memory was allocated keeps that memory cached until an
     // empty_cache, as PyTorch's does: given back here, so inputs do not pile it up.
     vram_ledger_empty_cache(0);
