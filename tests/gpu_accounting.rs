@@ -30,9 +30,8 @@ fn gpu_driver_and_nvml_agree_with_the_ledger() {
         let granule = d.granularity();
         let s = stream_id(&g.stream);
         let mem_free = || d.mem_info().unwrap().free;
-        // Once NVML has listed this process, every later reading must be there too.
-        let usage = || d.process_usage().unwrap();
-        let u0 = usage();
+        let read = || d.process_usage().unwrap();
+        let u0 = read();
         if u0.is_none() {
             assert!(
                 nvml_optional,
@@ -44,9 +43,10 @@ fn gpu_driver_and_nvml_agree_with_the_ledger() {
                 d.nvml_error()
             );
         }
+        // Once NVML has listed this process, every later reading must be there too.
         let listed = u0.is_some();
         let usage = || {
-            let u = usage();
+            let u = read();
             assert!(
                 !listed || u.is_some(),
                 "{mode:?}: NVML stopped listing this process"
