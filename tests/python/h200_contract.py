@@ -16,8 +16,8 @@
 Every case checks its marks (`marks.py`; a missing reading misses) and the script exits 1 when
 any case misses one: capture, replays equal to eager (as with PyTorch's allocator, whose case
 sets the reference) and eager tensors intact; oom, a torch.OutOfMemoryError worded as
-PyTorch's that names the tags, and a kernel running after it; serve, NVML read, peak usage
-within the request, and no forward refused.
+PyTorch's that names the tags, and a kernel running after it; serve, NVML read (no poll
+unanswered), peak usage within the request, and no forward refused.
 """
 
 import json
