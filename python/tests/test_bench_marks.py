@@ -1,5 +1,5 @@
-"""tests/python/bench_marks.py, the cached path's marks against PyTorch's allocator, on JSON
-lines of its own here (no GPU)."""
+"""tests/python/bench_marks.py and marks.py: the cached path's marks against PyTorch's allocator,
+on JSON lines of its own here (no GPU), and a tightened mark."""
 
 import json
 import sys
@@ -46,3 +46,14 @@ def test_a_size_one_side_did_not_report_misses():
     assert m.missed() == ["faster_than_torch_mixed"], m.met
     m = bench_marks.check(*bench_marks.readings(lines(FAST, {})))
     assert len(m.missed()) == 4, m.met
+
+
+def test_a_tightened_true_mark_misses(monkeypatch):
+    import marks
+
+    monkeypatch.setattr(marks, "TIGHTEN", {"graph_pools_held"})
+    m = marks.Marks()
+    m.true("graph_pools_held", True)
+    m.true("near_eager", True)
+    m.true("replays_identical", 1)  # a count is not True
+    assert m.missed() == ["graph_pools_held", "replays_identical"] and not m.ok, m.met

@@ -18,7 +18,8 @@ the KV cache at fixed addresses). Marks, per engine:
 - no poll unanswered by NVML once the process was listed (a lost reading may be the peak);
 - resize: the KV cache grew at the same base, and the peak before the cap was raised stayed
   within the first request.
-Every engine asked for must report (a misspelt scenario fails).
+Every engine asked for must report (a misspelt scenario fails). `VRAM_LEDGER_TIGHTEN=MARK`
+makes the named mark miss in every engine (`marks.py`), to see the script fail.
 Scenarios: alone; beside a process holding 70% of the device (hold); beside one that takes and
 frees 10 GiB every 30 ms (churn); three different engines started together; and resize: two
 engines share the GPU, one exits, the other's cap is raised and its KV cache grows in place.
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import time
 
+from marks import Marks
 from nvml import Poller
 
 MODES = ["native", "expandable", "compact", "remap"]
@@ -255,7 +257,7 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
     ratio = None if peak is None else peak / requested
     limit = None if reference == "none" else float(reference)
     worst = max(diff_before, diff_after, (grown or {}).get("replay_diff", 0.0))
-    marks = {
+    checks = {
         "peak_read": peak is not None,
         "within": peak is not None and peak <= requested,
         "at_least_99_5": ratio is not None and ratio >= 0.995,
@@ -265,9 +267,12 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
         "no_reading_missed": poll.samples > 0 and poll.misses_after_first == 0,
     }
     if grown is not None:
-        marks["grew_in_place"] = grown["after"] > grown["before"] and grown["base_kept"]
+        checks["grew_in_place"] = grown["after"] > grown["before"] and grown["base_kept"]
         pb = grown["peak_before_growth"]
-        marks["within_before_growth"] = pb is not None and pb <= grown["requested_before"]
+        checks["within_before_growth"] = pb is not None and pb <= grown["requested_before"]
+    marks = Marks()
+    for k, v in checks.items():
+        marks.true(k, bool(v))
     emit(case="engine", model=name, mode=mode, utilization=utilization, requested=requested,
          kv_blocks=kv.usable_blocks, kv_bytes=kv.usable_blocks * e.block_bytes, kv_first_blocks=first,
          kv_blocks_first_commit=first_commit, transient_after_serving=c2["room"]["transient"],
@@ -277,7 +282,7 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
          peak_over_requested=ratio, samples=poll.samples, nvml_misses=poll.misses,
          nvml_misses_after_first=poll.misses_after_first, refused=refused,
          last_refusal=last, replay_diff=worst, torch_replay_diff=limit, grown=grown,
-         seconds_profile_to_commit=round(t_commit - t_profile, 2), marks=marks, ok=all(marks.values()))
+         seconds_profile_to_commit=round(t_commit - t_profile, 2), marks=marks.met, missed=marks.missed(), ok=marks.ok)
 
 
 def tenant(kind):

@@ -16,8 +16,9 @@ class Marks:
         self.met = {}
 
     def true(self, name, value):
-        """`value` must be True itself: a missing reading (None) or a count is not."""
-        self.met[name] = value is True
+        """`value` must be True itself: a missing reading (None) or a count is not. Tightened,
+        a true mark is never met."""
+        self.met[name] = value is True and name not in TIGHTEN
         return self.met[name]
 
     def at_most(self, name, value, goal, tightened):
