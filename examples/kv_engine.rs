@@ -165,7 +165,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut failures = Vec::new();
     if usable < first_block(8) + 8 {
         failures.push(format!(
-            "{usable} usable blocks: too few for the graphs' blocks"
+            "enough_blocks: {usable} usable blocks, too few for the graphs' blocks"
         ));
     }
 
@@ -210,10 +210,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         100.0 * peak as f64 / profile.requested as f64
     );
     if bad != 0 {
-        failures.push(format!("{bad} mismatched words"));
+        failures.push(format!("words_intact: {bad} mismatched words"));
     }
     if peak > profile.requested {
-        failures.push(format!("peak usage {peak} above {}", profile.requested));
+        failures.push(format!(
+            "within: peak usage {peak} above {}",
+            profile.requested
+        ));
     }
     // The KV cache took what the contract leaves: the peak reaches 99.5% of the request
     // (VRAM_LEDGER_TIGHTEN=at_least_99_5 asks for more than the request, to see this fail).
@@ -224,13 +227,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     if (peak as f64) < floor * profile.requested as f64 {
         failures.push(format!(
-            "peak usage {peak} below {:.1}% of {}",
+            "at_least_99_5: peak usage {peak} below {:.1}% of {}",
             floor * 100.0,
             profile.requested
         ));
     }
     if samples == 0 {
-        failures.push("no usage sample".into());
+        failures.push("peak_read: no usage sample".into());
     }
     drop((graphs, statics, weights));
     if failures.is_empty() {

@@ -196,6 +196,51 @@ fi
 # The bundle's wheel installed with pip into a fresh virtual environment (python3.12 with torch).
 step wheel bash tests/python/h200_wheel.sh
 grep -sE "^(wheel:|vram_ledger imported from|h200_wheel:)" "$logs/wheel.log"
+
+# Each script once more, its cheapest case, with one of its marks tightened to a goal no run can
+# meet (VRAM_LEDGER_TIGHTEN, tests/python/marks.py): it must exit non-zero and name that mark
+# among what it missed. The passing runs above are evidence only if the same checks can fail.
+# tightened MARK COMMAND...
+tightened() {
+    local mark=$1 out rc
+    shift
+    out=$(VRAM_LEDGER_TIGHTEN="$mark" "$@" 2>&1)
+    rc=$?
+    printf '%s\n' "$out"
+    if [ "$rc" -eq 0 ]; then
+        echo "tightened: exit 0 with $mark tightened"
+        return 1
+    fi
+    if ! grep -qE "missed\"?: \[?[^]]*\b$mark\b" <<<"$out"; then
+        echo "tightened: exit $rc, but $mark is not among what it missed"
+        return 1
+    fi
+    echo "tightened: exit $rc, $mark missed"
+}
+py() { python3 "tests/python/$1.py" "${@:2}"; }
+engine_alone() { ENGINE_MODES=remap ENGINE_MODELS=llama py h200_engine alone; }
+step_cost_train() { STEP_COST_LOOPS=train py h200_step_cost torch remap; }
+upstream_saved() { UPSTREAM_RESULTS="$logs/upstream" py upstream_tests --saved torch remap; }
+step tightened-kv-engine tightened at_least_99_5 bin/kv_engine
+step tightened-profile tightened within_request scripts/h200_profile.sh "$logs/profile-tightened"
+if [ -s "$logs/gpu-bench.jsonl" ]; then
+    step tightened-bench-marks tightened faster_than_torch_512B py bench_marks "$logs/gpu-bench.jsonl"
+else
+    echo "tightened-bench-marks: not run: no gpu-bench.jsonl in $logs (run gpu-bench and torch-bench first)"
+fi
+step tightened-h200_torch tightened replay_matches_eager py h200_torch graphs
+step tightened-h200_contract tightened raised py h200_contract oom
+step tightened-h200_package tightened memory_reserved_is_ledger py h200_package stats:remap
+step tightened-h200_sleep tightened usage_fell_asleep py h200_sleep model:remap
+step tightened-h200_vllm_profile tightened weights_exact py h200_vllm_profile remap
+step tightened-h200_graph_trees tightened remap:graphs_recorded py h200_graph_trees remap
+step tightened-h200_step_cost tightened train_first_within_1s step_cost_train
+step tightened-h200_engine tightened at_least_99_5 engine_alone
+if [ -s "$logs/upstream/torch.json" ]; then
+    step tightened-upstream tightened passes_what_torch_passes upstream_saved
+else
+    echo "tightened-upstream: not run: no saved upstream results in $logs/upstream (run the upstream step first)"
+fi
 step cpu-bench bin/alloc-bench --bench --warm-up-time 1 --measurement-time 3
 
 echo
