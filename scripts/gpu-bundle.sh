@@ -159,6 +159,8 @@ step gpu-bench gpu_bench
 step torch-bench torch_bench
 # The cached path against PyTorch's allocator, from the two benchmarks just run.
 step bench-marks python3 tests/python/bench_marks.py "$logs/gpu-bench.jsonl"
+# A synchronisation's price in the middle of a training step, for the replay's cost model.
+step sync-bench python3 scripts/sync_load_bench.py
 step profile profile
 step kv-engine unskipped bin/kv_engine
 for s in h200_torch h200_contract h200_graphs h200_package h200_sleep h200_vllm_profile h200_graph_trees h200_step_cost; do
