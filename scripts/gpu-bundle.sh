@@ -235,7 +235,7 @@ step tightened-h200_contract tightened raised py h200_contract oom
 step tightened-h200_package tightened memory_reserved_is_ledger py h200_package stats:remap
 step tightened-h200_sleep tightened usage_fell_asleep py h200_sleep model:remap
 step tightened-h200_vllm_profile tightened weights_exact py h200_vllm_profile remap
-step tightened-h200_graph_trees tightened remap:graphs_recorded py h200_graph_trees remap
+step tightened-h200_graph_trees tightened remap:graphs_recorded py h200_graph_trees torch remap
 step tightened-h200_step_cost tightened train_first_within_1s step_cost_train
 step tightened-h200_engine tightened at_least_99_5 engine_alone
 if [ -s "$logs/upstream/torch.json" ]; then
