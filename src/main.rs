@@ -36,6 +36,11 @@ struct ReplayArgs {
     /// Remap mode: the largest piece one map call covers (default 68M).
     #[arg(long, value_name = "BYTES")]
     remap_piece: Option<String>,
+    /// What one stream or device synchronisation costs in the driver-time estimate, in
+    /// microseconds (default: an idle stream's 0.2); a synchronisation under load waits for the
+    /// work queued before it.
+    #[arg(long, value_name = "MICROSECONDS")]
+    sync_us: Option<f64>,
     /// Which device's trace to replay (default: the one with the most events).
     #[arg(long)]
     device: Option<usize>,
@@ -214,6 +219,15 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
         None => vram_ledger::replay::engine::H200_CAPACITY,
     };
     let remap_piece = args.remap_piece.as_deref().map(parse_size).transpose()?;
+    let sync_ns = match args.sync_us {
+        Some(us) if us.is_finite() && (0.0..=1e9).contains(&us) => Some((us * 1e3).round() as u64),
+        Some(us) => {
+            return Err(format!(
+                "--sync-us: {us} is not a number of microseconds from 0 to 10⁹"
+            ))
+        }
+        None => None,
+    };
     let limits = match &args.max_input {
         Some(m) => replay::Limits {
             max_bytes: parse_size(m)?,
@@ -248,6 +262,7 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
             mode: m,
             capacity,
             remap_piece,
+            sync_ns,
             ..Default::default()
         };
         let bar = (!json

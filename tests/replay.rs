@@ -145,6 +145,39 @@ fn run_remap(name: &str, piece: u64) -> ReplayResult {
 }
 
 #[test]
+fn replay_prices_each_synchronisation_at_the_figure_given() {
+    // streams-train-0 moves memory between streams, which synchronises.
+    let t = trace("streams-train-0");
+    let at = |sync_ns| {
+        let opts = ReplayOptions {
+            mode: SegmentMode::Remap,
+            timeline_points: 0,
+            sync_ns,
+            ..Default::default()
+        };
+        replay::replay(&t, &opts, |_| {}).unwrap()
+    };
+    let (idle, loaded) = (at(None), at(Some(1_000_000)));
+    let syncs = |r: &ReplayResult| {
+        r.driver_calls[DriverCall::SyncStream] + r.driver_calls[DriverCall::SyncDevice]
+    };
+    assert!(syncs(&idle) > 0);
+    assert_eq!(
+        idle.driver_calls, loaded.driver_calls,
+        "the price changes no decision"
+    );
+    let per_sync = (loaded.driver_seconds - idle.driver_seconds) / syncs(&idle) as f64;
+    let idle_price = vram_ledger::driver::cost::host_seconds(DriverCall::SyncStream, 0);
+    assert!(
+        (per_sync - (1e-3 - idle_price)).abs() < 1e-9,
+        "each synchronisation adds 1 ms less the idle price, not {per_sync} s"
+    );
+    let tenths: f64 = loaded.driver_seconds_by_tenth.iter().sum();
+    assert!((tenths - loaded.driver_seconds).abs() < 1e-9);
+    assert_eq!(idle.torch_driver_seconds, loaded.torch_driver_seconds);
+}
+
+#[test]
 fn replay_remap_meets_the_goal_at_its_default_piece_and_25_percent_either_side() {
     // The replay goal: fragmentation at most 1.02 and at most twice PyTorch's estimated driver
     // time, at the default piece and at every size within 25% of it, on each shared trace
@@ -471,6 +504,19 @@ fn replay_cli_json_svg_and_errors() {
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown segment mode"));
+    for price in ["nan", "inf", "2e9"] {
+        let bad = Command::new(exe)
+            .args([
+                "replay",
+                "tests/data/gpt2-train.pickle.gz",
+                "--sync-us",
+                price,
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(bad.status.code(), Some(2), "--sync-us {price}");
+        assert!(String::from_utf8_lossy(&bad.stderr).contains("--sync-us"));
+    }
 }
 
 #[test]

@@ -49,6 +49,9 @@ pub struct ReplayOptions {
     /// [`Config::move_across_streams`] (default `true`: replay measures what the allocator
     /// can do with it).
     pub move_across_streams: bool,
+    /// The price of one synchronisation in the driver-time estimate, in nanoseconds
+    /// ([`SimConfig::sync_ns`]; default: an idle stream's).
+    pub sync_ns: Option<u64>,
 }
 
 /// An H200's memory as `cuMemGetInfo` reports it.
@@ -63,6 +66,7 @@ impl Default for ReplayOptions {
             remap_piece: None,
             release_at_end: true,
             move_across_streams: true,
+            sync_ns: None,
         }
     }
 }
@@ -190,6 +194,7 @@ fn fresh(trace: &Trace, opts: &ReplayOptions) -> Result<Allocator<SimDriver>, Er
     let drv = SimDriver::with_config(SimConfig {
         capacity: opts.capacity,
         context_overhead: 0,
+        sync_ns: opts.sync_ns,
         ..Default::default()
     });
     if opts.mode == SegmentMode::Native && trace.expandable != Some(true) {

@@ -11,6 +11,10 @@ pub struct SimConfig {
     pub granularity: u64,
     /// Memory charged to each process when it creates its context (default 512 MiB).
     pub context_overhead: u64,
+    /// What one stream or device synchronisation costs the host in the driver-time estimate,
+    /// in nanoseconds (default `None`: [`crate::driver::cost`]'s figure for an idle stream). A
+    /// synchronisation waits for the work queued before it, which an idle stream has none of.
+    pub sync_ns: Option<u64>,
 }
 
 impl Default for SimConfig {
@@ -19,6 +23,7 @@ impl Default for SimConfig {
             capacity: 80 * GIB,
             granularity: 2 * MIB,
             context_overhead: 512 * MIB,
+            sync_ns: None,
         }
     }
 }

@@ -255,7 +255,10 @@ impl SimDriver {
     /// Count `call` on `bytes` (0 when the call has no size), charge its estimated host time,
     /// and fail it if a fault is planted.
     fn count(&self, call: DriverCall, bytes: u64) -> DriverResult<()> {
-        let ns = (crate::driver::cost::host_seconds(call, bytes) * 1e9).round() as u64;
+        let ns = match (call, self.device.config.sync_ns) {
+            (DriverCall::SyncStream | DriverCall::SyncDevice, Some(ns)) => ns,
+            _ => (crate::driver::cost::host_seconds(call, bytes) * 1e9).round() as u64,
+        };
         self.host_ns
             .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
         self.faults.count(call)
