@@ -97,6 +97,13 @@ step() {
     "$@" >"$logs/$name.log" 2>&1
     local rc=$?
     echo "step $name: exit $rc, $((SECONDS - t0)) s"
+    # The step's last lines (its summary, for most), so that its figures come back with the
+    # command's output even where its log files do not (TAIL_LINES=0 for none).
+    local f
+    for f in "$logs/$name.log" "$logs/$name.jsonl" "$logs/$name.txt"; do
+        [ -s "$f" ] && break
+    done
+    [ -s "$f" ] && tail -n "${TAIL_LINES:-2}" "$f" | cut -c1-"${TAIL_CHARS:-600}" | sed "s/^/  $name| /"
     if [ "$rc" -ne 0 ]; then
         failed+=("$name (exit $rc, see $logs/$name.log)")
         echo "FAILED: $name (exit $rc)"
