@@ -97,8 +97,8 @@ step() {
     "$@" >"$logs/$name.log" 2>&1
     local rc=$?
     echo "step $name: exit $rc, $((SECONDS - t0)) s"
-    # The step's last lines (its summary, for most), so that its figures come back with the
-    # command's output even where its log files do not (TAIL_LINES=0 for none).
+    # The step's last lines (its summary, for most), so that its figures are in the run's
+    # output even where its log files are not kept (TAIL_LINES=0 for none).
     local f
     for f in "$logs/$name.log" "$logs/$name.jsonl" "$logs/$name.txt"; do
         [ -s "$f" ] && break
