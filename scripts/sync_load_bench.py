@@ -3,9 +3,9 @@
 replay's driver-time estimate should give the synchronisations an allocator makes when it moves
 memory (`src/driver/cost.rs` prices one on an idle stream).
 
-A training loop (a Llama of 1024 hidden and 12 layers, fp32 weights, bf16 autocast, activation
-checkpointing, AdamW; two micro-batches of 4 sequences of 512, 1024 or 1536 tokens, seeded)
-under PyTorch's own allocator. Steps alternate: a plain step, then one where a synchronisation
+`tests/python/h200_step_cost.py`'s training loop (a Llama of 1024 hidden and 12 layers, fp32
+weights, bf16 autocast, activation checkpointing, AdamW; two micro-batches of 4 sequences of
+512, 1024 or 1536 tokens, seeded) under PyTorch's own allocator. Steps alternate: a plain step, then one where a synchronisation
 is made at SYNCS_PER_STEP points chosen at random among the decoder layers' forward and backward
 calls (the places where an allocation, and so a move, would happen), alternately of the current
 stream and of the device. Reported, in µs:
@@ -25,24 +25,21 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
+
+# The training loop of `tests/python/h200_step_cost.py`: the step whose cost is measured there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+import h200_step_cost  # noqa: E402
 
 SYNCS_PER_STEP = int(os.environ.get("SYNCS_PER_STEP", "16"))
 
 
 def main(argv):
     import torch
-    from torch.utils.checkpoint import checkpoint
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     steps = int(argv[0]) if argv else 24
     rng = random.Random("sync")
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
-                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=4096)
-    with torch.device("cuda"):
-        m = LlamaForCausalLM(cfg)
-    for layer in m.model.layers:
-        layer.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(layer.forward)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    m, opt = h200_step_cost.checkpointed_llama(torch)
 
     waits = {"stream": [], "device": []}
     state = {"points": set(), "calls": 0, "kind": 0}
@@ -73,15 +70,10 @@ def main(argv):
         layer.register_forward_pre_hook(before_layer, with_kwargs=True)
 
     def step(seqs):
-        for seq in seqs:
-            ids = torch.randint(0, 32000, (4, seq), device="cuda")
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = m(ids, labels=ids).loss / len(seqs)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        h200_step_cost.train_step(torch, m, opt, seqs)
 
-    # Hook calls per step: forward, recomputed forward and backward of each layer, per micro-batch.
+    # Hook calls per step: each layer's forward and its input's gradient, per micro-batch (the
+    # recomputed forward calls the layer's own forward, which has no hook).
     calls_per_step = None
     plain, synced = [], []
     # Two untimed steps first: kernels loaded and the cache filled.

@@ -98,24 +98,35 @@ def timed(torch, fn):
     return dt
 
 
-def train(torch):
+def checkpointed_llama(torch):
+    """The training loop's model, activation checkpointing on every layer, and its optimiser
+    (`scripts/sync_load_bench.py` measures synchronisations in the same loop)."""
     from torch.utils.checkpoint import checkpoint
 
-    rng = random.Random("train")
     m = llama(torch, 1024, 12, 16, torch.float32)
     for layer in m.model.layers:
         layer.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(layer.forward)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+
+def train_step(torch, m, opt, seqs):
+    """One training step: a micro-batch of 4 sequences of each length in `seqs`."""
+    for seq in seqs:
+        ids = torch.randint(0, 32000, (4, seq), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m(ids, labels=ids).loss / len(seqs)
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def train(torch):
+    rng = random.Random("train")
+    m, opt = checkpointed_llama(torch)
     shapes = [[rng.choice([512, 1024, 1536]) for _ in range(2)] for _ in range(TRAIN_STEPS)]
 
     def step(seqs):
-        for seq in seqs:
-            ids = torch.randint(0, 32000, (4, seq), device="cuda")
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = m(ids, labels=ids).loss / len(seqs)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(torch, m, opt, seqs)
 
     times = [timed(torch, lambda s=s: step(s)) for s in shapes]
     STEADY.extend(timed(torch, lambda: step([1024, 1024])) for _ in range(STEADY_REPEATS))
