@@ -57,3 +57,11 @@ def test_a_tightened_true_mark_misses(monkeypatch):
     m.true("near_eager", True)
     m.true("replays_identical", 1)  # a count is not True
     assert m.missed() == ["graph_pools_held", "replays_identical"] and not m.ok, m.met
+
+
+def test_marks_of_checks_holds_each_check_to_true(monkeypatch):
+    import marks
+
+    monkeypatch.setattr(marks, "TIGHTEN", {"viewers_draw"})
+    m = marks.Marks.of({"replay_reproduces_peak": True, "viewers_draw": True, "weights_tag_recorded": 0})
+    assert m.missed() == ["viewers_draw", "weights_tag_recorded"] and not m.ok, m.met

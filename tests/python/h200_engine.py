@@ -270,9 +270,7 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
         checks["grew_in_place"] = grown["after"] > grown["before"] and grown["base_kept"]
         pb = grown["peak_before_growth"]
         checks["within_before_growth"] = pb is not None and pb <= grown["requested_before"]
-    marks = Marks()
-    for k, v in checks.items():
-        marks.true(k, bool(v))
+    marks = Marks.of(checks)
     emit(case="engine", model=name, mode=mode, utilization=utilization, requested=requested,
          kv_blocks=kv.usable_blocks, kv_bytes=kv.usable_blocks * e.block_bytes, kv_first_blocks=first,
          kv_blocks_first_commit=first_commit, transient_after_serving=c2["room"]["transient"],

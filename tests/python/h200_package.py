@@ -40,14 +40,6 @@ def model():
     return m
 
 
-def marks(checks):
-    """The checks as marks (`marks.py`: `VRAM_LEDGER_TIGHTEN=NAME` makes one miss)."""
-    m = Marks()
-    for name, value in checks.items():
-        m.true(name, bool(value))
-    return m
-
-
 def part_stats(mode):
     import torch
     import vram_ledger as vl
@@ -80,7 +72,7 @@ def part_stats(mode):
     summary = torch.cuda.memory_summary()
     row = next(l for l in summary.splitlines() if l.startswith("| Allocated memory"))
     checks["memory_summary_has_figures"] = row.split("|")[2].strip() not in ("", "0 B")
-    m = marks(checks)
+    m = Marks.of(checks)
     emit(part="stats", mode=mode, ok=m.ok, checks=m.met, missed=m.missed(), params=params,
          allocated=torch.cuda.memory_allocated(), max_allocated=before_reset, reserved=torch.cuda.memory_reserved(),
          summary_head=summary.splitlines()[:12])
@@ -129,7 +121,7 @@ def part_snapshot(mode):
         pass
     # Replaying our own recording in our mode must reserve what we reserved.
     same_peak = isinstance(replay, dict) and replay.get("peak_reserved") == s["reserved_bytes"]["peak"]
-    m = marks({
+    m = Marks.of({
         "replay_reproduces_peak": same_peak,
         "viewers_draw": all(isinstance(v, int) and v > 0 for v in views.values()),
         "weights_tag_recorded": "weights" in tags,
@@ -170,7 +162,7 @@ def part_compile(mode, trees):
     if mode != "torch":
         # The captured graphs' memory is held in graph pools, not in the eager cache.
         checks["graph_pools_held"] = graph is not None and graph > 0
-    m = marks(checks)
+    m = Marks.of(checks)
     emit(part="compile" + ("" if trees is None else f"-trees={trees}"), mode=mode, ok=m.ok, marks=m.met, missed=m.missed(),
          shapes=results, graph_reserved=graph, cudagraph_trees=torch._inductor.config.triton.cudagraph_trees)
 

@@ -15,6 +15,14 @@ class Marks:
     def __init__(self):
         self.met = {}
 
+    @classmethod
+    def of(cls, checks):
+        """Marks of true/false `checks` (name -> value), each through `Marks.true`."""
+        m = cls()
+        for name, value in checks.items():
+            m.true(name, bool(value))
+        return m
+
     def true(self, name, value):
         """`value` must be True itself: a missing reading (None) or a count is not. Tightened,
         a true mark is never met."""
