@@ -195,6 +195,9 @@ upstream() (
         pids+=($!)
     done
     wait "${pids[@]}" || true
+    # A test that skipped for want of free memory while the others ran runs again alone.
+    python3 tests/python/upstream_tests.py --retry-memory-skips upstream/test_cuda.py \
+        ${UPSTREAM_CONFIGS:-torch native expandable compact remap} -- --timeout=120
     python3 tests/python/upstream_tests.py --saved ${UPSTREAM_CONFIGS:-torch native expandable compact remap}
 )
 if [ -f upstream/test_cuda.py ]; then

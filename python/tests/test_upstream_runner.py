@@ -151,3 +151,55 @@ def test_a_report_left_by_an_earlier_run_is_not_read_as_this_ones(tmp_path):
     saved = json.loads((results / "torch.json").read_text())
     assert "passed" not in saved["outcomes"].values(), saved["outcomes"]
     assert r.returncode == 1, r.stdout + r.stderr
+
+
+STARVED = """
+import os
+import unittest
+
+class TestMemory(unittest.TestCase):
+    def test_large(self):
+        # As PyTorch's largeTensorTest does when the device lacks free memory at that moment.
+        if os.path.exists(os.environ["NEIGHBOUR"]):
+            raise unittest.SkipTest("Insufficient cuda memory")
+
+    @unittest.skip("not here")
+    def test_skipped_otherwise(self):
+        pass
+"""
+
+
+def test_a_test_starved_of_memory_by_a_neighbour_is_run_again_alone(tmp_path):
+    f = tmp_path / "test_memory.py"
+    f.write_text(STARVED)
+    neighbour = tmp_path / "neighbour"
+    neighbour.write_text("holds the device's memory")
+    env = {**os.environ, "UPSTREAM_RESULTS": str(tmp_path / "results"), "NEIGHBOUR": str(neighbour)}
+    runner = [sys.executable, str(RUNNER / "upstream_tests.py")]
+    r = subprocess.run(runner + [str(f), "torch"], env=env, capture_output=True, text=True)
+    assert r.returncode == 1, "nothing passed while starved: " + r.stdout + r.stderr
+    # The neighbour is gone once the shared runs are over.
+    neighbour.unlink()
+    r = subprocess.run(runner + ["--retry-memory-skips", str(f), "torch"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    saved = json.loads((tmp_path / "results" / "torch.json").read_text())
+    by_name = {k.split(".")[-1]: v for k, v in saved["outcomes"].items()}
+    assert by_name == {"TestMemory::test_large": "passed", "TestMemory::test_skipped_otherwise": "skipped"}, by_name
+    retried = {k.split(".")[-1]: v for k, v in saved["retried"].items()}
+    assert retried == {"TestMemory::test_large": {"shared": "skipped", "alone": "passed"}}, retried
+    r = subprocess.run(runner + ["--saved", "torch"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # A second retry finds nothing left to run.
+    r = subprocess.run(runner + ["--retry-memory-skips", str(f), "torch"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and not list((tmp_path / "results").glob("torch-retried-*.xml"))[1:], r.stdout
+    assert json.loads(r.stdout.splitlines()[0])["retried"] == saved["retried"], r.stdout
+
+
+def test_a_retry_without_a_kept_run_is_refused(tmp_path):
+    env = {**os.environ, "UPSTREAM_RESULTS": str(tmp_path)}
+    r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), "--retry-memory-skips", "x.py", "remap"],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "no kept run of remap" in r.stderr, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), "--retry-memory-skips", "x.py", "bogus"],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 2, r.stdout + r.stderr

@@ -11,6 +11,7 @@ and the outcome alone is the one compared.
     python3 tests/python/upstream_tests.py TEST_FILE [torch|native|expandable|compact|remap ...]
         [-- PYTEST_ARGS...]
     python3 tests/python/upstream_tests.py --saved [CONFIGS...]
+    python3 tests/python/upstream_tests.py --retry-memory-skips TEST_FILE [CONFIGS...] [-- PYTEST_ARGS...]
 
 Runs may be split over several sessions (a run of the whole file takes minutes), or run at
 once as one process per configuration: `--saved` runs nothing and compares the runs kept in
@@ -19,6 +20,12 @@ install() uses its C++ extension's allocator (`python/vram_ledger/_extension.py`
 JSON says which.
 A mode run alone is compared with the `torch` run of an earlier session kept in
 UPSTREAM_RESULTS (a folder of the runs' JSON results, default ./upstream-results).
+
+Runs that share the GPU can starve one another: a test that needs more free memory than the
+device has at that moment skips itself ("Insufficient cuda memory", PyTorch's largeTensorTest),
+in one configuration and not another, and the comparison would count that as lost.
+`--retry-memory-skips`, run once the shared runs are over, runs each such test of the kept runs
+once more alone and keeps that outcome (the run's JSON lists them under `retried`).
 """
 
 import json
@@ -153,13 +160,20 @@ def failures(junit_path):
     return out
 
 
-def run(config, test_file, pytest_args):
-    """One pytest process for `config` ("torch", or a segment mode under install())."""
-    junit = os.path.join(results_dir(), f"{config}.xml")
-    # A report left by an earlier run in the same folder must not pass for this one's.
-    for old in [junit] + [os.path.join(results_dir(), f"{config}-{n}.xml") for n in ISOLATED]:
-        if os.path.exists(old):
-            os.remove(old)
+def memory_skips(junit_path):
+    """Ids of the tests that skipped themselves for want of free device memory."""
+    out = []
+    for case in ET.parse(junit_path).getroot().iter("testcase"):
+        skipped = case.find("skipped")
+        message = "" if skipped is None else (skipped.get("message") or "")
+        if case.find("failure") is None and case.find("error") is None and message.startswith("Insufficient") \
+                and "memory" in message:
+            out.append(test_id(case.get("classname"), case.get("name")))
+    return out
+
+
+def pytest_command(config, test_file, junit):
+    """The pytest command line and environment of a run of `config`, its report into `junit`."""
     env = dict(os.environ)
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
@@ -167,6 +181,31 @@ def run(config, test_file, pytest_args):
     if config != "torch":
         env["VRAM_LEDGER_UPSTREAM_MODE"] = config
         cmd += ["-p", PLUGIN]
+    return cmd, env
+
+
+def run_alone(config, test, cmd, env, pytest_args, label):
+    """`test` (an id) of `cmd`'s file run alone: its outcome ("not run" when pytest reported
+    nothing) and, when it failed, why."""
+    name = test.split("::")[-1]
+    alone = os.path.join(results_dir(), f"{config}-{label}{name}.xml")
+    if os.path.exists(alone):
+        os.remove(alone)
+    cmd_alone = [f"--junitxml={alone}" if c.startswith("--junitxml=") else c for c in cmd]
+    with open(os.path.join(results_dir(), f"{config}-{label}{name}.log"), "w") as log:
+        subprocess.run(cmd_alone + ["-v", "-k", name] + pytest_args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    got = outcomes(alone).get(test, "not run") if os.path.exists(alone) else "not run"
+    return got, failures(alone).get(test, "") if got == "failed" else None
+
+
+def run(config, test_file, pytest_args):
+    """One pytest process for `config` ("torch", or a segment mode under install())."""
+    junit = os.path.join(results_dir(), f"{config}.xml")
+    # A report left by an earlier run in the same folder must not pass for this one's.
+    for old in [junit] + [os.path.join(results_dir(), f"{config}-{n}.xml") for n in ISOLATED]:
+        if os.path.exists(old):
+            os.remove(old)
+    cmd, env = pytest_command(config, test_file, junit)
     # pytest's report goes to a file as it runs, one line per test (-v) with the slowest tests
     # at the end: a run killed from outside still shows how far it got and where it stood.
     log_path = os.path.join(results_dir(), f"{config}.log")
@@ -178,15 +217,10 @@ def run(config, test_file, pytest_args):
     why = failures(junit) if os.path.exists(junit) else {}
     isolated = {}
     for test in [t for t in found if t.split("::")[-1] in ISOLATED]:
-        name = test.split("::")[-1]
-        alone = os.path.join(results_dir(), f"{config}-{name}.xml")
-        cmd_alone = [f"--junitxml={alone}" if c.startswith("--junitxml=") else c for c in cmd]
-        with open(os.path.join(results_dir(), f"{config}-{name}.log"), "w") as log:
-            subprocess.run(cmd_alone + ["-v", "-k", name] + pytest_args, env=env, stdout=log, stderr=subprocess.STDOUT)
-        got = outcomes(alone).get(test, "not run") if os.path.exists(alone) else "not run"
+        got, failed_why = run_alone(config, test, cmd, env, pytest_args, "")
         why.pop(test, None)
-        if got == "failed":
-            why[test] = failures(alone).get(test, "")
+        if failed_why is not None:
+            why[test] = failed_why
         isolated[test] = {"in_file": found[test], "alone": got}
         found[test] = got
     extension = env.get("VRAM_LEDGER_TORCH_EXTENSION", "") if config != "torch" else ""
@@ -223,6 +257,44 @@ def compare(torch_run, mode_run):
             "lost_unexpected": unexpected, "lost_unexpected_why": failed_how, "marks": m.met, "ok": m.ok, "missed": m.missed()}
 
 
+def retry_memory_skips(argv, pytest_args):
+    """Each kept run's tests that skipped for want of free memory, run once more alone; the
+    outcome alone replaces the one in the run's JSON. Prints one line per configuration."""
+    if not argv:
+        print("--retry-memory-skips TEST_FILE [CONFIGS...]", file=sys.stderr)
+        return 2
+    test_file, configs = argv[0], argv[1:] or ["torch", *MODES]
+    unknown = [c for c in configs if c != "torch" and c not in MODES]
+    if unknown:
+        print(f"unknown configuration {unknown}: torch or one of {MODES}", file=sys.stderr)
+        return 2
+    for config in configs:
+        path = os.path.join(results_dir(), f"{config}.json")
+        junit = os.path.join(results_dir(), f"{config}.xml")
+        if not os.path.exists(path) or not os.path.exists(junit):
+            print(f"no kept run of {config} in {results_dir()}", file=sys.stderr)
+            return 1
+        with open(path) as f:
+            result = json.load(f)
+        by_id = {test_id(*t.rsplit("::", 1)): t for t in result["outcomes"]}
+        retried = result.setdefault("retried", {})
+        cmd, env = pytest_command(config, test_file, junit)
+        for test in memory_skips(junit):
+            # An isolated test's outcome is already its outcome alone.
+            if test not in by_id or test.split("::")[-1] in ISOLATED or by_id[test] in retried:
+                continue
+            got, failed_why = run_alone(config, test, cmd, env, pytest_args, "retried-")
+            key = by_id[test]
+            retried[key] = {"shared": result["outcomes"][key], "alone": got}
+            result["outcomes"][key] = got
+            if failed_why is not None:
+                result.setdefault("failures", {})[key] = failed_why
+        with open(path, "w") as f:
+            json.dump(result, f)
+        print(json.dumps({"config": config, "retried": retried}))
+    return 0
+
+
 def main(argv):
     if "--" in argv:
         i = argv.index("--")
@@ -232,6 +304,8 @@ def main(argv):
     if not argv:
         print(__doc__)
         return 2
+    if argv[0] == "--retry-memory-skips":
+        return retry_memory_skips(argv[1:], pytest_args)
     saved_only = argv[0] == "--saved"
     test_file, configs = argv[0], argv[1:] or ["torch", *MODES]
     unknown = [c for c in configs if c != "torch" and c not in MODES]
