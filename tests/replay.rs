@@ -89,9 +89,11 @@ fn replay_the_recorded_mode_reproduces_pytorch_from_the_traces_own_records() {
 fn replay_splits_driver_time_by_tenth_where_the_trace_had_its_segment_events() {
     // Native replay makes PyTorch's segment calls at PyTorch's events, so each tenth of its
     // estimated driver time must be what the trace's own segment events in that tenth cost,
-    // counted here from the events (only the 0.2 µs stream synchronisations of its cache
-    // releases are ours alone). Virtual modes split at the same events; every split adds up.
-    use vram_ledger::driver::cost::host_seconds;
+    // counted here from the events: a segment free that is the first since the program's own
+    // allocations and frees also drains their work (only the 0.2 µs stream synchronisations of
+    // our cache releases are ours alone). Virtual modes split at the same events; every split
+    // adds up.
+    use vram_ledger::driver::cost::{drain_extra_ns, host_seconds, LOADED_SYNC_NS};
     use vram_ledger::replay::engine::TENTHS;
     use vram_ledger::replay::trace::Action;
     for (name, _) in RECORDED
@@ -101,13 +103,21 @@ fn replay_splits_driver_time_by_tenth_where_the_trace_had_its_segment_events() {
         let t = trace(name);
         let n = t.events.len();
         let mut theirs = [0.0; TENTHS];
+        let mut queued = false;
         for (i, e) in t.events.iter().enumerate() {
             let call = match e.action {
                 Action::SegmentAlloc => DriverCall::AllocSegment,
                 Action::SegmentFree => DriverCall::FreeSegment,
+                Action::Alloc | Action::FreeRequested => {
+                    queued = true;
+                    continue;
+                }
                 _ => continue,
             };
             theirs[i * TENTHS / n] += host_seconds(call, e.size);
+            if call == DriverCall::FreeSegment && std::mem::take(&mut queued) {
+                theirs[i * TENTHS / n] += drain_extra_ns(LOADED_SYNC_NS) as f64 * 1e-9;
+            }
         }
         let r = run(name, SegmentMode::Native);
         for (k, &recorded) in theirs.iter().enumerate() {
@@ -145,8 +155,10 @@ fn run_remap(name: &str, piece: u64) -> ReplayResult {
 }
 
 #[test]
-fn replay_prices_each_synchronisation_at_the_figure_given() {
-    // streams-train-0 moves memory between streams, which synchronises.
+fn replay_prices_each_wait_that_drains_the_programs_work() {
+    // streams-train-0 moves memory between streams, which synchronises, and PyTorch emptied its
+    // cache there, freeing segments.
+    use vram_ledger::replay::trace::Action;
     let t = trace("streams-train-0");
     let at = |sync_ns| {
         let opts = ReplayOptions {
@@ -157,30 +169,76 @@ fn replay_prices_each_synchronisation_at_the_figure_given() {
         };
         replay::replay(&t, &opts, |_| {}).unwrap()
     };
-    let (idle, loaded) = (at(None), at(Some(1_000_000)));
-    let syncs = |r: &ReplayResult| {
-        r.driver_calls[DriverCall::SyncStream] + r.driver_calls[DriverCall::SyncDevice]
-    };
-    assert!(syncs(&idle) > 0);
+    let (idle, one, two) = (at(None), at(Some(1_000_000)), at(Some(2_000_000)));
     assert_eq!(
-        idle.driver_calls, loaded.driver_calls,
+        (idle.driver_calls, one.driver_calls),
+        (one.driver_calls, two.driver_calls),
         "the price changes no decision"
     );
-    let per_sync = (loaded.driver_seconds - idle.driver_seconds) / syncs(&idle) as f64;
-    let idle_price = vram_ledger::driver::cost::host_seconds(DriverCall::SyncStream, 0);
-    assert!(
-        (per_sync - (1e-3 - idle_price)).abs() < 1e-9,
-        "each synchronisation adds 1 ms less the idle price, not {per_sync} s"
+    assert_eq!((idle.drains, idle.torch_drains, idle.sync_us), (0, 0, None));
+    assert_eq!(
+        (one.drains, one.torch_drains),
+        (two.drains, two.torch_drains)
     );
-    let tenths: f64 = loaded.driver_seconds_by_tenth.iter().sum();
-    assert!((tenths - loaded.driver_seconds).abs() < 1e-9);
-    assert_eq!(idle.torch_driver_seconds, loaded.torch_driver_seconds);
+    let waits = |r: &ReplayResult| {
+        [
+            DriverCall::SyncStream,
+            DriverCall::SyncDevice,
+            DriverCall::FreeSegment,
+        ]
+        .map(|c| r.driver_calls[c])
+        .iter()
+        .sum::<u64>()
+    };
+    // A wait right after another (in one operation, no work queued between) drains nothing.
+    assert!(
+        one.drains > 0 && one.drains < waits(&one),
+        "{} drains of {} waits",
+        one.drains,
+        waits(&one)
+    );
+    let idle_price = vram_ledger::driver::cost::host_seconds(DriverCall::SyncStream, 0);
+    let per_drain = (one.driver_seconds - idle.driver_seconds) / one.drains as f64;
+    assert!(
+        (per_drain - (1e-3 - idle_price)).abs() < 1e-9,
+        "each drain adds 1 ms less the idle price, not {per_drain} s"
+    );
+    // PyTorch's drains, counted from the trace: the segment frees that come first after the
+    // program's allocations and frees (its empty_cache calls here).
+    let mut queued = false;
+    let mut theirs = 0;
+    for e in &t.events {
+        match e.action {
+            Action::Alloc | Action::FreeRequested => queued = true,
+            Action::SegmentFree if std::mem::take(&mut queued) => theirs += 1,
+            _ => {}
+        }
+    }
+    assert_eq!(one.torch_drains, theirs);
+    assert_eq!(theirs, one.cache_releases, "one drain per empty_cache");
+    let torch_per_drain =
+        (one.torch_driver_seconds - idle.torch_driver_seconds) / one.torch_drains as f64;
+    assert!((torch_per_drain - (1e-3 - idle_price)).abs() < 1e-9);
+    let tenths: f64 = one.driver_seconds_by_tenth.iter().sum();
+    assert!((tenths - one.driver_seconds).abs() < 1e-9);
+    // The default is the price measured under load.
+    let default = replay::replay(
+        &t,
+        &ReplayOptions {
+            mode: SegmentMode::Remap,
+            timeline_points: 0,
+            ..Default::default()
+        },
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(default.sync_us, Some(437.9));
 }
 
 #[test]
 fn replay_remap_meets_the_goal_at_its_default_piece_and_25_percent_either_side() {
     // The replay goal: fragmentation at most 1.02 and at most twice PyTorch's estimated driver
-    // time, at the default piece and at every size within 25% of it, on each shared trace
+    // time (waits priced under load, the default), at the default piece and at every size within 25% of it, on each shared trace
     // except streams-train-0, whose miss the README states (1.0752 at best).
     let d = DEFAULT_REMAP_PIECE;
     let g = 2 * MIB;
@@ -206,11 +264,17 @@ fn replay_remap_meets_the_goal_at_its_default_piece_and_25_percent_either_side()
             assert!(r.fragmentation_ratio < r.torch_fragmentation_ratio, "{at}");
         }
     }
-    // streams-train-0 misses the ratio goal (1.0752 in the README); this bound only catches a
+    // streams-train-0 misses the ratio goal (1.0752 in the README) and, with its waits priced
+    // under load, the cost goal (2.28 times PyTorch's estimate); these bounds only catch a
     // regression from there.
     let r = run_remap("streams-train-0", d);
     assert!(r.fragmentation_ratio <= 1.08, "{}", r.fragmentation_ratio);
-    assert!(r.driver_seconds <= 2.0 * r.torch_driver_seconds);
+    assert!(
+        r.driver_seconds <= 2.4 * r.torch_driver_seconds,
+        "{} s against PyTorch's {} s",
+        r.driver_seconds,
+        r.torch_driver_seconds
+    );
 }
 
 #[test]

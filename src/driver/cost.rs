@@ -7,6 +7,12 @@
 //! not measured by size cost a constant (synchronising an idle stream 0.2 µs, `cuMemGetInfo`
 //! 6 µs, the NVML per-process query 27 µs); events and address reservations were not measured
 //! and count as free: they are counted in the call figures, not timed.
+//!
+//! Those are idle figures. Inside a running program a wait for the device also costs the work
+//! it drains: the host stops queueing kernels until the device is empty, and the device then
+//! idles while the host catches up. [`LOADED_SYNC_NS`] is that price as measured; an estimate
+//! that uses it charges the first wait after new work once ([`drain_extra_ns`]), and the waits
+//! right after it find nothing to drain.
 
 use super::DriverCall;
 use crate::units::MIB;
@@ -26,6 +32,30 @@ fn table(call: DriverCall) -> Option<[f64; 5]> {
         DriverCall::FreeSegment => [37.5, 50.5, 81.0, 257.0, 497.5],
         _ => return None,
     })
+}
+
+/// What a synchronisation added to a training step that had work queued before it, in
+/// nanoseconds: (median of 12 steps with 16 synchronisations each − median of the 12 plain
+/// steps between them) / 16, in an activation-checkpointed Llama step of 166 ms
+/// (`scripts/sync_load_bench.py`, H100 machine, torch 2.11; from the means, 553 µs). The call
+/// itself blocked a median of 53 µs: most of the price is the device idling after it.
+pub const LOADED_SYNC_NS: u64 = 437_900;
+
+/// Whether `call` waits for the work queued on the device: synchronisations, and freeing a
+/// segment (`cuMemFree` synchronises the device; unmapping does not, which is why callers
+/// synchronise a stream before they unmap).
+pub fn waits_for_device(call: DriverCall) -> bool {
+    matches!(
+        call,
+        DriverCall::SyncStream | DriverCall::SyncDevice | DriverCall::FreeSegment
+    )
+}
+
+/// What a wait that drains queued work costs above its idle price, in nanoseconds, when a
+/// drain costs `drain_ns` in all.
+pub fn drain_extra_ns(drain_ns: u64) -> u64 {
+    let idle = (host_seconds(DriverCall::SyncStream, 0) * 1e9).round() as u64;
+    drain_ns.saturating_sub(idle)
 }
 
 /// Estimated host time of one `call` on `bytes`, in seconds.

@@ -49,8 +49,9 @@ pub struct ReplayOptions {
     /// [`Config::move_across_streams`] (default `true`: replay measures what the allocator
     /// can do with it).
     pub move_across_streams: bool,
-    /// The price of one synchronisation in the driver-time estimate, in nanoseconds
-    /// ([`SimConfig::sync_ns`]; default: an idle stream's).
+    /// What a wait for the device costs when it drains the program's queued work, ours and
+    /// PyTorch's alike, in nanoseconds ([`SimConfig::sync_ns`]). Default: the price measured
+    /// under load ([`cost::LOADED_SYNC_NS`]); `None` prices every wait as on an idle stream.
     pub sync_ns: Option<u64>,
 }
 
@@ -66,7 +67,7 @@ impl Default for ReplayOptions {
             remap_piece: None,
             release_at_end: true,
             move_across_streams: true,
-            sync_ns: None,
+            sync_ns: Some(cost::LOADED_SYNC_NS),
         }
     }
 }
@@ -105,8 +106,9 @@ pub struct ReplayResult {
     /// The driver calls PyTorch's recorded segment events imply: a `cuMemAlloc` or `cuMemFree`
     /// per segment event; for an expandable trace, per mapped range a `cuMemCreate` and a
     /// `cuMemMap` per page (20 MiB, or 2 MiB for the small pool's) and one `cuMemSetAccess`, and
-    /// a `cuMemUnmap` and a `cuMemRelease` per unmapped page (PyTorch's `ExpandableSegment`).
-    /// Its event queries and synchronisations are not in the trace, so not here.
+    /// a `cuMemUnmap` and a `cuMemRelease` per unmapped page and a stream synchronisation per
+    /// unmapped range (PyTorch's `ExpandableSegment`). Its event queries and the
+    /// synchronisations of its `empty_cache` are not in the trace, so not here.
     pub torch_driver_calls: DriverCalls,
     /// Estimated host time of our driver calls on an H200, in seconds
     /// ([`crate::driver::cost`]).
@@ -114,6 +116,14 @@ pub struct ReplayResult {
     /// The same estimate for the calls in `torch_driver_calls`, with a range-wide
     /// `cuMemSetAccess` priced per page (one call over a range costs what one per page does).
     pub torch_driver_seconds: f64,
+    /// What a wait that drained the program's queued work was priced at, in microseconds
+    /// ([`ReplayOptions::sync_ns`]); `None`: every wait priced idle.
+    pub sync_us: Option<f64>,
+    /// Our waits for the device that drained queued work: the first synchronisation or segment
+    /// free after the program's work, each priced at `sync_us`.
+    pub drains: u64,
+    /// PyTorch's, from its segment frees and the synchronisations before its unmaps.
+    pub torch_drains: u64,
     /// `driver_seconds` split by tenths of the trace's events, in order: a training or serving
     /// loop's later tenths are its warm steps, where driver calls cost step time.
     pub driver_seconds_by_tenth: [f64; TENTHS],
@@ -245,8 +255,11 @@ pub fn replay_on(
 ) -> Result<ReplayResult, Error> {
     let start = Instant::now();
     let host_before = alloc.driver().estimated_host_seconds();
+    let drains_before = alloc.driver().drains();
     let ours = || alloc.driver().estimated_host_seconds() - host_before;
     let mut r = Replayer::new(alloc, trace, opts.timeline_points);
+    // PyTorch's waits priced as the device prices ours, whatever `opts` says.
+    r.torch.drain_ns = alloc.driver().device().config().sync_ns;
     let n = trace.events.len();
     // Cumulative estimated driver time, ours and PyTorch's, at the end of each tenth.
     let (mut at, mut torch_at) = ([0.0; TENTHS], [0.0; TENTHS]);
@@ -268,10 +281,12 @@ pub fn replay_on(
     r.sample_end();
     let seconds = start.elapsed().as_secs_f64();
     let driver_seconds = ours();
+    let drains = alloc.driver().drains() - drains_before;
     let snap = alloc.snapshot();
     r.leave_nothing_live(opts.release_at_end)?;
     let held_after = alloc.driver().held_bytes();
     let mut result = r.result(opts, snap, seconds, driver_seconds, held_after);
+    result.drains = drains;
     result.driver_seconds_by_tenth = by_tenth(&at);
     result.torch_driver_seconds_by_tenth = by_tenth(&torch_at);
     Ok(result)
@@ -325,6 +340,12 @@ struct Torch {
     peak: u64,
     calls: DriverCalls,
     seconds: f64,
+    /// What a wait that drains queued work costs ([`SimConfig::sync_ns`]), priced as on our side.
+    drain_ns: Option<u64>,
+    /// The program queued work since PyTorch's allocator last waited for the device.
+    queued: bool,
+    /// Waits that drained queued work.
+    drains: u64,
 }
 
 impl Torch {
@@ -332,6 +353,12 @@ impl Torch {
     fn call(&mut self, call: DriverCall, calls: u64, priced: u64, bytes: u64) {
         self.calls.add(call, calls);
         self.seconds += priced as f64 * cost::host_seconds(call, bytes);
+        if let Some(drain) = self.drain_ns {
+            if cost::waits_for_device(call) && std::mem::take(&mut self.queued) {
+                self.seconds += cost::drain_extra_ns(drain) as f64 * 1e-9;
+                self.drains += 1;
+            }
+        }
     }
 
     /// Each of `calls` once per page of an expandable range of `bytes`; returns the page size and
@@ -368,6 +395,9 @@ impl Torch {
         if e.action == Action::SegmentFree {
             self.call(DriverCall::FreeSegment, 1, 1, e.size);
         } else {
+            // Unmapping does not wait for the device, so PyTorch synchronises the segment's
+            // stream before it unmaps (ExpandableSegment::unmapHandles).
+            self.call(DriverCall::SyncStream, 1, 1, 0);
             self.per_page([DriverCall::Unmap, DriverCall::ReleasePhysical], e.size);
         }
     }
@@ -430,6 +460,12 @@ impl<'a> Replayer<'a> {
     }
 
     fn event(&mut self, i: usize, e: &Event) -> Result<(), Error> {
+        if matches!(e.action, Action::Alloc | Action::FreeRequested) {
+            // The program ran kernels between its allocations and frees: the next wait for the
+            // device, ours or PyTorch's, drains them.
+            self.allocator.driver().work_queued();
+            self.torch.queued = true;
+        }
         match e.action {
             Action::Alloc => self.alloc(i, e)?,
             Action::FreeRequested => self.free_requested(i, e)?,
@@ -598,6 +634,9 @@ impl<'a> Replayer<'a> {
             torch_driver_calls: self.torch.calls,
             driver_seconds,
             torch_driver_seconds: self.torch.seconds,
+            sync_us: self.torch.drain_ns.map(|ns| ns as f64 / 1e3),
+            drains: 0,
+            torch_drains: self.torch.drains,
             driver_seconds_by_tenth: [0.0; TENTHS],
             torch_driver_seconds_by_tenth: [0.0; TENTHS],
             ooms: self.ooms,

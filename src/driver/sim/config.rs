@@ -11,9 +11,11 @@ pub struct SimConfig {
     pub granularity: u64,
     /// Memory charged to each process when it creates its context (default 512 MiB).
     pub context_overhead: u64,
-    /// What one stream or device synchronisation costs the host in the driver-time estimate,
-    /// in nanoseconds (default `None`: [`crate::driver::cost`]'s figure for an idle stream). A
-    /// synchronisation waits for the work queued before it, which an idle stream has none of.
+    /// What the host's first wait for the device after the program queued work costs in the
+    /// driver-time estimate, in nanoseconds: a stream or device synchronisation, or a segment
+    /// free (which synchronises the device). Later waits before more work is queued find the
+    /// device drained and cost what they cost idle ([`crate::driver::cost`]). Default `None`:
+    /// every wait priced idle.
     pub sync_ns: Option<u64>,
 }
 

@@ -190,6 +190,8 @@ impl SimDevice {
             pid,
             faults: Faults::default(),
             host_ns: Default::default(),
+            queued: Default::default(),
+            drains: Default::default(),
         })
     }
 
@@ -214,6 +216,11 @@ pub struct SimDriver {
     faults: Faults,
     /// Estimated host time of the calls made, in nanoseconds (see [`crate::driver::cost`]).
     host_ns: std::sync::atomic::AtomicU64,
+    /// Work was queued on the device since the host last waited for it ([`Self::work_queued`]):
+    /// the next call that waits pays [`SimConfig::sync_ns`].
+    queued: std::sync::atomic::AtomicBool,
+    /// Waits that paid [`SimConfig::sync_ns`].
+    drains: std::sync::atomic::AtomicU64,
 }
 
 impl SimDriver {
@@ -252,13 +259,35 @@ impl SimDriver {
             .map_or(0, |p| p.bytes)
     }
 
+    /// How many waits so far drained queued work and paid [`SimConfig::sync_ns`] (0 when it
+    /// is `None`).
+    pub fn drains(&self) -> u64 {
+        self.drains.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Say that the program queued work on the device (a replay: between two of the trace's
+    /// allocations or frees, where its kernels ran). Only the driver-time estimate reads it.
+    pub fn work_queued(&self) {
+        self.queued
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Count `call` on `bytes` (0 when the call has no size), charge its estimated host time,
     /// and fail it if a fault is planted.
     fn count(&self, call: DriverCall, bytes: u64) -> DriverResult<()> {
-        let ns = match (call, self.device.config.sync_ns) {
-            (DriverCall::SyncStream | DriverCall::SyncDevice, Some(ns)) => ns,
-            _ => (crate::driver::cost::host_seconds(call, bytes) * 1e9).round() as u64,
-        };
+        use crate::driver::cost;
+        let mut ns = (cost::host_seconds(call, bytes) * 1e9).round() as u64;
+        if let Some(drain) = self.device.config.sync_ns {
+            if cost::waits_for_device(call)
+                && self
+                    .queued
+                    .swap(false, std::sync::atomic::Ordering::Relaxed)
+            {
+                ns += cost::drain_extra_ns(drain);
+                self.drains
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
         self.host_ns
             .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
         self.faults.count(call)
