@@ -72,7 +72,7 @@ cat > "$out/run-all.sh" <<'RUN'
 #!/usr/bin/env bash
 # Run every test and benchmark of the bundle; logs go to $1 (default ./logs). Set
 # SKIP_CPU_TESTS=1 to run only what needs the GPU. RUN_ONLY=REGEX runs only the steps whose
-# names match (a whole run split over several sessions: each prints the steps it ran).
+# names match (a whole run split over several machines or times: each prints the steps it ran).
 #
 # Every step runs even when an earlier one failed; the script ends with a summary of the
 # failed steps and exits 1 if there is any. compute-sanitizer's memcheck runs over every GPU
@@ -196,9 +196,11 @@ upstream() (
     done
     wait "${pids[@]}" || true
     # A test that skipped for want of free memory while the others ran runs again alone.
+    retried=0
     python3 tests/python/upstream_tests.py --retry-memory-skips upstream/test_cuda.py \
-        ${UPSTREAM_CONFIGS:-torch native expandable compact remap} -- --timeout=120
-    python3 tests/python/upstream_tests.py --saved ${UPSTREAM_CONFIGS:-torch native expandable compact remap}
+        ${UPSTREAM_CONFIGS:-torch native expandable compact remap} -- --timeout=120 || retried=$?
+    python3 tests/python/upstream_tests.py --saved ${UPSTREAM_CONFIGS:-torch native expandable compact remap} \
+        && [ "$retried" -eq 0 ]
 )
 if [ -f upstream/test_cuda.py ]; then
     step upstream upstream

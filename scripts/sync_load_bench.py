@@ -11,8 +11,10 @@ calls (the places where an allocation, and so a move, would happen), alternately
 stream and of the device. Reported, in µs:
 
 - wait: how long each synchronisation call itself blocked (the GPU work queued behind the host);
-- cost per sync: (median synced step − median plain step) / syncs per step: what each one added
-  to the step, the overlap lost included. This is the figure to price a synchronisation with.
+- cost per sync: each synced step against the median of the plain steps of the same shapes
+  (steps without such a plain step are left out: `paired_steps`), divided by the syncs per
+  step: what each one added to the step, the overlap lost included; the median and mean over
+  those steps. This is the figure to price a synchronisation with.
 
     python3 scripts/sync_load_bench.py [STEPS]     (default 24: 12 plain, 12 with syncs)
 

@@ -37,9 +37,9 @@ struct ReplayArgs {
     #[arg(long, value_name = "BYTES")]
     remap_piece: Option<String>,
     /// What a wait for the device costs in the driver-time estimate when it drains the work
-    /// the program queued (the first synchronisation or segment free after it), ours and
-    /// PyTorch's alike, in microseconds (default 437.9, measured inside a training step; 0.2
-    /// prices every wait as on an idle stream).
+    /// the program queued on a stream (the first synchronisation of it, or of the device, or
+    /// segment free, after that work), ours and PyTorch's alike, in microseconds (default 437.9,
+    /// measured inside a training step; 0.2, the least, prices every wait as on an idle stream).
     #[arg(long, value_name = "MICROSECONDS")]
     sync_us: Option<f64>,
     /// Which device's trace to replay (default: the one with the most events).
@@ -221,13 +221,15 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
     };
     let remap_piece = args.remap_piece.as_deref().map(parse_size).transpose()?;
     let sync_ns = match args.sync_us {
-        Some(us) if us.is_finite() && (0.0..=1e9).contains(&us) => Some((us * 1e3).round() as u64),
+        // Below an idle stream's price a wait would cost less than it does with nothing to drain.
+        Some(us) if us.is_finite() && (0.2..=1e9).contains(&us) => Some((us * 1e3).round() as u64),
         Some(us) => {
             return Err(format!(
-                "--sync-us: {us} is not a number of microseconds from 0 to 10⁹"
+                "--sync-us: {us} is not a number of microseconds from 0.2 (an idle stream's \
+                 synchronisation) to 10⁹"
             ))
         }
-        None => Some(vram_ledger::driver::cost::LOADED_SYNC_NS),
+        None => replay::ReplayOptions::default().sync_ns,
     };
     let limits = match &args.max_input {
         Some(m) => replay::Limits {
@@ -366,7 +368,7 @@ fn compare_table(rs: &[replay::ReplayResult]) -> String {
     }
     s += &match r0.sync_us {
         Some(us) => format!(
-            "  (driver time: a wait that drains the program's work costs {us:.1} µs, --sync-us)\n"
+            "  (driver time: a wait that drains the program's work costs {us} µs, --sync-us)\n"
         ),
         None => String::new(),
     };
@@ -444,7 +446,7 @@ fn replay_table(r: &replay::ReplayResult) -> String {
     );
     if let Some(us) = r.sync_us {
         s += &row(
-            &format!("waits draining ({us:.1} µs)"),
+            &format!("waits draining ({us} µs)"),
             r.drains,
             r.torch_drains,
         );

@@ -163,9 +163,20 @@ class TestMemory(unittest.TestCase):
         if os.path.exists(os.environ["NEIGHBOUR"]):
             raise unittest.SkipTest("Insufficient cuda memory")
 
+    def test_large_too(self):
+        # Its name contains the starved test's: a retry must not run it.
+        with open(os.environ["RAN"], "a") as f:
+            f.write("ran ")
+
     @unittest.skip("not here")
     def test_skipped_otherwise(self):
         pass
+
+class TestOther(unittest.TestCase):
+    def test_large(self):
+        # Another class's test of the same name: a retry must not run it either.
+        with open(os.environ["RAN"], "a") as f:
+            f.write("ran ")
 """
 
 
@@ -174,32 +185,43 @@ def test_a_test_starved_of_memory_by_a_neighbour_is_run_again_alone(tmp_path):
     f.write_text(STARVED)
     neighbour = tmp_path / "neighbour"
     neighbour.write_text("holds the device's memory")
-    env = {**os.environ, "UPSTREAM_RESULTS": str(tmp_path / "results"), "NEIGHBOUR": str(neighbour)}
+    ran = tmp_path / "ran"
+    env = {**os.environ, "UPSTREAM_RESULTS": str(tmp_path / "results"), "NEIGHBOUR": str(neighbour), "RAN": str(ran)}
     runner = [sys.executable, str(RUNNER / "upstream_tests.py")]
     r = subprocess.run(runner + [str(f), "torch"], env=env, capture_output=True, text=True)
-    assert r.returncode == 1, "nothing passed while starved: " + r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ran.read_text() == "ran ran ", "the whole file ran once"
     # The neighbour is gone once the shared runs are over.
     neighbour.unlink()
     r = subprocess.run(runner + ["--retry-memory-skips", str(f), "torch"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert ran.read_text() == "ran ran ", "the retry ran only the starved test"
     saved = json.loads((tmp_path / "results" / "torch.json").read_text())
     by_name = {k.split(".")[-1]: v for k, v in saved["outcomes"].items()}
-    assert by_name == {"TestMemory::test_large": "passed", "TestMemory::test_skipped_otherwise": "skipped"}, by_name
+    assert by_name == {"TestMemory::test_large": "passed", "TestMemory::test_large_too": "passed",
+                       "TestMemory::test_skipped_otherwise": "skipped", "TestOther::test_large": "passed"}, by_name
     retried = {k.split(".")[-1]: v for k, v in saved["retried"].items()}
     assert retried == {"TestMemory::test_large": {"shared": "skipped", "alone": "passed"}}, retried
     r = subprocess.run(runner + ["--saved", "torch"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    # A second retry finds nothing left to run.
+    # A second retry runs nothing again: with the neighbour back, a run would skip.
+    neighbour.write_text("holds the device's memory again")
     r = subprocess.run(runner + ["--retry-memory-skips", str(f), "torch"], env=env, capture_output=True, text=True)
-    assert r.returncode == 0 and not list((tmp_path / "results").glob("torch-retried-*.xml"))[1:], r.stdout
+    assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout.splitlines()[0])["retried"] == saved["retried"], r.stdout
+    again = json.loads((tmp_path / "results" / "torch.json").read_text())
+    assert {k.split(".")[-1]: v for k, v in again["outcomes"].items()}["TestMemory::test_large"] == "passed"
 
 
 def test_a_retry_without_a_kept_run_is_refused(tmp_path):
     env = {**os.environ, "UPSTREAM_RESULTS": str(tmp_path)}
-    r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), "--retry-memory-skips", "x.py", "remap"],
-                       env=env, capture_output=True, text=True)
+    (tmp_path / "torch.json").write_text(json.dumps({"config": "torch", "outcomes": {}, "returncode": 0}))
+    (tmp_path / "torch.xml").write_text("<testsuites><testsuite/></testsuites>")
+    r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), "--retry-memory-skips", "x.py", "remap",
+                        "torch"], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "no kept run of remap" in r.stderr, r.stdout + r.stderr
+    # The configuration after the missing one is still retried.
+    assert json.loads(r.stdout.splitlines()[0]) == {"config": "torch", "retried": {}}, r.stdout
     r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), "--retry-memory-skips", "x.py", "bogus"],
                        env=env, capture_output=True, text=True)
     assert r.returncode == 2, r.stdout + r.stderr

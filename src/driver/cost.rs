@@ -11,8 +11,11 @@
 //! Those are idle figures. Inside a running program a wait for the device also costs the work
 //! it drains: the host stops queueing kernels until the device is empty, and the device then
 //! idles while the host catches up. [`LOADED_SYNC_NS`] is that price as measured; an estimate
-//! that uses it charges the first wait after new work once ([`drain_extra_ns`]), and the waits
-//! right after it find nothing to drain.
+//! that uses it charges it ([`drain_extra_ns`]) to the first wait for a stream after the program
+//! queued work there: a stream synchronisation drains that stream, a device synchronisation or
+//! a segment free (`cuMemFree` synchronises the device; unmapping does not, which is why
+//! callers synchronise a stream before they unmap) drains every stream, and waits right after
+//! find nothing to drain.
 
 use super::DriverCall;
 use crate::units::MIB;
@@ -35,21 +38,12 @@ fn table(call: DriverCall) -> Option<[f64; 5]> {
 }
 
 /// What a synchronisation added to a training step that had work queued before it, in
-/// nanoseconds: (median of 12 steps with 16 synchronisations each − median of the 12 plain
-/// steps between them) / 16, in an activation-checkpointed Llama step of 166 ms
-/// (`scripts/sync_load_bench.py`, H100 machine, torch 2.11; from the means, 553 µs). The call
-/// itself blocked a median of 53 µs: most of the price is the device idling after it.
+/// nanoseconds: in an activation-checkpointed Llama step of 166 ms, each of 10 steps with 16
+/// synchronisations against the median of the plain steps of the same shapes, divided by 16;
+/// the median of those 10 (`scripts/sync_load_bench.py`, H100 machine, torch 2.11; their mean
+/// 553 µs). The call itself blocked a median of 53 µs: most of the price is the device idling
+/// after it.
 pub const LOADED_SYNC_NS: u64 = 437_900;
-
-/// Whether `call` waits for the work queued on the device: synchronisations, and freeing a
-/// segment (`cuMemFree` synchronises the device; unmapping does not, which is why callers
-/// synchronise a stream before they unmap).
-pub fn waits_for_device(call: DriverCall) -> bool {
-    matches!(
-        call,
-        DriverCall::SyncStream | DriverCall::SyncDevice | DriverCall::FreeSegment
-    )
-}
 
 /// What a wait that drains queued work costs above its idle price, in nanoseconds, when a
 /// drain costs `drain_ns` in all.

@@ -119,8 +119,9 @@ pub struct ReplayResult {
     /// What a wait that drained the program's queued work was priced at, in microseconds
     /// ([`ReplayOptions::sync_ns`]); `None`: every wait priced idle.
     pub sync_us: Option<f64>,
-    /// Our waits for the device that drained queued work: the first synchronisation or segment
-    /// free after the program's work, each priced at `sync_us`.
+    /// Our waits for the device that drained queued work: the first synchronisation of a stream
+    /// (or of the device, or segment free) after the program's work there, each priced at
+    /// `sync_us`.
     pub drains: u64,
     /// PyTorch's, from its segment frees and the synchronisations before its unmaps.
     pub torch_drains: u64,
@@ -258,8 +259,10 @@ pub fn replay_on(
     let drains_before = alloc.driver().drains();
     let ours = || alloc.driver().estimated_host_seconds() - host_before;
     let mut r = Replayer::new(alloc, trace, opts.timeline_points);
-    // PyTorch's waits priced as the device prices ours, whatever `opts` says.
+    // PyTorch's waits priced as the device prices ours (`opts.sync_ns` only builds a fresh
+    // device); the device idle at the start, as PyTorch's side is.
     r.torch.drain_ns = alloc.driver().device().config().sync_ns;
+    alloc.driver().forget_queued_work();
     let n = trace.events.len();
     // Cumulative estimated driver time, ours and PyTorch's, at the end of each tenth.
     let (mut at, mut torch_at) = ([0.0; TENTHS], [0.0; TENTHS]);
@@ -342,8 +345,8 @@ struct Torch {
     seconds: f64,
     /// What a wait that drains queued work costs ([`SimConfig::sync_ns`]), priced as on our side.
     drain_ns: Option<u64>,
-    /// The program queued work since PyTorch's allocator last waited for the device.
-    queued: bool,
+    /// Streams the program queued work on since PyTorch's allocator last waited for them.
+    queued: Vec<u64>,
     /// Waits that drained queued work.
     drains: u64,
 }
@@ -353,11 +356,29 @@ impl Torch {
     fn call(&mut self, call: DriverCall, calls: u64, priced: u64, bytes: u64) {
         self.calls.add(call, calls);
         self.seconds += priced as f64 * cost::host_seconds(call, bytes);
-        if let Some(drain) = self.drain_ns {
-            if cost::waits_for_device(call) && std::mem::take(&mut self.queued) {
-                self.seconds += cost::drain_extra_ns(drain) as f64 * 1e-9;
-                self.drains += 1;
-            }
+    }
+
+    /// The program's work on `stream` queued.
+    fn work_queued(&mut self, stream: u64) {
+        if self.drain_ns.is_some() && !self.queued.contains(&stream) {
+            self.queued.push(stream);
+        }
+    }
+
+    /// A wait for `stream`'s work (`None`: the device's), drained at `drain_ns` if any was
+    /// queued there, as `SimDriver` prices ours.
+    fn waited(&mut self, stream: Option<u64>) {
+        let Some(drain) = self.drain_ns else {
+            return;
+        };
+        let before = self.queued.len();
+        match stream {
+            Some(s) => self.queued.retain(|&x| x != s),
+            None => self.queued.clear(),
+        }
+        if self.queued.len() < before {
+            self.seconds += cost::drain_extra_ns(drain) as f64 * 1e-9;
+            self.drains += 1;
         }
     }
 
@@ -393,11 +414,14 @@ impl Torch {
     fn segment_released(&mut self, e: &Event) {
         self.reserved = self.reserved.saturating_sub(e.size);
         if e.action == Action::SegmentFree {
+            // cuMemFree synchronises the device.
             self.call(DriverCall::FreeSegment, 1, 1, e.size);
+            self.waited(None);
         } else {
             // Unmapping does not wait for the device, so PyTorch synchronises the segment's
             // stream before it unmaps (ExpandableSegment::unmapHandles).
             self.call(DriverCall::SyncStream, 1, 1, 0);
+            self.waited(Some(e.stream));
             self.per_page([DriverCall::Unmap, DriverCall::ReleasePhysical], e.size);
         }
     }
@@ -461,10 +485,10 @@ impl<'a> Replayer<'a> {
 
     fn event(&mut self, i: usize, e: &Event) -> Result<(), Error> {
         if matches!(e.action, Action::Alloc | Action::FreeRequested) {
-            // The program ran kernels between its allocations and frees: the next wait for the
-            // device, ours or PyTorch's, drains them.
-            self.allocator.driver().work_queued();
-            self.torch.queued = true;
+            // The program ran kernels on this stream between its allocations and frees: the
+            // next wait for the stream or the device, ours or PyTorch's, drains them.
+            self.allocator.driver().work_queued(StreamId(e.stream));
+            self.torch.work_queued(e.stream);
         }
         match e.action {
             Action::Alloc => self.alloc(i, e)?,

@@ -13,12 +13,12 @@ and the outcome alone is the one compared.
     python3 tests/python/upstream_tests.py --saved [CONFIGS...]
     python3 tests/python/upstream_tests.py --retry-memory-skips TEST_FILE [CONFIGS...] [-- PYTEST_ARGS...]
 
-Runs may be split over several sessions (a run of the whole file takes minutes), or run at
-once as one process per configuration: `--saved` runs nothing and compares the runs kept in
-UPSTREAM_RESULTS (default all five). With VRAM_LEDGER_TORCH_EXTENSION=1 in the environment,
+Runs may be made at different times or on different machines (a run of the whole file takes
+minutes), or at once as one process per configuration: `--saved` runs nothing and compares the
+runs kept in UPSTREAM_RESULTS (default all five). With VRAM_LEDGER_TORCH_EXTENSION=1 in the environment,
 install() uses its C++ extension's allocator (`python/vram_ledger/_extension.py`); each run's
 JSON says which.
-A mode run alone is compared with the `torch` run of an earlier session kept in
+A mode run alone is compared with an earlier `torch` run kept in
 UPSTREAM_RESULTS (a folder of the runs' JSON results, default ./upstream-results).
 
 Runs that share the GPU can starve one another: a test that needs more free memory than the
@@ -128,7 +128,7 @@ def results_dir():
 
 def test_id(classname, name):
     """`Class::test`: the module path pytest puts before the class depends on where the file
-    was and where pytest ran, which runs of several sessions need not share."""
+    was and where pytest ran, which runs made at different times need not share."""
     return f"{classname.split('.')[-1]}::{name}"
 
 
@@ -184,16 +184,18 @@ def pytest_command(config, test_file, junit):
     return cmd, env
 
 
-def run_alone(config, test, cmd, env, pytest_args, label):
-    """`test` (an id) of `cmd`'s file run alone: its outcome ("not run" when pytest reported
-    nothing) and, when it failed, why."""
+def run_alone(config, test_file, test, cmd, env, pytest_args, label):
+    """`test` (an id, `Class::test`) of `test_file` run alone, selected by its node id (`-k`
+    would also run every test whose name contains it): its outcome ("not run" when pytest
+    reported nothing) and, when it failed, why."""
     name = test.split("::")[-1]
     alone = os.path.join(results_dir(), f"{config}-{label}{name}.xml")
     if os.path.exists(alone):
         os.remove(alone)
-    cmd_alone = [f"--junitxml={alone}" if c.startswith("--junitxml=") else c for c in cmd]
+    cmd_alone = [f"--junitxml={alone}" if c.startswith("--junitxml=") else
+                 f"{test_file}::{test}" if c == test_file else c for c in cmd]
     with open(os.path.join(results_dir(), f"{config}-{label}{name}.log"), "w") as log:
-        subprocess.run(cmd_alone + ["-v", "-k", name] + pytest_args, env=env, stdout=log, stderr=subprocess.STDOUT)
+        subprocess.run(cmd_alone + ["-v"] + pytest_args, env=env, stdout=log, stderr=subprocess.STDOUT)
     got = outcomes(alone).get(test, "not run") if os.path.exists(alone) else "not run"
     return got, failures(alone).get(test, "") if got == "failed" else None
 
@@ -217,7 +219,7 @@ def run(config, test_file, pytest_args):
     why = failures(junit) if os.path.exists(junit) else {}
     isolated = {}
     for test in [t for t in found if t.split("::")[-1] in ISOLATED]:
-        got, failed_why = run_alone(config, test, cmd, env, pytest_args, "")
+        got, failed_why = run_alone(config, test_file, test, cmd, env, pytest_args, "")
         why.pop(test, None)
         if failed_why is not None:
             why[test] = failed_why
@@ -234,7 +236,7 @@ def run(config, test_file, pytest_args):
 def compare(torch_run, mode_run):
     """What a mode's run lost against PyTorch's allocator, and its marks."""
     def by_id(run):
-        # Results kept from earlier sessions may carry the module path too.
+        # Results kept from earlier runs may carry the module path too.
         return {test_id(*t.rsplit("::", 1)): o for t, o in run["outcomes"].items()}
 
     theirs, ours = by_id(torch_run), by_id(mode_run)
@@ -258,8 +260,11 @@ def compare(torch_run, mode_run):
 
 
 def retry_memory_skips(argv, pytest_args):
-    """Each kept run's tests that skipped for want of free memory, run once more alone; the
-    outcome alone replaces the one in the run's JSON. Prints one line per configuration."""
+    """Each kept run's tests that skipped for want of free memory (in the file, or in their run
+    alone for an ISOLATED test, which also ran beside the other configurations), run once more
+    alone; that outcome replaces the one in the run's JSON. A test retried already is not run
+    again. Prints one line per configuration; exits 1 when a configuration kept no run (the
+    others are still retried)."""
     if not argv:
         print("--retry-memory-skips TEST_FILE [CONFIGS...]", file=sys.stderr)
         return 2
@@ -268,22 +273,28 @@ def retry_memory_skips(argv, pytest_args):
     if unknown:
         print(f"unknown configuration {unknown}: torch or one of {MODES}", file=sys.stderr)
         return 2
+    status = 0
     for config in configs:
         path = os.path.join(results_dir(), f"{config}.json")
         junit = os.path.join(results_dir(), f"{config}.xml")
         if not os.path.exists(path) or not os.path.exists(junit):
             print(f"no kept run of {config} in {results_dir()}", file=sys.stderr)
-            return 1
+            status = 1
+            continue
         with open(path) as f:
             result = json.load(f)
         by_id = {test_id(*t.rsplit("::", 1)): t for t in result["outcomes"]}
         retried = result.setdefault("retried", {})
+        starved = [t for t in memory_skips(junit) if t.split("::")[-1] not in ISOLATED]
+        for name in ISOLATED:
+            alone = os.path.join(results_dir(), f"{config}-{name}.xml")
+            if os.path.exists(alone):
+                starved += [t for t in memory_skips(alone) if t.split("::")[-1] == name]
         cmd, env = pytest_command(config, test_file, junit)
-        for test in memory_skips(junit):
-            # An isolated test's outcome is already its outcome alone.
-            if test not in by_id or test.split("::")[-1] in ISOLATED or by_id[test] in retried:
+        for test in starved:
+            if test not in by_id or by_id[test] in retried:
                 continue
-            got, failed_why = run_alone(config, test, cmd, env, pytest_args, "retried-")
+            got, failed_why = run_alone(config, test_file, test, cmd, env, pytest_args, "retried-")
             key = by_id[test]
             retried[key] = {"shared": result["outcomes"][key], "alone": got}
             result["outcomes"][key] = got
@@ -292,7 +303,7 @@ def retry_memory_skips(argv, pytest_args):
         with open(path, "w") as f:
             json.dump(result, f)
         print(json.dumps({"config": config, "retried": retried}))
-    return 0
+    return status
 
 
 def main(argv):

@@ -216,9 +216,10 @@ pub struct SimDriver {
     faults: Faults,
     /// Estimated host time of the calls made, in nanoseconds (see [`crate::driver::cost`]).
     host_ns: std::sync::atomic::AtomicU64,
-    /// Work was queued on the device since the host last waited for it ([`Self::work_queued`]):
-    /// the next call that waits pays [`SimConfig::sync_ns`].
-    queued: std::sync::atomic::AtomicBool,
+    /// Streams the program queued work on since the host last waited for them
+    /// ([`Self::work_queued`]): the next call that waits for one of them pays
+    /// [`SimConfig::sync_ns`], once.
+    queued: Mutex<Vec<StreamId>>,
     /// Waits that paid [`SimConfig::sync_ns`].
     drains: std::sync::atomic::AtomicU64,
 }
@@ -265,29 +266,52 @@ impl SimDriver {
         self.drains.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Say that the program queued work on the device (a replay: between two of the trace's
-    /// allocations or frees, where its kernels ran). Only the driver-time estimate reads it.
-    pub fn work_queued(&self) {
-        self.queued
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+    /// Say that the program queued work on `stream` (a replay: between two of the trace's
+    /// allocations or frees on it, where its kernels ran). Only the driver-time estimate reads
+    /// it.
+    pub fn work_queued(&self, stream: StreamId) {
+        if self.device.config.sync_ns.is_some() {
+            let mut q = self.queued.lock();
+            if !q.contains(&stream) {
+                q.push(stream);
+            }
+        }
+    }
+
+    /// Forget what was queued: the device is idle (a new replay on this process starts).
+    pub fn forget_queued_work(&self) {
+        self.queued.lock().clear();
+    }
+
+    /// A wait for `stream`'s work (or, with `None`, the whole device's) succeeded: if work was
+    /// queued there, it drains, at [`SimConfig::sync_ns`] above the call's idle price.
+    fn waited(&self, stream: Option<StreamId>) {
+        let Some(drain) = self.device.config.sync_ns else {
+            return;
+        };
+        let drained = {
+            let mut q = self.queued.lock();
+            let before = q.len();
+            match stream {
+                Some(s) => q.retain(|&x| x != s),
+                None => q.clear(),
+            }
+            q.len() < before
+        };
+        if drained {
+            self.host_ns.fetch_add(
+                crate::driver::cost::drain_extra_ns(drain),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            self.drains
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// Count `call` on `bytes` (0 when the call has no size), charge its estimated host time,
     /// and fail it if a fault is planted.
     fn count(&self, call: DriverCall, bytes: u64) -> DriverResult<()> {
-        use crate::driver::cost;
-        let mut ns = (cost::host_seconds(call, bytes) * 1e9).round() as u64;
-        if let Some(drain) = self.device.config.sync_ns {
-            if cost::waits_for_device(call)
-                && self
-                    .queued
-                    .swap(false, std::sync::atomic::Ordering::Relaxed)
-            {
-                ns += cost::drain_extra_ns(drain);
-                self.drains
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-        }
+        let ns = (crate::driver::cost::host_seconds(call, bytes) * 1e9).round() as u64;
         self.host_ns
             .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
         self.faults.count(call)
@@ -359,6 +383,8 @@ impl Driver for SimDriver {
     fn free_segment(&self, ptr: DevicePtr, bytes: u64) -> DriverResult<()> {
         const CALL: DriverCall = DriverCall::FreeSegment;
         self.count(CALL, bytes)?;
+        // cuMemFree synchronises the device.
+        self.waited(None);
         let mut st = self.device.state.lock();
         let p = st.processes.get_mut(&self.pid).expect("process exists");
         match p.segments.get(&ptr) {
@@ -617,6 +643,8 @@ impl Driver for SimDriver {
         st.not_while_capturing(stream, DriverCall::SyncStream)?;
         let s = st.streams.entry(stream).or_default();
         s.completed = s.submitted;
+        drop(st);
+        self.waited(Some(stream));
         Ok(())
     }
 
@@ -635,6 +663,8 @@ impl Driver for SimDriver {
         for s in st.streams.values_mut().filter(|s| !s.external) {
             s.completed = s.submitted;
         }
+        drop(st);
+        self.waited(None);
         Ok(())
     }
 
