@@ -93,7 +93,7 @@ def test_tests_that_need_the_extension_count_only_with_it(monkeypatch):
 
 
 def test_runs_from_other_folders_compare_by_class_and_test():
-    # A run kept from an earlier session named its tests with the folder pytest saw then.
+    # A run kept from an earlier time named its tests with the folder pytest saw then.
     torch = {"outcomes": {"upstream.test_cuda.T::a": "passed"}, "returncode": 0}
     mode = {"outcomes": {"test_cuda.T::a": "passed"}, "config": "native", "returncode": 0}
     r = upstream_tests.compare(torch, mode)

@@ -298,7 +298,7 @@ def main():
         sys.stdout.flush()
     if "latency_ours" in parts and "latency_native" in parts:
         # Installed, a cached pair through PyTorch's pluggable interface is no slower than
-        # PyTorch's own caching allocator in the same session.
+        # PyTorch's own caching allocator in the same run.
         def median(part):
             runs = sorted(r["ns_per_pair"] for r in results.get(part, []) if "ns_per_pair" in r)
             return runs[len(runs) // 2] if runs else None
