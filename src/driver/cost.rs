@@ -52,6 +52,66 @@ pub fn drain_extra_ns(drain_ns: u64) -> u64 {
     drain_ns.saturating_sub(idle)
 }
 
+/// The drain rule for one process's waits (the module's doc): the streams that have work
+/// queued since they were last waited for, and the drains so far. The simulated driver prices
+/// our waits with it and the replay PyTorch's, so both sides follow one rule.
+#[derive(Debug, Default)]
+pub struct Drains {
+    /// What a drain costs in all, in nanoseconds; `None`: every wait priced idle, nothing kept.
+    price_ns: Option<u64>,
+    queued: Vec<u64>,
+    count: u64,
+}
+
+impl Drains {
+    pub fn new(price_ns: Option<u64>) -> Self {
+        Drains {
+            price_ns,
+            ..Default::default()
+        }
+    }
+
+    pub fn price_ns(&self) -> Option<u64> {
+        self.price_ns
+    }
+
+    /// Waits so far that drained queued work.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// The program queued work on `stream`.
+    pub fn work_queued(&mut self, stream: u64) {
+        if self.price_ns.is_some() && !self.queued.contains(&stream) {
+            self.queued.push(stream);
+        }
+    }
+
+    /// Nothing is queued any more (the device is idle).
+    pub fn forget(&mut self) {
+        self.queued.clear();
+    }
+
+    /// A wait for `stream`'s work (`None`: every stream's, as a device synchronisation or a
+    /// segment free waits): what it costs above its idle price, in nanoseconds, 0 when
+    /// nothing was queued there.
+    pub fn waited(&mut self, stream: Option<u64>) -> u64 {
+        let Some(price) = self.price_ns else {
+            return 0;
+        };
+        let before = self.queued.len();
+        match stream {
+            Some(s) => self.queued.retain(|&x| x != s),
+            None => self.queued.clear(),
+        }
+        if self.queued.len() == before {
+            return 0;
+        }
+        self.count += 1;
+        drain_extra_ns(price)
+    }
+}
+
 /// Estimated host time of one `call` on `bytes`, in seconds.
 pub fn host_seconds(call: DriverCall, bytes: u64) -> f64 {
     let micros = match table(call) {

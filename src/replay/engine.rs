@@ -261,7 +261,7 @@ pub fn replay_on(
     let mut r = Replayer::new(alloc, trace, opts.timeline_points);
     // PyTorch's waits priced as the device prices ours (`opts.sync_ns` only builds a fresh
     // device); the device idle at the start, as PyTorch's side is.
-    r.torch.drain_ns = alloc.driver().device().config().sync_ns;
+    r.torch.drains = cost::Drains::new(alloc.driver().device().config().sync_ns);
     alloc.driver().forget_queued_work();
     let n = trace.events.len();
     // Cumulative estimated driver time, ours and PyTorch's, at the end of each tenth.
@@ -288,8 +288,7 @@ pub fn replay_on(
     let snap = alloc.snapshot();
     r.leave_nothing_live(opts.release_at_end)?;
     let held_after = alloc.driver().held_bytes();
-    let mut result = r.result(opts, snap, seconds, driver_seconds, held_after);
-    result.drains = drains;
+    let mut result = r.result(opts, snap, seconds, (driver_seconds, drains), held_after);
     result.driver_seconds_by_tenth = by_tenth(&at);
     result.torch_driver_seconds_by_tenth = by_tenth(&torch_at);
     Ok(result)
@@ -343,12 +342,9 @@ struct Torch {
     peak: u64,
     calls: DriverCalls,
     seconds: f64,
-    /// What a wait that drains queued work costs ([`SimConfig::sync_ns`]), priced as on our side.
-    drain_ns: Option<u64>,
-    /// Streams the program queued work on since PyTorch's allocator last waited for them.
-    queued: Vec<u64>,
-    /// Waits that drained queued work.
-    drains: u64,
+    /// PyTorch's waits, drained by the rule and at the price of our side's
+    /// ([`SimConfig::sync_ns`]).
+    drains: cost::Drains,
 }
 
 impl Torch {
@@ -358,28 +354,9 @@ impl Torch {
         self.seconds += priced as f64 * cost::host_seconds(call, bytes);
     }
 
-    /// The program's work on `stream` queued.
-    fn work_queued(&mut self, stream: u64) {
-        if self.drain_ns.is_some() && !self.queued.contains(&stream) {
-            self.queued.push(stream);
-        }
-    }
-
-    /// A wait for `stream`'s work (`None`: the device's), drained at `drain_ns` if any was
-    /// queued there, as `SimDriver` prices ours.
+    /// A wait for `stream`'s work (`None`: the device's), charged what it drained.
     fn waited(&mut self, stream: Option<u64>) {
-        let Some(drain) = self.drain_ns else {
-            return;
-        };
-        let before = self.queued.len();
-        match stream {
-            Some(s) => self.queued.retain(|&x| x != s),
-            None => self.queued.clear(),
-        }
-        if self.queued.len() < before {
-            self.seconds += cost::drain_extra_ns(drain) as f64 * 1e-9;
-            self.drains += 1;
-        }
+        self.seconds += self.drains.waited(stream) as f64 * 1e-9;
     }
 
     /// Each of `calls` once per page of an expandable range of `bytes`; returns the page size and
@@ -488,7 +465,7 @@ impl<'a> Replayer<'a> {
             // The program ran kernels on this stream between its allocations and frees: the
             // next wait for the stream or the device, ours or PyTorch's, drains them.
             self.allocator.driver().work_queued(StreamId(e.stream));
-            self.torch.work_queued(e.stream);
+            self.torch.drains.work_queued(e.stream);
         }
         match e.action {
             Action::Alloc => self.alloc(i, e)?,
@@ -629,7 +606,7 @@ impl<'a> Replayer<'a> {
         opts: &ReplayOptions,
         snap: Snapshot,
         seconds: f64,
-        driver_seconds: f64,
+        (driver_seconds, drains): (f64, u64),
         held_after: u64,
     ) -> ReplayResult {
         let floor_peak = self.live.floor_peak;
@@ -658,9 +635,9 @@ impl<'a> Replayer<'a> {
             torch_driver_calls: self.torch.calls,
             driver_seconds,
             torch_driver_seconds: self.torch.seconds,
-            sync_us: self.torch.drain_ns.map(|ns| ns as f64 / 1e3),
-            drains: 0,
-            torch_drains: self.torch.drains,
+            sync_us: self.torch.drains.price_ns().map(|ns| ns as f64 / 1e3),
+            drains,
+            torch_drains: self.torch.drains.count(),
             driver_seconds_by_tenth: [0.0; TENTHS],
             torch_driver_seconds_by_tenth: [0.0; TENTHS],
             ooms: self.ooms,

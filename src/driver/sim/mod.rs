@@ -29,6 +29,7 @@ mod config;
 mod faults;
 mod host;
 mod inspect;
+mod pricing;
 mod streams;
 
 pub use self::config::SimConfig;
@@ -190,8 +191,7 @@ impl SimDevice {
             pid,
             faults: Faults::default(),
             host_ns: Default::default(),
-            queued: Default::default(),
-            drains: Default::default(),
+            drains: Mutex::new(crate::driver::cost::Drains::new(self.config.sync_ns)),
         })
     }
 
@@ -214,14 +214,11 @@ pub struct SimDriver {
     device: Arc<SimDevice>,
     pid: u32,
     faults: Faults,
-    /// Estimated host time of the calls made, in nanoseconds (see [`crate::driver::cost`]).
+    /// Estimated host time of the calls made, in nanoseconds (`pricing.rs`).
     host_ns: std::sync::atomic::AtomicU64,
-    /// Streams the program queued work on since the host last waited for them
-    /// ([`Self::work_queued`]): the next call that waits for one of them pays
-    /// [`SimConfig::sync_ns`], once.
-    queued: Mutex<Vec<StreamId>>,
-    /// Waits that paid [`SimConfig::sync_ns`].
-    drains: std::sync::atomic::AtomicU64,
+    /// The streams with work queued since the host last waited for them, priced at
+    /// [`SimConfig::sync_ns`] (`pricing.rs`).
+    drains: Mutex<crate::driver::cost::Drains>,
 }
 
 impl SimDriver {
@@ -245,12 +242,6 @@ impl SimDriver {
         self.pid
     }
 
-    /// The host time the calls made so far would have taken on an H200, in seconds (an
-    /// estimate from measured per-call costs: [`crate::driver::cost`]).
-    pub fn estimated_host_seconds(&self) -> f64 {
-        self.host_ns.load(std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9
-    }
-
     /// The size of a physical handle of this process (0 if unknown).
     fn handle_bytes(&self, handle: PhysHandle) -> u64 {
         let st = self.device.state.lock();
@@ -258,63 +249,6 @@ impl SimDriver {
             .phys
             .get(&handle.0)
             .map_or(0, |p| p.bytes)
-    }
-
-    /// How many waits so far drained queued work and paid [`SimConfig::sync_ns`] (0 when it
-    /// is `None`).
-    pub fn drains(&self) -> u64 {
-        self.drains.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Say that the program queued work on `stream` (a replay: between two of the trace's
-    /// allocations or frees on it, where its kernels ran). Only the driver-time estimate reads
-    /// it.
-    pub fn work_queued(&self, stream: StreamId) {
-        if self.device.config.sync_ns.is_some() {
-            let mut q = self.queued.lock();
-            if !q.contains(&stream) {
-                q.push(stream);
-            }
-        }
-    }
-
-    /// Forget what was queued: the device is idle (a new replay on this process starts).
-    pub fn forget_queued_work(&self) {
-        self.queued.lock().clear();
-    }
-
-    /// A wait for `stream`'s work (or, with `None`, the whole device's) succeeded: if work was
-    /// queued there, it drains, at [`SimConfig::sync_ns`] above the call's idle price.
-    fn waited(&self, stream: Option<StreamId>) {
-        let Some(drain) = self.device.config.sync_ns else {
-            return;
-        };
-        let drained = {
-            let mut q = self.queued.lock();
-            let before = q.len();
-            match stream {
-                Some(s) => q.retain(|&x| x != s),
-                None => q.clear(),
-            }
-            q.len() < before
-        };
-        if drained {
-            self.host_ns.fetch_add(
-                crate::driver::cost::drain_extra_ns(drain),
-                std::sync::atomic::Ordering::Relaxed,
-            );
-            self.drains
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
-    /// Count `call` on `bytes` (0 when the call has no size), charge its estimated host time,
-    /// and fail it if a fault is planted.
-    fn count(&self, call: DriverCall, bytes: u64) -> DriverResult<()> {
-        let ns = (crate::driver::cost::host_seconds(call, bytes) * 1e9).round() as u64;
-        self.host_ns
-            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
-        self.faults.count(call)
     }
 
     fn check_room(&self, st: &DeviceState, bytes: u64, call: DriverCall) -> DriverResult<()> {

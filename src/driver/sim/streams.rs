@@ -188,41 +188,6 @@ mod tests {
     }
 
     #[test]
-    fn a_wait_drains_only_the_work_queued_where_it_waits() {
-        use crate::driver::sim::SimConfig;
-        let priced = |sync_ns| {
-            SimDriver::with_config(SimConfig {
-                sync_ns,
-                ..Default::default()
-            })
-        };
-        let (d, idle) = (priced(Some(1_000_000)), priced(None));
-        let (a, b) = (StreamId(1), StreamId(2));
-        let mut drains = vec![];
-        for d in [&d, &idle] {
-            d.work_queued(a);
-            d.work_queued(b);
-            d.work_queued(a);
-            d.sync_stream(a).unwrap();
-            drains.push(d.drains());
-            d.sync_stream(a).unwrap();
-            drains.push(d.drains());
-            d.sync_device().unwrap();
-            drains.push(d.drains());
-            d.sync_device().unwrap();
-            d.work_queued(b);
-            d.forget_queued_work();
-            d.sync_stream(b).unwrap();
-            drains.push(d.drains());
-        }
-        // a's work once, nothing left on a, b's work, nothing after the device was forgotten.
-        assert_eq!(drains, [1, 1, 2, 2, 0, 0, 0, 0]);
-        let extra = d.estimated_host_seconds() - idle.estimated_host_seconds();
-        let idle_sync = crate::driver::cost::host_seconds(crate::driver::DriverCall::SyncStream, 0);
-        assert!((extra - 2.0 * (1e-3 - idle_sync)).abs() < 1e-12, "{extra}");
-    }
-
-    #[test]
     #[should_panic(expected = "after destroy_stream")]
     fn a_destroyed_stream_is_never_used_again() {
         let d = SimDriver::new();
