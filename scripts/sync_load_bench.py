@@ -5,10 +5,10 @@ memory (`src/driver/cost.rs` prices one on an idle stream).
 
 `tests/python/h200_step_cost.py`'s training loop (a Llama of 1024 hidden and 12 layers, fp32
 weights, bf16 autocast, activation checkpointing, AdamW; two micro-batches of 4 sequences of
-512, 1024 or 1536 tokens, seeded) under PyTorch's own allocator. Steps alternate: a plain step, then one where a synchronisation
-is made at SYNCS_PER_STEP points chosen at random among the decoder layers' forward and backward
-calls (the places where an allocation, and so a move, would happen), alternately of the current
-stream and of the device. Reported, in µs:
+512, 1024 or 1536 tokens, seeded) under PyTorch's own allocator. Steps alternate: a plain step,
+then one where a synchronisation is made at SYNCS_PER_STEP points chosen at random among the
+decoder layers' forward and backward calls (the places where an allocation, and so a move,
+would happen), alternately of the current stream and of the device. Reported, in µs:
 
 - wait: how long each synchronisation call itself blocked (the GPU work queued behind the host);
 - cost per sync: each synced step against the median of the plain steps of the same shapes

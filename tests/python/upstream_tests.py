@@ -15,9 +15,9 @@ and the outcome alone is the one compared.
 
 Runs may be made at different times or on different machines (a run of the whole file takes
 minutes), or at once as one process per configuration: `--saved` runs nothing and compares the
-runs kept in UPSTREAM_RESULTS (default all five). With VRAM_LEDGER_TORCH_EXTENSION=1 in the environment,
-install() uses its C++ extension's allocator (`python/vram_ledger/_extension.py`); each run's
-JSON says which.
+runs kept in UPSTREAM_RESULTS (default all five). With VRAM_LEDGER_TORCH_EXTENSION=1 in the
+environment, install() uses its C++ extension's allocator (`python/vram_ledger/_extension.py`);
+each run's JSON says which.
 A mode run alone is compared with an earlier `torch` run kept in
 UPSTREAM_RESULTS (a folder of the runs' JSON results, default ./upstream-results).
 
@@ -259,20 +259,12 @@ def compare(torch_run, mode_run):
             "lost_unexpected": unexpected, "lost_unexpected_why": failed_how, "marks": m.met, "ok": m.ok, "missed": m.missed()}
 
 
-def retry_memory_skips(argv, pytest_args):
+def retry_memory_skips(test_file, configs, pytest_args):
     """Each kept run's tests that skipped for want of free memory (in the file, or in their run
     alone for an ISOLATED test, which also ran beside the other configurations), run once more
     alone; that outcome replaces the one in the run's JSON. A test retried already is not run
     again. Prints one line per configuration; exits 1 when a configuration kept no run (the
     others are still retried)."""
-    if not argv:
-        print("--retry-memory-skips TEST_FILE [CONFIGS...]", file=sys.stderr)
-        return 2
-    test_file, configs = argv[0], argv[1:] or ["torch", *MODES]
-    unknown = [c for c in configs if c != "torch" and c not in MODES]
-    if unknown:
-        print(f"unknown configuration {unknown}: torch or one of {MODES}", file=sys.stderr)
-        return 2
     status = 0
     for config in configs:
         path = os.path.join(results_dir(), f"{config}.json")
@@ -315,14 +307,18 @@ def main(argv):
     if not argv:
         print(__doc__)
         return 2
-    if argv[0] == "--retry-memory-skips":
-        return retry_memory_skips(argv[1:], pytest_args)
+    retry = argv[0] == "--retry-memory-skips"
+    if retry and len(argv) == 1:
+        print("--retry-memory-skips TEST_FILE [CONFIGS...]", file=sys.stderr)
+        return 2
     saved_only = argv[0] == "--saved"
-    test_file, configs = argv[0], argv[1:] or ["torch", *MODES]
+    test_file, configs = argv[retry], argv[retry + 1:] or ["torch", *MODES]
     unknown = [c for c in configs if c != "torch" and c not in MODES]
     if unknown:
         print(f"unknown configuration {unknown}: torch or one of {MODES}", file=sys.stderr)
         return 2
+    if retry:
+        return retry_memory_skips(test_file, configs, pytest_args)
     if saved_only:
         runs = {}
         for c in configs:
