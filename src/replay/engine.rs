@@ -15,7 +15,9 @@
 //!   `empty_cache`, or an out-of-memory retry), the replay releases the allocator's.
 //!
 //! The estimated driver time, ours and PyTorch's, is read at the end of each tenth of the
-//! events: both sides are split at the same events.
+//! events: both sides are split at the same events. Both price their waits by one rule
+//! ([`cost::Drains`]): the program's kernels are taken to run on a stream between its
+//! allocations and frees there, and the first wait for that stream afterwards drains them.
 
 use std::collections::HashMap;
 use std::time::Instant;
