@@ -195,9 +195,9 @@ upstream() (
         pids+=($!)
     done
     wait "${pids[@]}" || true
-    # A test that skipped for want of free memory while the others ran runs again alone.
+    # A test that skipped or ran out of memory while the others shared the GPU runs again alone.
     retried=0
-    python3 tests/python/upstream_tests.py --retry-memory-skips upstream/test_cuda.py \
+    python3 tests/python/upstream_tests.py --retry-starved upstream/test_cuda.py \
         ${UPSTREAM_CONFIGS:-torch native expandable compact remap} -- --timeout=120 || retried=$?
     python3 tests/python/upstream_tests.py --saved ${UPSTREAM_CONFIGS:-torch native expandable compact remap} \
         && [ "$retried" -eq 0 ]

@@ -13,7 +13,9 @@ use common::{fresh_segment, sim, sim_on, sim_with};
 #[path = "common/model_rules.rs"]
 mod rules;
 use proptest::prelude::*;
-use rules::{check_best_fit, out_of_memory_is_owed, Rules, SegmentCalls};
+use rules::{
+    check_best_fit, no_unsafe_unmap, out_of_memory_is_owed, use_new_block, Rules, SegmentCalls,
+};
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
@@ -254,6 +256,7 @@ impl Shadow {
 
 fn check_all(a: &Allocator<SimDriver>, shadow: &Shadow) -> Result<(), TestCaseError> {
     invariants::check_sim(a).map_err(|v| TestCaseError::fail(v.to_string()))?;
+    no_unsafe_unmap(a.driver().device())?;
     let s = a.snapshot();
     for t in Tag::ALL {
         let i = t.index();
@@ -437,6 +440,9 @@ fn run_full(
                                 .write_word(x.ptr, stamp(x.ptr))
                                 .map_err(|e| TestCaseError::fail(e.to_string()))?;
                         }
+                        if x.ptr != 0 {
+                            use_new_block(&dev, x.ptr, x.size, st)?;
+                        }
                         shadow.add(Live {
                             ptr: x.ptr,
                             size: x.size,
@@ -520,6 +526,10 @@ fn run_full(
                 if x.ptr != 0 {
                     a.record_stream(x.ptr, stream(s))
                         .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    // Work on a tensor whose tag sleeps would fault: its memory is not mapped.
+                    if !shadow.asleep[x.tag.index()] {
+                        dev.submit_touching(stream(s), x.ptr, x.size);
+                    }
                 }
             }
             Op::RecordStream { .. } => {}

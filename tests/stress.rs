@@ -1,7 +1,11 @@
 //! Concurrency stress: 8 threads doing random operations on distinct and shared streams. Every
 //! allocation is checked against a shared shadow interval map (no two live allocations
 //! overlap); at quiescent points between rounds the ledger's identity holds and equals the
-//! shadow's totals. `VRAM_LEDGER_STRESS_OPS` sets the operations per thread per round.
+//! shadow's totals. Each allocation queues work on its stream that uses it (some on a second
+//! stream too, with `record_stream`), completed now and then: no block may be handed out while
+//! another stream's unfinished work uses it, and nothing unmapped under such work
+//! (`SimDevice::unsafe_unmaps`). `VRAM_LEDGER_STRESS_OPS` sets the operations per thread per
+//! round.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, Mutex};
@@ -55,6 +59,7 @@ fn stress(mode: SegmentMode) {
         .map(|t| {
             let (a, shadow, barrier, live) =
                 (a.clone(), shadow.clone(), barrier.clone(), lives[t].clone());
+            let dev = a.driver().device().clone();
             let all: Vec<_> = lives.clone();
             std::thread::spawn(move || {
                 let mut rng = Rng(0x9E37_79B9 + t as u64 * 7919);
@@ -75,6 +80,18 @@ fn stress(mode: SegmentMode) {
                             let x = a.allocate_tagged(size, own, tag).unwrap();
                             if x.ptr != 0 {
                                 claim(&shadow, &x, t);
+                                let users = dev.unfinished_users(x.ptr, x.size, own);
+                                assert!(
+                                    users.is_empty(),
+                                    "{x:?} handed out while {users:?} used it"
+                                );
+                                dev.submit_touching(own, x.ptr, x.size);
+                                if r.is_multiple_of(11) {
+                                    // Used on another thread's stream as well.
+                                    let other = StreamId(0x100 * (1 + (r >> 12) % 6));
+                                    a.record_stream(x.ptr, other).unwrap();
+                                    dev.submit_touching(other, x.ptr, x.size);
+                                }
                                 mine.push(x);
                             }
                         } else {
@@ -90,6 +107,9 @@ fn stress(mode: SegmentMode) {
                         drop(mine);
                         if r.is_multiple_of(997) {
                             a.empty_cache().unwrap();
+                        }
+                        if r.is_multiple_of(13) {
+                            dev.complete(own);
                         }
                         if r.is_multiple_of(1009) {
                             let _ = a.snapshot(); // lock-free reads while others allocate
@@ -119,6 +139,13 @@ fn stress(mode: SegmentMode) {
     for h in handles {
         h.join().unwrap();
     }
+    let unsafe_unmaps = a.driver().device().unsafe_unmaps();
+    assert!(
+        unsafe_unmaps.is_empty(),
+        "{mode:?}: {}",
+        unsafe_unmaps.join("; ")
+    );
+    a.driver().device().complete_all();
     a.empty_cache().unwrap();
     assert_eq!(a.driver().held_bytes(), 0);
     assert_eq!(a.live_allocations(), 0);

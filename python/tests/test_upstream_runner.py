@@ -172,6 +172,21 @@ class TestMemory(unittest.TestCase):
     def test_skipped_otherwise(self):
         pass
 
+    def test_out_of_memory_when_shared(self):
+        # As a tensor that cannot be allocated while a neighbour holds the device's memory.
+        if os.path.exists(os.environ["NEIGHBOUR"]):
+            raise RuntimeError("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 MiB.")
+
+    def test_out_of_memory_alone_too(self):
+        # A mode's own out-of-memory: it fails alone as well, and must still count.
+        raise RuntimeError("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 TiB.")
+
+    def test_fails_otherwise(self):
+        # Not a question of memory: a retry must not run it.
+        with open(os.environ["RAN"], "a") as f:
+            f.write("ran ")
+        self.fail("wrong answer")
+
 class TestOther(unittest.TestCase):
     def test_large(self):
         # Another class's test of the same name: a retry must not run it either.
@@ -190,23 +205,31 @@ def test_a_test_starved_of_memory_by_a_neighbour_is_run_again_alone(tmp_path):
     runner = [sys.executable, str(RUNNER / "upstream_tests.py")]
     r = subprocess.run(runner + [str(f), "torch"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert ran.read_text() == "ran ran ", "the whole file ran once"
+    assert ran.read_text() == "ran ran ran ", "the whole file ran once"
     # The neighbour is gone once the shared runs are over.
     neighbour.unlink()
-    r = subprocess.run(runner + ["--retry-memory-skips", str(f), "torch"], env=env, capture_output=True, text=True)
+    r = subprocess.run(runner + ["--retry-starved", str(f), "torch"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert ran.read_text() == "ran ran ", "the retry ran only the starved test"
+    assert ran.read_text() == "ran ran ran ", "the retry ran only the starved tests"
     saved = json.loads((tmp_path / "results" / "torch.json").read_text())
     by_name = {k.split(".")[-1]: v for k, v in saved["outcomes"].items()}
     assert by_name == {"TestMemory::test_large": "passed", "TestMemory::test_large_too": "passed",
-                       "TestMemory::test_skipped_otherwise": "skipped", "TestOther::test_large": "passed"}, by_name
+                       "TestMemory::test_skipped_otherwise": "skipped", "TestOther::test_large": "passed",
+                       "TestMemory::test_out_of_memory_when_shared": "passed",
+                       "TestMemory::test_out_of_memory_alone_too": "failed",
+                       "TestMemory::test_fails_otherwise": "failed"}, by_name
     retried = {k.split(".")[-1]: v for k, v in saved["retried"].items()}
-    assert retried == {"TestMemory::test_large": {"shared": "skipped", "alone": "passed"}}, retried
+    assert retried == {"TestMemory::test_large": {"shared": "skipped", "alone": "passed"},
+                       "TestMemory::test_out_of_memory_when_shared": {"shared": "failed", "alone": "passed"},
+                       "TestMemory::test_out_of_memory_alone_too": {"shared": "failed", "alone": "failed"}}, retried
+    why = {k.split(".")[-1]: v for k, v in saved["failures"].items()}
+    assert "1.00 TiB" in why["TestMemory::test_out_of_memory_alone_too"], why
+    assert "TestMemory::test_out_of_memory_when_shared" not in why, why
     r = subprocess.run(runner + ["--saved", "torch"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     # A second retry runs nothing again: with the neighbour back, a run would skip.
     neighbour.write_text("holds the device's memory again")
-    r = subprocess.run(runner + ["--retry-memory-skips", str(f), "torch"], env=env, capture_output=True, text=True)
+    r = subprocess.run(runner + ["--retry-starved", str(f), "torch"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout.splitlines()[0])["retried"] == saved["retried"], r.stdout
     again = json.loads((tmp_path / "results" / "torch.json").read_text())
@@ -217,11 +240,11 @@ def test_a_retry_without_a_kept_run_is_refused(tmp_path):
     env = {**os.environ, "UPSTREAM_RESULTS": str(tmp_path)}
     (tmp_path / "torch.json").write_text(json.dumps({"config": "torch", "outcomes": {}, "returncode": 0}))
     (tmp_path / "torch.xml").write_text("<testsuites><testsuite/></testsuites>")
-    r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), "--retry-memory-skips", "x.py", "remap",
+    r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), "--retry-starved", "x.py", "remap",
                         "torch"], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "no kept run of remap" in r.stderr, r.stdout + r.stderr
     # The configuration after the missing one is still retried.
     assert json.loads(r.stdout.splitlines()[0]) == {"config": "torch", "retried": {}}, r.stdout
-    r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), "--retry-memory-skips", "x.py", "bogus"],
+    r = subprocess.run([sys.executable, str(RUNNER / "upstream_tests.py"), "--retry-starved", "x.py", "bogus"],
                        env=env, capture_output=True, text=True)
     assert r.returncode == 2, r.stdout + r.stderr

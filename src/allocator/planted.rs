@@ -2,9 +2,10 @@
 //!
 //! Built only with the `planted-bugs` feature, and then active only when the environment
 //! variable `VRAM_LEDGER_PLANT` names one of them (`split_off_by_512`, `missed_merge`,
-//! `segment_count`, `remap_spare`, `first_fit`, `limit_ignored`). The first four break the
-//! allocator's structures; the last two are policy errors that leave every structure sound: a
-//! block that fits but is not the best, and growth past the limit. Without the feature, [`active`] is the constant `false` and
+//! `segment_count`, `remap_spare`, `first_fit`, `limit_ignored`, `unmap_unsynced`). The first
+//! four break the allocator's structures; the other three leave every structure sound: a block
+//! that fits but is not the best, growth past the limit, and freed memory unmapped while the
+//! device may still be using it. Without the feature, [`active`] is the constant `false` and
 //! every planted branch compiles away, so the cached path costs what it did.
 
 /// A planted bug.
@@ -22,17 +23,20 @@ pub enum Bug {
     FirstFit,
     /// Growth does not check the limit.
     LimitIgnored,
+    /// Free memory is unmapped with nothing synchronised first.
+    UnmapUnsynced,
 }
 
 #[cfg_attr(not(feature = "planted-bugs"), allow(dead_code))]
 impl Bug {
-    pub const ALL: [Bug; 6] = [
+    pub const ALL: [Bug; 7] = [
         Bug::SplitOffBy512,
         Bug::MissedMerge,
         Bug::SegmentCount,
         Bug::RemapSpare,
         Bug::FirstFit,
         Bug::LimitIgnored,
+        Bug::UnmapUnsynced,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -43,6 +47,7 @@ impl Bug {
             Bug::RemapSpare => "remap_spare",
             Bug::FirstFit => "first_fit",
             Bug::LimitIgnored => "limit_ignored",
+            Bug::UnmapUnsynced => "unmap_unsynced",
         }
     }
 }

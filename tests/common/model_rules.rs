@@ -6,7 +6,7 @@
 use proptest::prelude::*;
 use vram_ledger::allocator::dump::{DumpState, SegmentDump, StateDump};
 use vram_ledger::driver::sim::{SimDevice, SimDriver};
-use vram_ledger::driver::DriverCall;
+use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::units::MIB;
 use vram_ledger::Allocator;
 
@@ -167,4 +167,32 @@ pub fn out_of_memory_is_owed(
     let held = a.snapshot().reserved_bytes.current;
     let over_limit = a.limit().is_some_and(|l| held + growth > l);
     over_limit || dev.used() + growth > capacity
+}
+
+/// A block just handed out on `stream` is used there: no other stream's unfinished work may
+/// still use any of it (work queued earlier on `stream` itself runs first, in stream order).
+pub fn use_new_block(
+    dev: &SimDevice,
+    ptr: u64,
+    size: u64,
+    stream: StreamId,
+) -> Result<(), TestCaseError> {
+    let users = dev.unfinished_users(ptr, size, stream);
+    prop_assert!(
+        users.is_empty(),
+        "{:#x}+{} handed to {:?} while {:?} still used it",
+        ptr,
+        size,
+        stream,
+        users
+    );
+    dev.submit_touching(stream, ptr, size);
+    Ok(())
+}
+
+/// Nothing was unmapped while work that used it had not finished.
+pub fn no_unsafe_unmap(dev: &SimDevice) -> Result<(), TestCaseError> {
+    let bad = dev.unsafe_unmaps();
+    prop_assert!(bad.is_empty(), "{}", bad.join("; "));
+    Ok(())
 }

@@ -11,7 +11,7 @@ and the outcome alone is the one compared.
     python3 tests/python/upstream_tests.py TEST_FILE [torch|native|expandable|compact|remap ...]
         [-- PYTEST_ARGS...]
     python3 tests/python/upstream_tests.py --saved [CONFIGS...]
-    python3 tests/python/upstream_tests.py --retry-memory-skips TEST_FILE [CONFIGS...] [-- PYTEST_ARGS...]
+    python3 tests/python/upstream_tests.py --retry-starved TEST_FILE [CONFIGS...] [-- PYTEST_ARGS...]
 
 Runs may be made at different times or on different machines (a run of the whole file takes
 minutes), or at once as one process per configuration: `--saved` runs nothing and compares the
@@ -22,10 +22,12 @@ A mode run alone is compared with an earlier `torch` run kept in
 UPSTREAM_RESULTS (a folder of the runs' JSON results, default ./upstream-results).
 
 Runs that share the GPU can starve one another: a test that needs more free memory than the
-device has at that moment skips itself ("Insufficient cuda memory", PyTorch's largeTensorTest),
-in one configuration and not another, and the comparison would count that as lost.
-`--retry-memory-skips`, run once the shared runs are over, runs each such test of the kept runs
-once more alone and keeps that outcome (the run's JSON lists them under `retried`).
+device has at that moment skips itself ("Insufficient cuda memory", PyTorch's largeTensorTest)
+or fails with "CUDA out of memory", in one configuration and not another, and the comparison
+would count that as lost. `--retry-starved`, run once the shared runs are over, runs each such
+test of the kept runs once more alone and keeps that outcome (the run's JSON lists them under
+`retried`). A test that runs out of memory alone too still fails: a mode's own out-of-memory is
+still counted.
 """
 
 import json
@@ -160,14 +162,22 @@ def failures(junit_path):
     return out
 
 
-def memory_skips(junit_path):
-    """Ids of the tests that skipped themselves for want of free device memory."""
+def starved(junit_path):
+    """Ids of the tests that skipped themselves for want of free device memory, or failed
+    because the device ran out of it."""
     out = []
     for case in ET.parse(junit_path).getroot().iter("testcase"):
-        skipped = case.find("skipped")
-        message = "" if skipped is None else (skipped.get("message") or "")
-        if case.find("failure") is None and case.find("error") is None and message.startswith("Insufficient") \
-                and "memory" in message:
+        failed = case.find("failure")
+        if failed is None:
+            failed = case.find("error")
+        if failed is not None:
+            text = (failed.get("message") or "") + "\n" + (failed.text or "")
+            hit = "CUDA out of memory" in text
+        else:
+            skipped = case.find("skipped")
+            message = "" if skipped is None else (skipped.get("message") or "")
+            hit = message.startswith("Insufficient") and "memory" in message
+        if hit:
             out.append(test_id(case.get("classname"), case.get("name")))
     return out
 
@@ -259,11 +269,11 @@ def compare(torch_run, mode_run):
             "lost_unexpected": unexpected, "lost_unexpected_why": failed_how, "marks": m.met, "ok": m.ok, "missed": m.missed()}
 
 
-def retry_memory_skips(test_file, configs, pytest_args):
-    """Each kept run's tests that skipped for want of free memory (in the file, or in their run
-    alone for an ISOLATED test, which also ran beside the other configurations), run once more
-    alone; that outcome replaces the one in the run's JSON. A test retried already is not run
-    again. Prints one line per configuration; exits 1 when a configuration kept no run (the
+def retry_starved(test_file, configs, pytest_args):
+    """Each kept run's tests that skipped or failed for want of free memory (in the file, or in
+    their run alone for an ISOLATED test, which also ran beside the other configurations), run
+    once more alone; that outcome replaces the one in the run's JSON. A test retried already is
+    not run again. Prints one line per configuration; exits 1 when a configuration kept no run (the
     others are still retried)."""
     status = 0
     for config in configs:
@@ -277,21 +287,24 @@ def retry_memory_skips(test_file, configs, pytest_args):
             result = json.load(f)
         by_id = {test_id(*t.rsplit("::", 1)): t for t in result["outcomes"]}
         retried = result.setdefault("retried", {})
-        starved = [t for t in memory_skips(junit) if t.split("::")[-1] not in ISOLATED]
+        hungry = [t for t in starved(junit) if t.split("::")[-1] not in ISOLATED]
         for name in ISOLATED:
             alone = os.path.join(results_dir(), f"{config}-{name}.xml")
             if os.path.exists(alone):
-                starved += [t for t in memory_skips(alone) if t.split("::")[-1] == name]
+                hungry += [t for t in starved(alone) if t.split("::")[-1] == name]
         cmd, env = pytest_command(config, test_file, junit)
-        for test in starved:
+        for test in hungry:
             if test not in by_id or by_id[test] in retried:
                 continue
             got, failed_why = run_alone(config, test_file, test, cmd, env, pytest_args, "retried-")
             key = by_id[test]
             retried[key] = {"shared": result["outcomes"][key], "alone": got}
             result["outcomes"][key] = got
+            # The shared run's message would say why a test failed that passed alone.
+            failures_kept = result.setdefault("failures", {})
+            failures_kept.pop(key, None)
             if failed_why is not None:
-                result.setdefault("failures", {})[key] = failed_why
+                failures_kept[key] = failed_why
         with open(path, "w") as f:
             json.dump(result, f)
         print(json.dumps({"config": config, "retried": retried}))
@@ -307,9 +320,9 @@ def main(argv):
     if not argv:
         print(__doc__)
         return 2
-    retry = argv[0] == "--retry-memory-skips"
+    retry = argv[0] == "--retry-starved"
     if retry and len(argv) == 1:
-        print("--retry-memory-skips TEST_FILE [CONFIGS...]", file=sys.stderr)
+        print("--retry-starved TEST_FILE [CONFIGS...]", file=sys.stderr)
         return 2
     saved_only = argv[0] == "--saved"
     test_file, configs = argv[retry], argv[retry + 1:] or ["torch", *MODES]
@@ -318,7 +331,7 @@ def main(argv):
         print(f"unknown configuration {unknown}: torch or one of {MODES}", file=sys.stderr)
         return 2
     if retry:
-        return retry_memory_skips(test_file, configs, pytest_args)
+        return retry_starved(test_file, configs, pytest_args)
     if saved_only:
         runs = {}
         for c in configs:

@@ -21,6 +21,7 @@ use crate::allocator::block::{BlockId, BlockState, NIL};
 use crate::allocator::core::{Core, GrowError};
 use crate::allocator::history::Action;
 use crate::allocator::owner::Owner;
+use crate::allocator::planted::{self, Bug};
 use crate::allocator::rules::PoolKind;
 use crate::allocator::segment::{Mapping, Segment, SegmentKind, Spare, VirtualMap};
 use crate::allocator::shard::Shard;
@@ -270,6 +271,11 @@ impl Shard {
             return Ok(0);
         }
         let owner = s.owner;
+        let sync = if planted::active(Bug::UnmapUnsynced) {
+            SyncFirst::Done
+        } else {
+            sync
+        };
         match sync {
             SyncFirst::Owner => core.sync_owner(owner)?,
             SyncFirst::Device => core.driver.sync_device()?,

@@ -31,6 +31,7 @@ mod host;
 mod inspect;
 mod pricing;
 mod streams;
+mod touches;
 
 pub use self::config::SimConfig;
 use self::faults::Faults;
@@ -112,6 +113,9 @@ struct DeviceState {
     /// Bytes of segments and physical handles that exited processes still held: what only the
     /// process's exit gave back (a leak, as compute-sanitizer reports it).
     reclaimed_at_exit: u64,
+    /// Unfinished work that uses device addresses, and unmaps made under it (`touches.rs`).
+    touches: Vec<touches::Touch>,
+    unsafe_unmaps: Vec<String>,
 }
 
 impl DeviceState {
@@ -155,6 +159,8 @@ impl SimDevice {
                 next_pid: 1000,
                 next_capture: 0,
                 reclaimed_at_exit: 0,
+                touches: Vec::new(),
+                unsafe_unmaps: Vec::new(),
             }),
             copies: Default::default(),
         })
@@ -509,6 +515,7 @@ impl Driver for SimDriver {
             p.contents.remove(&m.handle);
             p.zeroed.remove(&m.handle);
         }
+        st.check_unmap(va, bytes);
         Ok(())
     }
 

@@ -1,0 +1,125 @@
+//! Which queued work reads or writes which device addresses, so that a test can check the one
+//! promise a caching allocator makes about memory the device may still be using: nothing is
+//! unmapped while work queued before its free, on a stream that used it, has not finished. On
+//! a real GPU such an unmap is undefined behaviour (a fault, or a write into whatever the
+//! driver puts in those pages next), so here it is recorded, not answered with an error, and a
+//! test asks for the record ([`SimDevice::unsafe_unmaps`]).
+//!
+//! Invariants:
+//! - A touch is one unit of work on its stream (`submit_touching` queues it): it is done once
+//!   the stream's completed count reaches the count it was queued at, as every other unit of
+//!   work is.
+//! - Touches are kept only while unfinished; the checks drop finished ones as they pass.
+
+use super::{DeviceState, SimDevice};
+use crate::driver::{DevicePtr, StreamId};
+
+/// Work queued on `stream` as its `seq`-th unit that uses `[va, va + bytes)`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Touch {
+    stream: StreamId,
+    seq: u64,
+    va: DevicePtr,
+    bytes: u64,
+}
+
+impl DeviceState {
+    /// Drop finished touches; the unfinished ones overlapping `[va, va + bytes)`.
+    fn unfinished(&mut self, va: DevicePtr, bytes: u64) -> Vec<Touch> {
+        let streams = &self.streams;
+        self.touches
+            .retain(|t| streams.get(&t.stream).is_some_and(|s| s.completed < t.seq));
+        self.touches
+            .iter()
+            .filter(|t| t.va < va + bytes && va < t.va + t.bytes)
+            .copied()
+            .collect()
+    }
+
+    /// Record the unmap of `[va, va + bytes)` if unfinished work still uses it.
+    pub(super) fn check_unmap(&mut self, va: DevicePtr, bytes: u64) {
+        for t in self.unfinished(va, bytes) {
+            self.unsafe_unmaps.push(format!(
+                "unmapped {va:#x}+{bytes} while work {} on {:?} (using {:#x}+{}) had not finished",
+                t.seq, t.stream, t.va, t.bytes
+            ));
+        }
+    }
+}
+
+impl SimDevice {
+    /// Queue one unit of work on `stream` that uses `[va, va + bytes)` (a kernel reading or
+    /// writing a tensor there).
+    pub fn submit_touching(&self, stream: StreamId, va: DevicePtr, bytes: u64) {
+        let mut st = self.state.lock();
+        let s = st.streams.entry(stream).or_default();
+        s.submitted += 1;
+        let seq = s.submitted;
+        st.touches.push(Touch {
+            stream,
+            seq,
+            va,
+            bytes,
+        });
+    }
+
+    /// The streams other than `except` whose unfinished work uses part of `[va, va + bytes)`:
+    /// memory handed to `except` there would be written while they still use it.
+    pub fn unfinished_users(&self, va: DevicePtr, bytes: u64, except: StreamId) -> Vec<StreamId> {
+        let mut st = self.state.lock();
+        let mut users: Vec<StreamId> = st
+            .unfinished(va, bytes)
+            .into_iter()
+            .map(|t| t.stream)
+            .filter(|&s| s != except)
+            .collect();
+        users.dedup();
+        users
+    }
+
+    /// Every unmap so far of memory that unfinished work still used, described.
+    pub fn unsafe_unmaps(&self) -> Vec<String> {
+        self.state.lock().unsafe_unmaps.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::driver::sim::SimDriver;
+    use crate::driver::{Driver, StreamId};
+
+    #[test]
+    fn an_unmap_is_unsafe_only_while_work_that_used_the_range_runs() {
+        let d = SimDriver::new();
+        let g = d.granularity();
+        let (a, b) = (StreamId(1), StreamId(2));
+        let va = d.reserve_va(4 * g).unwrap();
+        let h = d.create_physical(g).unwrap();
+        let map = |at| {
+            d.map(at, g, h).unwrap();
+            d.set_access(at, g).unwrap();
+        };
+        map(va);
+        let dev = d.device().clone();
+        dev.submit_touching(a, va, 512);
+        // Other work, and work on another range, do not make it unsafe; a's does until it ends.
+        dev.submit_touching(b, va + g, 512);
+        assert_eq!(dev.unfinished_users(va, g, b), vec![a]);
+        assert!(dev.unfinished_users(va, g, a).is_empty());
+        d.sync_stream(b).unwrap();
+        d.unmap(va, g).unwrap();
+        assert_eq!(dev.unsafe_unmaps().len(), 1, "{:?}", dev.unsafe_unmaps());
+        map(va + 2 * g);
+        d.sync_stream(a).unwrap();
+        d.unmap(va + 2 * g, g).unwrap();
+        map(va);
+        dev.submit_touching(a, va, g);
+        dev.complete(a);
+        d.unmap(va, g).unwrap();
+        dev.submit_touching(b, va, g);
+        d.sync_device().unwrap();
+        map(va);
+        d.unmap(va, g).unwrap();
+        assert_eq!(dev.unsafe_unmaps().len(), 1, "{:?}", dev.unsafe_unmaps());
+    }
+}
