@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export VRAM_LEDGER_CASES="${VRAM_LEDGER_CASES:-1000}"
 missed=0
-for bug in split_off_by_512 missed_merge segment_count remap_spare first_fit limit_ignored unmap_unsynced; do
+for bug in split_off_by_512 missed_merge segment_count remap_spare first_fit limit_ignored unmap_unsynced retire_early; do
     log=$(VRAM_LEDGER_PLANT=$bug cargo test --release --features planted-bugs --test model 2>&1)
     status=$?
     if [ $status -ne 0 ] && grep -q "minimal failing input" <<<"$log"; then

@@ -42,6 +42,10 @@ struct ReplayArgs {
     /// measured inside a training step; 0.2, the least, prices every wait as on an idle stream).
     #[arg(long, value_name = "MICROSECONDS")]
     sync_us: Option<f64>,
+    /// Remap mode: unmap a moved piece's old mapping once the stream's earlier work has
+    /// finished, instead of synchronising the stream first (`Config::unmap_later`).
+    #[arg(long)]
+    unmap_later: bool,
     /// Which device's trace to replay (default: the one with the most events).
     #[arg(long)]
     device: Option<usize>,
@@ -266,6 +270,7 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
             capacity,
             remap_piece,
             sync_ns,
+            unmap_later: args.unmap_later,
             ..Default::default()
         };
         let bar = (!json

@@ -9,13 +9,13 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::sim_moving;
+use common::sim_on;
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
 use vram_ledger::profile::{ProfileOptions, Profiler};
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{Allocation, Allocator, SegmentMode, Tag};
+use vram_ledger::{Allocation, Allocator, Config, SegmentMode, Tag};
 
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(0x1000);
@@ -158,21 +158,39 @@ fn finish(a: &Allocator<SimDriver>, live: Vec<Allocation>, when: &str) {
     assert_eq!(a.driver().live_objects(), 0, "{when}: driver objects left");
 }
 
-fn fresh(mode: SegmentMode) -> Allocator<SimDriver> {
+fn fresh(mode: SegmentMode, unmap_later: bool) -> Allocator<SimDriver> {
     let device = SimConfig {
         capacity: 4 * GIB,
         context_overhead: 256 * MIB,
         ..Default::default()
     };
     // The moves between streams' shards make driver calls too (compact, remap).
-    sim_moving(mode, device)
+    let config = Config {
+        move_across_streams: true,
+        unmap_later,
+        ..Config::with_mode(mode)
+    };
+    sim_on(device, config)
 }
 
 /// A clean run of the scenario in `mode`, then one run per driver call it made, with that call
 /// failing.
 fn fault_every_call(mode: SegmentMode) {
+    fault_every_call_with(mode, false);
+}
+
+per_mode!(fault_every_call);
+
+/// The same with remap's moves without a wait (`Config::unmap_later`): its events, queries,
+/// waits and late unmaps fail too.
+#[test]
+fn fault_every_call_unmapping_later() {
+    fault_every_call_with(SegmentMode::Remap, true);
+}
+
+fn fault_every_call_with(mode: SegmentMode, unmap_later: bool) {
     // A clean run, counting calls from the scenario's start.
-    let a = fresh(mode);
+    let a = fresh(mode, unmap_later);
     let base: Vec<u64> = INJECTED.iter().map(|&c| a.driver().calls(c)).collect();
     let mut live = Vec::new();
     assert_eq!(
@@ -190,7 +208,7 @@ fn fault_every_call(mode: SegmentMode) {
     let mut runs = 0;
     for (&call, &n) in INJECTED.iter().zip(&counts) {
         for at in 1..=n {
-            let a = fresh(mode);
+            let a = fresh(mode, unmap_later);
             a.driver().fail_nth(call, at);
             let mut live = Vec::new();
             let failures = scenario(&a, &mut live);
@@ -220,5 +238,3 @@ fn fault_every_call(mode: SegmentMode) {
     );
     assert!(runs > 50);
 }
-
-per_mode!(fault_every_call);

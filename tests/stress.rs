@@ -14,12 +14,12 @@ use std::sync::{Arc, Barrier, Mutex};
 #[path = "common/sim.rs"]
 mod common;
 
-use common::{sim_moving, Rng};
+use common::{sim_on, Rng};
 use vram_ledger::driver::sim::SimConfig;
 use vram_ledger::driver::StreamId;
 use vram_ledger::invariants;
 use vram_ledger::units::GIB;
-use vram_ledger::{Allocation, SegmentMode, Tag};
+use vram_ledger::{Allocation, Config, SegmentMode, Tag};
 
 /// Live intervals: start -> (end, owner thread).
 type Shadow = Mutex<BTreeMap<u64, (u64, usize)>>;
@@ -41,6 +41,19 @@ fn claim(shadow: &Shadow, a: &Allocation, who: usize) {
 
 /// 8 threads, three rounds of random operations in `mode`, checked at the end of each round.
 fn stress(mode: SegmentMode) {
+    stress_with(mode, false);
+}
+
+per_mode!(stress);
+
+/// Remap's moves within a stream's own memory without a wait (`Config::unmap_later`): the
+/// same, old mappings unmapped only once their stream's work has finished.
+#[test]
+fn stress_unmapping_later() {
+    stress_with(SegmentMode::Remap, true);
+}
+
+fn stress_with(mode: SegmentMode, unmap_later: bool) {
     let ops: u64 = std::env::var("VRAM_LEDGER_STRESS_OPS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -50,7 +63,12 @@ fn stress(mode: SegmentMode) {
         ..Default::default()
     };
     // Threads on other shards take each other's free memory (compact, remap).
-    let a = Arc::new(sim_moving(mode, device));
+    let config = Config {
+        move_across_streams: true,
+        unmap_later,
+        ..Config::with_mode(mode)
+    };
+    let a = Arc::new(sim_on(device, config));
     let shadow: Arc<Shadow> = Arc::default();
     let threads = 8;
     let barrier = Arc::new(Barrier::new(threads));
@@ -150,5 +168,3 @@ fn stress(mode: SegmentMode) {
     assert_eq!(a.driver().held_bytes(), 0);
     assert_eq!(a.live_allocations(), 0);
 }
-
-per_mode!(stress);

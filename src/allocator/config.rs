@@ -124,6 +124,13 @@ pub struct Config {
     /// synchronised), so that memory cached for one stream serves another. Off by default
     /// until its device synchronisations are measured on a GPU; replay turns it on.
     pub move_across_streams: bool,
+    /// Remap mode: a piece moved out of the growing stream's own free memory is mapped at its
+    /// new place at once and unmapped from the old one only once the stream's work queued
+    /// before the move has finished (an event, queried later), instead of after a
+    /// synchronisation of the stream: stream order already keeps the new uses after the old
+    /// ones. Moves from other streams' memory still synchronise. Off by default until it is
+    /// measured on a GPU.
+    pub unmap_later: bool,
     /// Keep each tag's memory in segments (and free lists) of its own, per stream, so that a
     /// tag can be put to sleep ([`crate::Allocator::sleep`]) without touching another tag's
     /// memory; graph pools are split by tag too, so a tag's graphs sleep with it. Costs at most

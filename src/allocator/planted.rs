@@ -2,10 +2,11 @@
 //!
 //! Built only with the `planted-bugs` feature, and then active only when the environment
 //! variable `VRAM_LEDGER_PLANT` names one of them (`split_off_by_512`, `missed_merge`,
-//! `segment_count`, `remap_spare`, `first_fit`, `limit_ignored`, `unmap_unsynced`). The first
-//! four break the allocator's structures; the other three leave every structure sound: a block
-//! that fits but is not the best, growth past the limit, and freed memory unmapped while the
-//! device may still be using it. Without the feature, [`active`] is the constant `false` and
+//! `segment_count`, `remap_spare`, `first_fit`, `limit_ignored`, `unmap_unsynced`,
+//! `retire_early`). The first four break the allocator's structures; the others leave every
+//! structure sound: a block that fits but is not the best, growth past the limit, and freed
+//! memory unmapped while the device may still be using it (before a move, or a moved piece's
+//! old mapping). Without the feature, [`active`] is the constant `false` and
 //! every planted branch compiles away, so the cached path costs what it did.
 
 /// A planted bug.
@@ -25,11 +26,13 @@ pub enum Bug {
     LimitIgnored,
     /// Free memory is unmapped with nothing synchronised first.
     UnmapUnsynced,
+    /// A moved piece's old mapping is unmapped without asking whether its stream's work is done.
+    RetireEarly,
 }
 
 #[cfg_attr(not(feature = "planted-bugs"), allow(dead_code))]
 impl Bug {
-    pub const ALL: [Bug; 7] = [
+    pub const ALL: [Bug; 8] = [
         Bug::SplitOffBy512,
         Bug::MissedMerge,
         Bug::SegmentCount,
@@ -37,6 +40,7 @@ impl Bug {
         Bug::FirstFit,
         Bug::LimitIgnored,
         Bug::UnmapUnsynced,
+        Bug::RetireEarly,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -48,6 +52,7 @@ impl Bug {
             Bug::FirstFit => "first_fit",
             Bug::LimitIgnored => "limit_ignored",
             Bug::UnmapUnsynced => "unmap_unsynced",
+            Bug::RetireEarly => "retire_early",
         }
     }
 }

@@ -80,11 +80,17 @@ impl Drains {
         self.count
     }
 
-    /// The program queued work on `stream`.
-    pub fn work_queued(&mut self, stream: u64) {
-        if self.price_ns.is_some() && !self.queued.contains(&stream) {
+    /// The program queued work on `stream`; whether the stream had none queued since it was
+    /// last waited for (always, when nothing is kept).
+    pub fn work_queued(&mut self, stream: u64) -> bool {
+        if self.price_ns.is_none() {
+            return true;
+        }
+        let fresh = !self.queued.contains(&stream);
+        if fresh {
             self.queued.push(stream);
         }
+        fresh
     }
 
     /// Nothing is queued any more (the device is idle).

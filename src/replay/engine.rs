@@ -55,6 +55,8 @@ pub struct ReplayOptions {
     /// PyTorch's alike, in nanoseconds ([`SimConfig::sync_ns`]). Default: the price measured
     /// under load ([`cost::LOADED_SYNC_NS`]); `None` prices every wait as on an idle stream.
     pub sync_ns: Option<u64>,
+    /// [`Config::unmap_later`] (default `false`, as the allocator's).
+    pub unmap_later: bool,
 }
 
 /// An H200's memory as `cuMemGetInfo` reports it.
@@ -70,6 +72,7 @@ impl Default for ReplayOptions {
             release_at_end: true,
             move_across_streams: true,
             sync_ns: Some(cost::LOADED_SYNC_NS),
+            unmap_later: false,
         }
     }
 }
@@ -221,6 +224,7 @@ fn fresh(trace: &Trace, opts: &ReplayOptions) -> Result<Allocator<SimDriver>, Er
     let config = Config {
         remap_piece: opts.remap_piece,
         move_across_streams: opts.move_across_streams,
+        unmap_later: opts.unmap_later,
         exact_best_fit: opts.mode == SegmentMode::Native,
         ..Config::with_mode(opts.mode)
     };
@@ -465,7 +469,9 @@ impl<'a> Replayer<'a> {
     fn event(&mut self, i: usize, e: &Event) -> Result<(), Error> {
         if matches!(e.action, Action::Alloc | Action::FreeRequested) {
             // The program ran kernels on this stream between its allocations and frees: the
-            // next wait for the stream or the device, ours or PyTorch's, drains them.
+            // next wait for the stream or the device, ours or PyTorch's, drains them. They
+            // finish only when waited for (`SimDriver::work_queued`), so an allocator that
+            // puts work off until an event on the stream is charged as late as it can be.
             self.allocator.driver().work_queued(StreamId(e.stream));
             self.torch.drains.work_queued(e.stream);
         }

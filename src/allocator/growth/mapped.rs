@@ -17,6 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::later::note_late_failure;
 use crate::allocator::block::{BlockId, BlockState, NIL};
 use crate::allocator::core::{Core, GrowError};
 use crate::allocator::history::Action;
@@ -25,7 +26,7 @@ use crate::allocator::planted::{self, Bug};
 use crate::allocator::rules::PoolKind;
 use crate::allocator::segment::{Mapping, Segment, SegmentKind, Spare, VirtualMap};
 use crate::allocator::shard::Shard;
-use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
+use crate::driver::{DevicePtr, Driver, DriverError, EventId, PhysHandle, StreamId};
 use crate::error::{OomCause, Result};
 
 /// What to synchronise before unmapping memory freed on a segment's stream.
@@ -38,6 +39,11 @@ pub(crate) enum SyncFirst {
     Device,
     /// Nothing: the caller has synchronised the device.
     Done,
+    /// Remap's move for growth on this stream ([`crate::Config::unmap_later`]): a segment of
+    /// the stream's own whose free memory is all in pieces is not synchronised; its pieces'
+    /// old mappings are unmapped once an event recorded now completes (`later.rs`). Any other
+    /// segment is synchronised as with `Owner`.
+    Later(StreamId),
 }
 
 /// Where growth goes in a reservation.
@@ -276,11 +282,35 @@ impl Shard {
         } else {
             sync
         };
-        match sync {
-            SyncFirst::Owner => core.sync_owner(owner)?,
-            SyncFirst::Device => core.driver.sync_device()?,
-            SyncFirst::Done => {}
-        }
+        let later = match sync {
+            SyncFirst::Owner => {
+                core.sync_owner(owner)?;
+                None
+            }
+            SyncFirst::Device => {
+                core.driver.sync_device()?;
+                None
+            }
+            SyncFirst::Done => None,
+            SyncFirst::Later(stream) => {
+                let pieces = runs
+                    .iter()
+                    .flat_map(|(_, vas)| vas)
+                    .all(|va| mappings[va].pooled);
+                let event = (pieces && owner.stream() == Some(stream))
+                    .then(|| core.driver.record_event(stream))
+                    .and_then(|r| {
+                        r.map_err(|e| {
+                            note_late_failure(core, &e, "no event for a move without a wait; the stream is synchronised instead");
+                        })
+                        .ok()
+                    });
+                if event.is_none() {
+                    core.sync_owner(owner)?;
+                }
+                event.map(|e| (e, stream))
+            }
+        };
         let mut released = 0;
         for (block, vas) in runs {
             // `cur` is the free block that still holds the mappings not yet unmapped.
@@ -292,7 +322,7 @@ impl Shard {
                 let mut failed = None;
                 let mut freed = 0;
                 while i < vas.len() && vas[i] == hi && released + (hi - lo) < budget {
-                    match self.unmap_mapping(core, seg, hi) {
+                    match self.unmap_mapping(core, seg, hi, later) {
                         Ok((bytes, gone)) => {
                             hi += bytes;
                             freed += gone;
@@ -320,16 +350,25 @@ impl Shard {
                 break;
             }
         }
+        if let Some((event, _)) = later {
+            if !self.retiring.iter().any(|r| r.event == event) {
+                if let Err(e) = core.driver.destroy_event(event) {
+                    tracing::warn!(error = %e, "an unused event of a move could not be destroyed; it is leaked");
+                }
+            }
+        }
         Ok(released)
     }
 
     /// Unmap the mapping at `va` and release its physical memory (or, in remap mode, keep the
-    /// piece as spare); returns its size and the bytes given back to the driver.
+    /// piece as spare; with `later`, the mapping stays until that event completes: `later.rs`);
+    /// returns its size and the bytes given back to the driver.
     fn unmap_mapping<D: Driver>(
         &mut self,
         core: &Core<D>,
         seg: u32,
         va: DevicePtr,
+        later: Option<(EventId, StreamId)>,
     ) -> std::result::Result<(u64, u64), DriverError> {
         let mappings = &mut self.segments.get_mut(seg).virt_mut().mappings;
         let m = mappings
@@ -337,9 +376,17 @@ impl Shard {
             .expect("a free block's mapping exists");
         if m.pooled {
             let (bytes, handle) = (m.bytes, m.handle);
-            core.driver.unmap(va, bytes)?;
-            mappings.remove(&va);
-            self.spare.push(Spare { handle, bytes });
+            match later {
+                Some((event, stream)) => {
+                    mappings.remove(&va);
+                    self.retire(seg, stream, va, Spare { handle, bytes }, event);
+                }
+                None => {
+                    core.driver.unmap(va, bytes)?;
+                    mappings.remove(&va);
+                    self.spare.push(Spare { handle, bytes });
+                }
+            }
             self.record_map(core, seg, Action::SegmentUnmap, va, bytes);
             return Ok((bytes, 0));
         }

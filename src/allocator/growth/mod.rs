@@ -8,7 +8,8 @@
 //! - `remap.rs` with `spare.rs`: physical pieces mapped whole and remapped where needed;
 //! - `mapped.rs`: what the three virtual-memory policies share (reservations, mapping,
 //!   unmapped ranges, giving free mappings back); `moves.rs`: taking free memory from other
-//!   shards; `sleep.rs`: a tag's memory given back and made again at the same addresses.
+//!   shards; `later.rs`: a moved piece's old mapping unmapped once its stream's work is done;
+//!   `sleep.rs`: a tag's memory given back and made again at the same addresses.
 //!
 //! The cached path, the shard's tables and the ledger know nothing of modes; the cached path
 //! asks the policy one thing, how a request is rounded ([`Growth::round`], an enum match).
@@ -19,6 +20,7 @@
 
 mod compact;
 mod expandable;
+pub(crate) mod later;
 pub(crate) mod mapped;
 mod moves;
 mod plain;
@@ -142,6 +144,11 @@ impl Shard {
         let mut first_err: Option<Error> = None;
         if let Err(e) = self.process_pending(core, true) {
             first_err.get_or_insert(e);
+        }
+        // Moved pieces' old mappings go first: a reservation with one cannot be released, nor
+        // can its piece's memory be freed while it stands.
+        if let Err(e) = self.finish_retiring(core, |_| true, true) {
+            first_err.get_or_insert(e.into());
         }
         for seg in self.segments.ids() {
             // A graph that may still replay writes to its pool's memory, freed or not.

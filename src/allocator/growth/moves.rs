@@ -39,11 +39,25 @@ pub(crate) fn from_other_shards<D: Driver>(
         let Some(mut other) = shards[j].try_lock() else {
             continue;
         };
-        match other.release_for_growth(core, left, SyncFirst::Device, [NIL; 2]) {
-            Ok(got) => left = left.saturating_sub(got),
-            Err(e) => note_move_failure(core, &e),
-        }
-        if take_spares {
+        let synced = match other.release_for_growth(core, left, SyncFirst::Device, [NIL; 2]) {
+            Ok(got) => {
+                left = left.saturating_sub(got);
+                true
+            }
+            Err(e) => {
+                note_move_failure(core, &e);
+                false
+            }
+        };
+        // A spare piece whose old mapping still waits for that shard's stream would be used
+        // here, on another stream, before that work ends: finish them (the device was just
+        // synchronised, so nothing waits), or take no spares.
+        let settled = synced
+            && other
+                .finish_retiring(core, |_| true, true)
+                .map_err(|e| note_move_failure(core, &e.into()))
+                .is_ok();
+        if take_spares && settled {
             sh.spare.extend(other.spare.drain(..).rev());
         }
     }

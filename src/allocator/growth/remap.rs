@@ -22,7 +22,7 @@ use crate::allocator::core::{Core, GrowError};
 use crate::allocator::owner::Owner;
 use crate::allocator::rules::{self, PoolKind};
 use crate::allocator::shard::Shard;
-use crate::driver::Driver;
+use crate::driver::{Driver, StreamId};
 use crate::error::OomCause;
 
 /// Growth weighs at most this many unmapped ranges for where to map spare pieces.
@@ -34,6 +34,8 @@ pub(crate) struct Remap {
     pub(crate) piece: u64,
     /// [`crate::Config::move_across_streams`].
     pub(crate) across_streams: bool,
+    /// [`crate::Config::unmap_later`].
+    unmap_later: bool,
     granularity: u64,
     max_split: u64,
 }
@@ -44,6 +46,7 @@ impl Remap {
         Remap {
             piece: piece.div_ceil(granularity) * granularity,
             across_streams: config.move_across_streams,
+            unmap_later: config.unmap_later,
             granularity,
             max_split,
         }
@@ -78,8 +81,14 @@ impl Remap {
         // A small-pool page is one granule: moving memory for it would map a whole free piece
         // of the large pool (CUDA maps whole handles), where small blocks that live long would
         // pin all of it. New pages cost a map each, as the small pool's always do.
+        if pool == PoolKind::Large && !sh.retiring.is_empty() {
+            // Old mappings whose work has finished go now, so that their ranges can be mapped
+            // again without a wait (failures are logged and tried again). Only pieces retire,
+            // and only the large pool has pieces.
+            let _ = sh.finish_retiring(core, |_| true, false);
+        }
         if pool == PoolKind::Large && may_move(core, owner, r.stream) {
-            let left = self.make_room(core, sh, owner, rounded);
+            let left = self.make_room(core, sh, owner, r.stream, rounded);
             if left > 0 && self.across_streams && !sh.graphs.capturing() {
                 // With the pieces moved in, growth chooses its site again and may need more
                 // than the site chosen first lacked (a piece too wide for a hole goes to a range
@@ -100,6 +109,10 @@ impl Remap {
             .site(sh, seg, rounded)
             .ok_or(GrowError::Memory(OomCause::AddressSpace))?;
         let piece = self.largest_piece(pool);
+        if let Site::Map { range, .. } = site {
+            let (lo, size) = (sh.blocks[range].addr, sh.blocks[range].size);
+            sh.clear_for_map(core, seg, lo, lo + size)?;
+        }
         sh.grow_at(core, seg, site, rounded, |sh, start, bytes, room| {
             sh.map_spare(core, seg, start, bytes, room, piece)
         })
@@ -115,6 +128,7 @@ impl Remap {
         core: &Core<D>,
         sh: &mut Shard,
         owner: Owner,
+        stream: StreamId,
         rounded: u64,
     ) -> u64 {
         let (want, site) = self.room_wanted(core, sh, owner, rounded);
@@ -122,7 +136,12 @@ impl Remap {
             return 0;
         }
         let keep = site.map_or([NIL; 2], |u| [sh.blocks[u].prev, sh.blocks[u].next]);
-        match sh.release_for_growth(core, want, SyncFirst::Owner, keep) {
+        let sync = if self.unmap_later {
+            SyncFirst::Later(stream)
+        } else {
+            SyncFirst::Owner
+        };
+        match sh.release_for_growth(core, want, sync, keep) {
             Ok(got) => want.saturating_sub(got),
             Err(e) => {
                 note_move_failure(core, &e);
@@ -160,7 +179,19 @@ impl Remap {
     /// a range too narrow for the pieces would leave them unused and create new memory. Only
     /// [`WEIGHED`] ranges: each costs a pass over the spare pieces per piece mapped, and a
     /// reservation riddled with holes must not make growth slow.
+    ///
+    /// A range where a moved piece's old mapping still waits (`later.rs`) is passed over while
+    /// another will do: mapping there would first wait for the stream.
     fn site(&self, sh: &Shard, seg: u32, rounded: u64) -> Option<Site> {
+        if sh.retiring.iter().any(|r| r.seg == seg) {
+            if let Some(site) = self.site_avoiding(sh, seg, rounded, true) {
+                return Some(site);
+            }
+        }
+        self.site_avoiding(sh, seg, rounded, false)
+    }
+
+    fn site_avoiding(&self, sh: &Shard, seg: u32, rounded: u64, avoid: bool) -> Option<Site> {
         let s = sh.segments.get(seg);
         let piece = self.largest_piece(s.pool);
         // The large pool grows by at least a large segment's worth, as PyTorch's segments do:
@@ -169,9 +200,20 @@ impl Remap {
             PoolKind::Large => rules::LARGE_BUFFER,
             PoolKind::Small => 0,
         };
+        // Whether mapping `bytes` (and at most a piece more) at the front of range `u` would
+        // cover a retiring mapping.
+        let waits = |u: BlockId, bytes: u64| {
+            let (lo, room) = (sh.blocks[u].addr, sh.blocks[u].size);
+            let hi = lo + (bytes + piece).min(room);
+            avoid
+                && sh
+                    .retiring
+                    .iter()
+                    .any(|r| r.seg == seg && r.va < hi && lo < r.va + r.bytes)
+        };
         // Only the pieces this pool may map weigh (`next_piece` passes over larger ones).
         let sizes = sh.spare_sizes(piece);
-        if sizes.is_empty() {
+        if sizes.is_empty() && !avoid {
             return sh.lowest_site(seg, rounded, floor);
         }
         let (mut best, mut best_new, mut weighed) = (None, u64::MAX, 0);
@@ -181,6 +223,13 @@ impl Remap {
                 Some(Site::Map { bytes, .. }) => bytes,
                 free => return free,
             };
+            if waits(u, bytes) {
+                continue;
+            }
+            if sizes.is_empty() {
+                // The lowest range, as `lowest_site` takes it.
+                return Some(Site::Map { range: u, bytes });
+            }
             let room = sh.blocks[u].size;
             let new = new_bytes_for(sizes.clone(), bytes, room, piece, self.granularity);
             if new < best_new {

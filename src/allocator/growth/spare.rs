@@ -3,7 +3,8 @@
 //!
 //! Invariants:
 //! - A piece is one `cuMemCreate` handle, mapped whole or not at all (CUDA maps no partial
-//!   handle); it is either in `spare` or the handle of exactly one pooled mapping.
+//!   handle); it is either in `spare` or the handle of exactly one pooled mapping. It may also
+//!   have one old mapping waiting to be unmapped (`later.rs`), which the tables no longer show.
 //! - Spare bytes count as reserved: they were reserved when created and are unreserved only
 //!   when released to the driver.
 
@@ -35,7 +36,15 @@ impl Shard {
         while done < bytes {
             let sizes = self.spare.iter().map(|p| p.bytes);
             let p = match next_piece(sizes, bytes - done, room - done, piece, g) {
-                Next::Spare(i) => self.spare.swap_remove(i),
+                Next::Spare(i) => {
+                    let p = self.spare.swap_remove(i);
+                    let stream = self.segments.get(seg).owner.stream();
+                    if let Err(e) = self.clear_for_stream(core, p.handle, stream) {
+                        self.spare.push(p);
+                        return (done, Some(e.into()));
+                    }
+                    p
+                }
                 Next::New(size) => match self.create_or_trade(core, size, piece) {
                     Ok(p) => p,
                     Err(e) => return (done, Some(e)),
@@ -111,11 +120,17 @@ impl Shard {
     }
 
     /// Give spare piece `p` (out of `spare`) back to the driver; it stays spare if that fails.
+    /// An old mapping of it still retiring is unmapped first: until then the driver would keep
+    /// its memory though the ledger had let it go.
     fn release_piece<D: Driver>(
         &mut self,
         core: &Core<D>,
         p: Spare,
     ) -> std::result::Result<(), DriverError> {
+        if let Err(e) = self.clear_handle(core, p.handle) {
+            self.spare.push(p);
+            return Err(e);
+        }
         if let Err(e) = core.driver.release_physical(p.handle) {
             self.spare.push(p);
             return Err(e);

@@ -104,6 +104,9 @@ pub(crate) struct Shard {
     pub(crate) reservations: Vec<(Owner, PoolKind, u32)>,
     /// Remap mode: physical pieces held but not mapped.
     pub(crate) spare: Vec<Spare>,
+    /// Remap mode with `unmap_later`: old mappings of moved pieces, waiting for the work that
+    /// may still use them (`growth/later.rs`).
+    pub(crate) retiring: Vec<super::growth::later::Retiring>,
     /// Captures routed to graph pools, and the pools graphs still reference.
     pub(crate) graphs: GraphRoutes,
     /// The allocation history is being recorded (`history.rs`).

@@ -561,9 +561,12 @@ impl Driver for SimDriver {
         self.count(CALL, 0)?;
         let mut st = self.device.state.lock();
         let (stream, target) = st.recorded(event, CALL)?;
-        // Blocking until the event completes is, on a simulated device, completing it.
+        // Blocking until the event completes is, on a simulated device, completing it; it
+        // drains the stream's queued work as a synchronisation of the stream does.
         let s = st.streams.entry(stream).or_default();
         s.completed = s.completed.max(target);
+        drop(st);
+        self.waited(Some(stream));
         Ok(())
     }
 

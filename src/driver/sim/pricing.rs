@@ -1,7 +1,9 @@
 //! What a simulated process's driver calls would cost the host: each call at its measured idle
 //! price ([`crate::driver::cost`]), and each wait that drains work the program queued at
-//! [`super::SimConfig::sync_ns`] above that ([`cost::Drains`], the rule PyTorch's side of a replay is priced
-//! by too). Only the estimate reads this; no call's outcome depends on it.
+//! [`super::SimConfig::sync_ns`] above that ([`cost::Drains`], the rule PyTorch's side of a
+//! replay is priced by too). Only the estimate reads the prices. The work said to be queued
+//! (`work_queued`) is also queued on the device, where it finishes when waited for, so events
+//! recorded after it answer as they would on a host that runs ahead of its device.
 
 use super::SimDriver;
 use crate::driver::cost;
@@ -22,9 +24,14 @@ impl SimDriver {
     }
 
     /// Say that the program queued work on `stream` (a replay: between two of the trace's
-    /// allocations or frees on it, where its kernels ran).
+    /// allocations or frees on it, where its kernels ran). The work finishes only when waited
+    /// for: the host is taken to run ahead of the device, so an event recorded on the stream
+    /// after it is done only after a wait. What was queued since the last wait is one unit of
+    /// the device's work, queued when the first of it was.
     pub fn work_queued(&self, stream: StreamId) {
-        self.drains.lock().work_queued(stream.0);
+        if self.drains.lock().work_queued(stream.0) {
+            self.device.submit(stream);
+        }
     }
 
     /// Forget what was queued: the device is idle (a new replay on this process starts).
