@@ -62,7 +62,8 @@ impl Shard {
 
     /// Unmap the retiring mappings for which `which` holds and whose events have completed
     /// (with `wait`, after waiting for them). Without `wait` a failure is logged and the entry
-    /// tried again later; with it the first failure is returned, the entries not finished kept.
+    /// tried again later; with it every entry is still tried and the first failure returned,
+    /// the entries not finished kept.
     pub(crate) fn finish_retiring<D: Driver>(
         &mut self,
         core: &Core<D>,
@@ -73,20 +74,15 @@ impl Shard {
         // and entries are kept in the order their events were recorded, so once one event of a
         // stream has not completed, the stream's later ones have not either (a stream's work
         // completes in order) and are not asked.
-        let mut done: Vec<(EventId, bool)> = Vec::new();
+        let mut done: Vec<(EventId, StreamId, bool)> = Vec::new();
+        let mut first_err = None;
         let mut i = 0;
         while i < self.retiring.len() {
             let r = self.retiring[i];
-            let behind = || {
-                done.iter().any(|&(e, finished)| {
-                    !finished
-                        && self
-                            .retiring
-                            .iter()
-                            .any(|o| o.event == e && o.stream == r.stream)
-                })
-            };
-            if !which(&r) || (!wait && behind()) {
+            let behind = done
+                .iter()
+                .any(|&(e, s, finished)| !finished && s == r.stream && e != r.event);
+            if !which(&r) || (!wait && behind) {
                 i += 1;
                 continue;
             }
@@ -96,7 +92,11 @@ impl Shard {
                     i += 1;
                     continue;
                 }
-                Err(e) if wait => return Err(e),
+                Err(e) if wait => {
+                    first_err.get_or_insert(e);
+                    i += 1;
+                    continue;
+                }
                 Err(e) => {
                     note_late_failure(core, &e, "a moved piece's old mapping could not be unmapped yet; it stays mapped there (nothing is mapped over it) and is tried again later");
                     i += 1;
@@ -110,7 +110,7 @@ impl Shard {
                 }
             }
         }
-        Ok(())
+        first_err.map_or(Ok(()), Err)
     }
 
     /// Finish the retiring mappings of `seg` that overlap `[lo, hi)`, waiting for them: memory
@@ -175,24 +175,26 @@ pub(crate) fn note_late_failure<D: Driver>(core: &Core<D>, e: &DriverError, kept
 }
 
 /// Unmap `r` if its event has completed (with `wait`, once it has); whether it was unmapped.
-/// The event is asked first: a wait, even for work long done, stalls the host.
-/// `done` holds the events asked this pass and whether they had completed.
+/// The event is asked first: a wait, even for work long done, stalls the host. `done` holds
+/// the events asked this pass, their streams, and whether they had completed (an event whose
+/// query or wait failed counts as not completed, and is not asked again).
 fn finish_one<D: Driver>(
     core: &Core<D>,
     r: &Retiring,
     wait: bool,
-    done: &mut Vec<(EventId, bool)>,
+    done: &mut Vec<(EventId, StreamId, bool)>,
 ) -> DriverResult<bool> {
-    let finished = match done.iter().find(|(e, _)| *e == r.event) {
-        Some(&(_, finished)) => finished,
+    let finished = match done.iter().find(|(e, _, _)| *e == r.event) {
+        Some(&(_, _, finished)) => finished,
         None => {
+            done.push((r.event, r.stream, false));
             let mut finished =
                 planted::active(Bug::RetireEarly) || core.driver.query_event(r.event)?;
             if !finished && wait {
                 core.driver.wait_event(r.event)?;
                 finished = true;
             }
-            done.push((r.event, finished));
+            done.last_mut().expect("just pushed").2 = finished;
             finished
         }
     };

@@ -39,24 +39,28 @@ pub(crate) fn from_other_shards<D: Driver>(
         let Some(mut other) = shards[j].try_lock() else {
             continue;
         };
-        let synced = match other.release_for_growth(core, left, SyncFirst::Device, [NIL; 2]) {
-            Ok(got) => {
-                left = left.saturating_sub(got);
-                true
-            }
+        let got = match other.release_for_growth(core, left, SyncFirst::Device, [NIL; 2]) {
+            Ok(got) => Some(got),
             Err(e) => {
                 note_move_failure(core, &e);
-                false
+                None
             }
         };
         // A spare piece whose old mapping still waits for that shard's stream would be used
-        // here, on another stream, before that work ends: finish them (the device was just
-        // synchronised, so nothing waits), or take no spares.
-        let settled = synced
+        // here, on another stream, before that work ends: finish them first (after the device
+        // synchronisation a move makes, nothing waits), or take no spares.
+        let settled = got.is_some()
             && other
                 .finish_retiring(core, |_| true, true)
                 .map_err(|e| note_move_failure(core, &e.into()))
                 .is_ok();
+        if let Some(got) = got {
+            // What was unmapped there counts only where it comes here (compact gave it back to
+            // the driver; remap takes it as spare only once settled).
+            if settled || !take_spares {
+                left = left.saturating_sub(got);
+            }
+        }
         if take_spares && settled {
             sh.spare.extend(other.spare.drain(..).rev());
         }

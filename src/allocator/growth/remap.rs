@@ -81,10 +81,10 @@ impl Remap {
         // A small-pool page is one granule: moving memory for it would map a whole free piece
         // of the large pool (CUDA maps whole handles), where small blocks that live long would
         // pin all of it. New pages cost a map each, as the small pool's always do.
-        if pool == PoolKind::Large && !sh.retiring.is_empty() {
+        if !sh.retiring.is_empty() && may_move(core, owner, r.stream) {
             // Old mappings whose work has finished go now, so that their ranges can be mapped
-            // again without a wait (failures are logged and tried again). Only pieces retire,
-            // and only the large pool has pieces.
+            // again without a wait (failures are logged and tried again). Not for a graph
+            // pool's growth, which may be inside a capture, where events are not asked.
             let _ = sh.finish_retiring(core, |_| true, false);
         }
         if pool == PoolKind::Large && may_move(core, owner, r.stream) {
@@ -109,9 +109,10 @@ impl Remap {
             .site(sh, seg, rounded)
             .ok_or(GrowError::Memory(OomCause::AddressSpace))?;
         let piece = self.largest_piece(pool);
-        if let Site::Map { range, .. } = site {
+        if let Site::Map { range, bytes } = site {
+            // What `map_spare` may map: `bytes`, and at most a piece more.
             let (lo, size) = (sh.blocks[range].addr, sh.blocks[range].size);
-            sh.clear_for_map(core, seg, lo, lo + size)?;
+            sh.clear_for_map(core, seg, lo, lo + (bytes + piece).min(size))?;
         }
         sh.grow_at(core, seg, site, rounded, |sh, start, bytes, room| {
             sh.map_spare(core, seg, start, bytes, room, piece)

@@ -4,7 +4,9 @@
 //! Invariants:
 //! - A piece is one `cuMemCreate` handle, mapped whole or not at all (CUDA maps no partial
 //!   handle); it is either in `spare` or the handle of exactly one pooled mapping. It may also
-//!   have one old mapping waiting to be unmapped (`later.rs`), which the tables no longer show.
+//!   have old mappings waiting to be unmapped (`later.rs`), which the tables no longer show.
+//! - A graph pool's growth (perhaps inside a capture) maps no piece with such an old mapping:
+//!   it would have to wait for an event first.
 //! - Spare bytes count as reserved: they were reserved when created and are unreserved only
 //!   when released to the driver.
 
@@ -33,12 +35,21 @@ impl Shard {
     ) -> (u64, Option<GrowError>) {
         let g = core.granularity;
         let mut done = 0;
+        let stream = self.segments.get(seg).owner.stream();
         while done < bytes {
-            let sizes = self.spare.iter().map(|p| p.bytes);
+            // A piece with an old mapping still waiting is passed over by a graph pool's growth
+            // (a size no range fits).
+            let retiring = &self.retiring;
+            let sizes = self.spare.iter().map(|p| {
+                if stream.is_none() && retiring.iter().any(|r| r.handle == p.handle) {
+                    u64::MAX
+                } else {
+                    p.bytes
+                }
+            });
             let p = match next_piece(sizes, bytes - done, room - done, piece, g) {
                 Next::Spare(i) => {
                     let p = self.spare.swap_remove(i);
-                    let stream = self.segments.get(seg).owner.stream();
                     if let Err(e) = self.clear_for_stream(core, p.handle, stream) {
                         self.spare.push(p);
                         return (done, Some(e.into()));
@@ -54,7 +65,11 @@ impl Shard {
             if let Err((e, still_mapped)) = map_piece(core, va, p.bytes, p.handle) {
                 if still_mapped {
                     // Not spare: the piece may not be mapped anywhere else while its failed
-                    // mapping stands. It is lost until an undo succeeds.
+                    // mapping stands. It is lost until an undo succeeds, which gives it back
+                    // to the driver: an old mapping of it must be gone by then.
+                    if let Err(e) = self.clear_handle(core, p.handle) {
+                        super::later::note_late_failure(core, &e, "a stranded piece's old mapping could not be unmapped; it stays retiring and is tried again later");
+                    }
                     core.ledger.on_unreserve(p.bytes, false);
                     core.uncommit(p.bytes);
                     core.stranded
@@ -107,6 +122,13 @@ impl Shard {
                 Err(GrowError::Memory(cause)) => {
                     let Some(i) = (0..self.spare.len())
                         .filter(|&i| self.spare[i].bytes > piece)
+                        // Not one whose old mapping still waits: giving it back would wait.
+                        .filter(|&i| {
+                            !self
+                                .retiring
+                                .iter()
+                                .any(|r| r.handle == self.spare[i].handle)
+                        })
                         .min_by_key(|&i| self.spare[i].bytes)
                     else {
                         return Err(GrowError::Memory(cause));
