@@ -8,19 +8,46 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::{check, sim};
+use common::{check, sim, sim_with};
 use vram_ledger::driver::sim::SimDriver;
+use vram_ledger::driver::DriverCall;
 use vram_ledger::units::MIB;
-use vram_ledger::{Error, Limit, SegmentMode, StreamId, Tag};
+use vram_ledger::{Config, Error, Limit, SegmentMode, StreamId, Tag};
 
 const CAPTURE: StreamId = StreamId(0x100);
 const EAGER: StreamId = StreamId(0x200);
 
 #[test]
 fn capture_stays_valid_in_every_mode() {
-    for mode in SegmentMode::ALL {
-        let a = sim(mode);
+    // Every mode; and remap moving memory without a wait, whose old mappings still wait for
+    // the capture stream's work when the capture begins.
+    let moving_later = Config {
+        unmap_later: true,
+        ..Config::with_mode(SegmentMode::Remap)
+    };
+    let configs = SegmentMode::ALL.map(Config::with_mode);
+    for config in configs.into_iter().chain([moving_later]) {
+        let (mode, later) = (config.mode, config.unmap_later);
+        let a = sim_with(config);
         let dev = a.driver().device().clone();
+        // A move on the capture stream while its work still runs (with unmap_later, the old
+        // mapping waits for that work): 40 MiB freed under work, then 60 MiB asked for.
+        let x = a
+            .allocate_tagged(40 * MIB, CAPTURE, Tag::Activation)
+            .unwrap();
+        let y = a
+            .allocate_tagged(20 * MIB, CAPTURE, Tag::Activation)
+            .unwrap();
+        dev.submit_touching(CAPTURE, x.ptr, x.size);
+        a.free(x.ptr).unwrap();
+        let z = a
+            .allocate_tagged(60 * MIB, CAPTURE, Tag::Activation)
+            .unwrap();
+        for p in [y.ptr, z.ptr] {
+            a.free(p).unwrap();
+        }
+        let moved_later = a.driver_calls()[DriverCall::RecordEvent] > 0;
+        assert_eq!(moved_later, later, "{mode}: a move without a wait");
         // Cached memory on both streams before the capture: free memory that compact and remap
         // would otherwise move, and segments that empty_cache would otherwise release.
         for (stream, sizes) in [
@@ -71,6 +98,11 @@ fn capture_stays_valid_in_every_mode() {
             "{mode}: the allocator spoiled the capture"
         );
         check(&a);
+        assert!(
+            dev.unsafe_unmaps().is_empty(),
+            "{mode}: {:?}",
+            dev.unsafe_unmaps()
+        );
 
         // After the capture everything is released as usual.
         for x in graph {
