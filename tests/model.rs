@@ -10,8 +10,11 @@ use std::collections::HashMap;
 mod common;
 
 use common::{fresh_segment, sim, sim_on, sim_with};
+#[path = "common/model_ops.rs"]
+mod ops;
 #[path = "common/model_rules.rs"]
 mod rules;
+use ops::{op_strategy, stream, tags_of, Op, FAULTABLE};
 use proptest::prelude::*;
 use rules::{
     check_best_fit, no_unsafe_unmap, out_of_memory_is_owed, use_new_block, Rules, SegmentCalls,
@@ -22,60 +25,6 @@ use vram_ledger::invariants;
 use vram_ledger::units::{GIB, MIB};
 use vram_ledger::{Allocator, Config, Error, Limit, SegmentMode, Tag};
 
-#[derive(Clone, Debug)]
-enum Op {
-    Alloc {
-        size: u64,
-        stream: u8,
-        tag: u8,
-    },
-    Free {
-        pick: usize,
-        hint: bool,
-    },
-    RecordStream {
-        pick: usize,
-        stream: u8,
-    },
-    Submit {
-        stream: u8,
-    },
-    Complete {
-        stream: u8,
-    },
-    EmptyCache,
-    SetLimit(Option<u64>),
-    ResetPeaks,
-    ResetTagPeaks(u8),
-    Fault {
-        call: usize,
-        nth: u64,
-        sticky: bool,
-    },
-    ClearFaults,
-    /// Tags by bit mask (bit i: `Tag::ALL[i]`).
-    Sleep {
-        offload: u8,
-        discard: u8,
-    },
-    Wake {
-        mask: u8,
-    },
-}
-
-fn tags_of(mask: u8) -> Vec<Tag> {
-    Tag::ALL
-        .into_iter()
-        .filter(|t| mask & (1 << t.index()) != 0)
-        .collect()
-}
-
-const FAULTABLE: [DriverCall; DriverCall::ALL.len()] = DriverCall::ALL;
-
-fn stream(i: u8) -> StreamId {
-    StreamId(u64::from(i) * 0x1000)
-}
-
 /// Shards are dealt to streams round-robin on first use. Claim them so that stream 3 shares
 /// stream 0's shard (several streams' free lists in one shard) and streams 1 and 2 have their
 /// own.
@@ -85,38 +34,6 @@ fn place_streams(a: &Allocator<SimDriver>) {
         a.shard_of(StreamId(0xdead_0000 + i));
     }
     a.shard_of(stream(3));
-}
-
-fn size_strategy() -> impl Strategy<Value = u64> {
-    prop_oneof![
-        4 => 0u64..=4096,
-        4 => 4096u64..=MIB,
-        3 => MIB..=10 * MIB,
-        2 => 10 * MIB..=120 * MIB,
-        1 => Just(0u64),
-        // Next to whole MiB: the rules' edges (the 1 MiB small pool, 10 MiB segments, a
-        // segment's tail of exactly 1 MiB, the 32 MiB max_split_size).
-        3 => (1u64..=40, proptest::sample::select(vec![-512i64, -1, 0, 1, 512]))
-            .prop_map(|(m, d)| (m * MIB).saturating_add_signed(d)),
-    ]
-}
-
-fn op_strategy() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        12 => (size_strategy(), 0u8..4, 0u8..4).prop_map(|(size, stream, tag)| Op::Alloc { size, stream, tag }),
-        8 => (any::<usize>(), any::<bool>()).prop_map(|(pick, hint)| Op::Free { pick, hint }),
-        2 => (any::<usize>(), 0u8..4).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
-        2 => (0u8..4).prop_map(|stream| Op::Submit { stream }),
-        2 => (0u8..4).prop_map(|stream| Op::Complete { stream }),
-        1 => Just(Op::EmptyCache),
-        1 => proptest::option::of(64u64..=600).prop_map(|m| Op::SetLimit(m.map(|m| m * MIB))),
-        1 => Just(Op::ResetPeaks),
-        1 => (0u8..4).prop_map(Op::ResetTagPeaks),
-        2 => (0..FAULTABLE.len(), 1u64..4, proptest::bool::weighted(0.2)).prop_map(|(call, nth, sticky)| Op::Fault { call, nth, sticky }),
-        1 => Just(Op::ClearFaults),
-        1 => (0u8..16, 0u8..16).prop_map(|(offload, discard)| Op::Sleep { offload, discard }),
-        1 => (0u8..16).prop_map(|mask| Op::Wake { mask }),
-    ]
 }
 
 /// One live allocation as the shadow knows it: the pointer and the handed-out size come from
