@@ -9,7 +9,8 @@
 //! - Every entry of `retiring` is a pooled mapping that the driver still holds at `va` and
 //!   that the allocator's tables show unmapped (inside an `Unmapped` block of `seg`): nothing
 //!   is handed out there, and nothing is mapped over it until the entry is finished.
-//! - Its handle is spare or mapped at one other place; its bytes are counted once, there.
+//! - Its handle is spare or mapped at one place (it may have other retiring mappings too: moved
+//!   and moved again); its bytes are counted once, there.
 //! - Its event was recorded on `stream`, the stream that owns `seg`, after every free of memory
 //!   in the range; once it completes no work that used `va` remains.
 //! - Its piece is mapped again only for `stream` (whose later work runs after the earlier), or
@@ -17,9 +18,10 @@
 //!   their spare list.
 //! - `retiring` is in the order the entries' events were recorded.
 //! - Before a handle is given back to the driver, before anything is mapped over a retiring
-//!   range, before a reservation with one goes, and before another shard takes this shard's
-//!   spare pieces, the entries concerned are finished, waiting for their events if need be.
-//!   `empty_cache`, sleep and drop finish every entry.
+//!   range, and before another shard takes this shard's spare pieces, the entries concerned
+//!   are finished, waiting for their events if need be; a reservation with one stays until it
+//!   is. `empty_cache`, sleep and drop finish every entry. A graph pool's growth (perhaps in a
+//!   capture) neither asks events nor maps a piece that has an entry.
 
 use crate::allocator::core::Core;
 use crate::allocator::planted::{self, Bug};
