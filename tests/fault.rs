@@ -9,13 +9,13 @@
 #[path = "common/sim.rs"]
 mod common;
 
-use common::sim_on;
+use common::{moving, sim_on};
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::{DriverCall, StreamId};
 use vram_ledger::invariants;
 use vram_ledger::profile::{ProfileOptions, Profiler};
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{Allocation, Allocator, Config, SegmentMode, Tag};
+use vram_ledger::{Allocation, Allocator, SegmentMode, Tag};
 
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(0x1000);
@@ -165,12 +165,7 @@ fn fresh(mode: SegmentMode, unmap_later: bool) -> Allocator<SimDriver> {
         ..Default::default()
     };
     // The moves between streams' shards make driver calls too (compact, remap).
-    let config = Config {
-        move_across_streams: true,
-        unmap_later,
-        ..Config::with_mode(mode)
-    };
-    sim_on(device, config)
+    sim_on(device, moving(mode, unmap_later))
 }
 
 /// A clean run of the scenario in `mode`, then one run per driver call it made, with that call

@@ -14,12 +14,12 @@ use std::sync::{Arc, Barrier, Mutex};
 #[path = "common/sim.rs"]
 mod common;
 
-use common::{sim_on, Rng};
+use common::{moving, sim_on, Rng};
 use vram_ledger::driver::sim::SimConfig;
 use vram_ledger::driver::StreamId;
 use vram_ledger::invariants;
 use vram_ledger::units::GIB;
-use vram_ledger::{Allocation, Config, SegmentMode, Tag};
+use vram_ledger::{Allocation, SegmentMode, Tag};
 
 /// Live intervals: start -> (end, owner thread).
 type Shadow = Mutex<BTreeMap<u64, (u64, usize)>>;
@@ -63,12 +63,7 @@ fn stress_with(mode: SegmentMode, unmap_later: bool) {
         ..Default::default()
     };
     // Threads on other shards take each other's free memory (compact, remap).
-    let config = Config {
-        move_across_streams: true,
-        unmap_later,
-        ..Config::with_mode(mode)
-    };
-    let a = Arc::new(sim_on(device, config));
+    let a = Arc::new(sim_on(device, moving(mode, unmap_later)));
     let shadow: Arc<Shadow> = Arc::default();
     let threads = 8;
     let barrier = Arc::new(Barrier::new(threads));

@@ -59,11 +59,17 @@ pub fn sim_on(device: SimConfig, config: Config) -> Allocator<SimDriver> {
 /// An allocator in `mode` that moves free memory between streams' shards before growing
 /// (compact, remap), on a fresh simulated device made as `device` says.
 pub fn sim_moving(mode: SegmentMode, device: SimConfig) -> Allocator<SimDriver> {
-    let config = Config {
+    sim_on(device, moving(mode, false))
+}
+
+/// The settings of [`sim_moving`], with remap's moves without a wait (`Config::unmap_later`)
+/// as `unmap_later` says.
+pub fn moving(mode: SegmentMode, unmap_later: bool) -> Config {
+    Config {
         move_across_streams: true,
+        unmap_later,
         ..Config::with_mode(mode)
-    };
-    sim_on(device, config)
+    }
 }
 
 /// An allocator in `mode` on the replay's device: an H200's memory, no context overhead.

@@ -106,13 +106,23 @@ impl Shard {
                 }
             }
             self.retiring.remove(i);
-            if !self.retiring.iter().any(|o| o.event == r.event) {
-                if let Err(e) = core.driver.destroy_event(r.event) {
-                    tracing::warn!(error = %e, "an event of a finished move could not be destroyed; it is leaked");
-                }
-            }
+            self.drop_event_if_unused(core, r.event);
         }
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// Destroy `event` once no retiring mapping waits for it.
+    pub(crate) fn drop_event_if_unused<D: Driver>(&self, core: &Core<D>, event: EventId) {
+        if !self.retiring.iter().any(|r| r.event == event) {
+            if let Err(e) = core.driver.destroy_event(event) {
+                tracing::warn!(error = %e, "an event of a move could not be destroyed; it is leaked");
+            }
+        }
+    }
+
+    /// Whether piece `handle` has an old mapping still retiring.
+    pub(crate) fn retires(&self, handle: PhysHandle) -> bool {
+        self.retiring.iter().any(|r| r.handle == handle)
     }
 
     /// Finish the retiring mappings of `seg` that overlap `[lo, hi)`, waiting for them: memory
@@ -124,9 +134,6 @@ impl Shard {
         lo: DevicePtr,
         hi: DevicePtr,
     ) -> DriverResult<()> {
-        if self.retiring.is_empty() {
-            return Ok(());
-        }
         self.finish_retiring(
             core,
             |r| r.seg == seg && r.va < hi && lo < r.va + r.bytes,
@@ -141,9 +148,6 @@ impl Shard {
         core: &Core<D>,
         handle: PhysHandle,
     ) -> DriverResult<()> {
-        if self.retiring.is_empty() {
-            return Ok(());
-        }
         self.finish_retiring(core, |r| r.handle == handle, true)
     }
 
@@ -156,9 +160,6 @@ impl Shard {
         handle: PhysHandle,
         stream: Option<StreamId>,
     ) -> DriverResult<()> {
-        if self.retiring.is_empty() {
-            return Ok(());
-        }
         self.finish_retiring(
             core,
             |r| r.handle == handle && Some(r.stream) != stream,

@@ -351,11 +351,8 @@ impl Shard {
             }
         }
         if let Some((event, _)) = later {
-            if !self.retiring.iter().any(|r| r.event == event) {
-                if let Err(e) = core.driver.destroy_event(event) {
-                    tracing::warn!(error = %e, "an unused event of a move could not be destroyed; it is leaked");
-                }
-            }
+            // Recorded, but nothing retired under it (the budget was met first).
+            self.drop_event_if_unused(core, event);
         }
         Ok(released)
     }

@@ -81,13 +81,15 @@ impl Remap {
         // A small-pool page is one granule: moving memory for it would map a whole free piece
         // of the large pool (CUDA maps whole handles), where small blocks that live long would
         // pin all of it. New pages cost a map each, as the small pool's always do.
-        if !sh.retiring.is_empty() && may_move(core, owner, r.stream) {
+        // Asked once: it is a driver call.
+        let moving = may_move(core, owner, r.stream);
+        if moving && !sh.retiring.is_empty() {
             // Old mappings whose work has finished go now, so that their ranges can be mapped
             // again without a wait (failures are logged and tried again). Not for a graph
             // pool's growth, which may be inside a capture, where events are not asked.
             let _ = sh.finish_retiring(core, |_| true, false);
         }
-        if pool == PoolKind::Large && may_move(core, owner, r.stream) {
+        if pool == PoolKind::Large && moving {
             let left = self.make_room(core, sh, owner, r.stream, rounded);
             if left > 0 && self.across_streams && !sh.graphs.capturing() {
                 // With the pieces moved in, growth chooses its site again and may need more

@@ -39,9 +39,8 @@ impl Shard {
         while done < bytes {
             // A piece with an old mapping still waiting is passed over by a graph pool's growth
             // (a size no range fits).
-            let retiring = &self.retiring;
             let sizes = self.spare.iter().map(|p| {
-                if stream.is_none() && retiring.iter().any(|r| r.handle == p.handle) {
+                if stream.is_none() && self.retires(p.handle) {
                     u64::MAX
                 } else {
                     p.bytes
@@ -123,12 +122,7 @@ impl Shard {
                     let Some(i) = (0..self.spare.len())
                         .filter(|&i| self.spare[i].bytes > piece)
                         // Not one whose old mapping still waits: giving it back would wait.
-                        .filter(|&i| {
-                            !self
-                                .retiring
-                                .iter()
-                                .any(|r| r.handle == self.spare[i].handle)
-                        })
+                        .filter(|&i| !self.retires(self.spare[i].handle))
                         .min_by_key(|&i| self.spare[i].bytes)
                     else {
                         return Err(GrowError::Memory(cause));

@@ -40,12 +40,7 @@ impl SimDevice {
 
     /// Queue one unit of work on a stream (it completes when told to).
     pub fn submit(&self, stream: StreamId) {
-        self.state
-            .lock()
-            .streams
-            .entry(stream)
-            .or_default()
-            .submitted += 1;
+        self.state.lock().queue_unit(stream);
     }
 
     /// Queue one unit of work that only [`SimDevice::complete`] completes: synchronising the
@@ -108,6 +103,14 @@ impl SimDevice {
 }
 
 impl DeviceState {
+    /// Queue one unit of work on `stream`; returns its number there (the stream's submitted
+    /// count, which its completed count must reach).
+    pub(super) fn queue_unit(&mut self, stream: StreamId) -> u64 {
+        let s = self.streams.entry(stream).or_default();
+        s.submitted += 1;
+        s.submitted
+    }
+
     /// The stream and work count of `event`, for a query or a wait (`call`). An event recorded
     /// into a capture is refused: while the capture runs, asking spoils it; after, the event
     /// still belongs to the graph, not to the stream's work (PyTorch's allocator never asks).

@@ -95,9 +95,7 @@ impl SimDevice {
     pub fn submit_touching(&self, stream: StreamId, va: DevicePtr, bytes: u64) {
         let mut st = self.state.lock();
         let parts = st.parts(va, bytes);
-        let s = st.streams.entry(stream).or_default();
-        s.submitted += 1;
-        let seq = s.submitted;
+        let seq = st.queue_unit(stream);
         st.touches.push(Touch {
             stream,
             seq,
