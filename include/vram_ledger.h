@@ -102,6 +102,12 @@ int vram_ledger_device_count(void);
  */
 int vram_ledger_configure(const char *mode);
 
+/* Remap mode: unmap a moved piece's old mapping once the stream's earlier work has finished,
+ * instead of synchronising the stream before the move (`Config::unmap_later`), in allocators
+ * not yet created. Other modes make no such moves and ignore it.
+ */
+int vram_ledger_unmap_later(int enabled);
+
 /* Set this thread's tag (weights, activation, kv_cache or kv, untracked).
  *
  * Safety:

@@ -120,6 +120,7 @@ fuzz_target!(|input: Input| {
         mode,
         move_across_streams: input.mode & 4 != 0,
         separate_tags: input.mode & 8 != 0,
+        unmap_later: input.mode & 16 != 0,
         ..Default::default()
     };
     let a = Allocator::new(drv, config).unwrap();
@@ -178,7 +179,20 @@ fuzz_target!(|input: Input| {
                         .unwrap();
                 }
             }
-            Op::Submit { stream } => dev.submit(StreamId(u64::from(stream % 4) * 0x100)),
+            // Work on the stream that uses its newest allocation awake, so that an unmap of
+            // memory under unfinished work is seen (`unsafe_unmaps`, checked at the end).
+            Op::Submit { stream } => {
+                let s = StreamId(u64::from(stream % 4) * 0x100);
+                let asleep = a.asleep_tags();
+                match live
+                    .iter()
+                    .rev()
+                    .find(|x| x.stream == s && x.ptr != 0 && !asleep.contains(&x.tag))
+                {
+                    Some(x) => dev.submit_touching(s, x.ptr, x.size),
+                    None => dev.submit(s),
+                }
+            }
             Op::Complete { stream } => dev.complete(StreamId(u64::from(stream % 4) * 0x100)),
             Op::EmptyCache => {
                 let _ = a.empty_cache();
@@ -230,6 +244,11 @@ fuzz_target!(|input: Input| {
             check(&a);
         }
     }
+    let unsafe_unmaps = dev.unsafe_unmaps();
+    assert!(
+        unsafe_unmaps.is_empty(),
+        "memory unmapped under unfinished work: {unsafe_unmaps:?}"
+    );
     a.driver().clear_faults();
     a.set_limit(None).unwrap();
     a.set_cap(None);

@@ -497,6 +497,38 @@ def test_install_sleep_needs_a_virtual_memory_mode():
     assert vl._torch.DEFAULT_MODE in vl._lib.abi().virtual_modes
 
 
+def test_install_unmap_later_is_remap_only_and_a_bool():
+    with pytest.raises(ValueError, match="remap mode only"):
+        vl.install(mode="expandable", unmap_later=True)
+    with pytest.raises(TypeError, match="True or False"):
+        vl.install(mode="remap", unmap_later=1)
+
+
+@pytest.mark.parametrize("later", [0, 1])
+def test_unmap_later_reaches_the_allocator(later):
+    """A growth that moves a free piece of the stream's own memory: synchronises the stream
+    first, or, with vram_ledger_unmap_later(1), records an event and synchronises nothing."""
+    r = run_on_sim(
+        r"""
+        import re
+        assert lib.vram_ledger_configure(b"remap") == 0
+        assert lib.vram_ledger_unmap_later(LATER) == 0
+        x = lib.vram_ledger_malloc(40 << 20, 0, None)
+        y = lib.vram_ledger_malloc(20 << 20, 0, None)
+        lib.vram_ledger_free(x, 40 << 20, 0, None)
+        z = lib.vram_ledger_malloc(60 << 20, 0, None)
+        calls = {k: int(v) for k, v in re.findall(r'driver_calls_total\{device="0",call="(\w+)"\} (\d+)', vl.metrics())}
+        print(json.dumps({"calls": calls, "ok": bool(x and y and z), "reserved": vl.stats(0)["reserved_bytes"]["current"]}))
+        """.replace("LATER", str(later))
+    )
+    calls = r["calls"]
+    assert r["ok"] and r["reserved"] == 80 << 20, r
+    if later:
+        assert calls.get("sync_stream", 0) == 0 and calls.get("record_event", 0) == 1, calls
+    else:
+        assert calls.get("sync_stream", 0) >= 1 and calls.get("record_event", 0) == 0, calls
+
+
 def test_sleep_refuses_untracked_without_force_and_an_empty_wake_wakes_nothing():
     with pytest.raises(ValueError, match="force=True"):
         vl.sleep(discard="untracked")

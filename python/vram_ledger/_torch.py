@@ -38,6 +38,7 @@ def install(
     cudagraph_trees: Optional[bool] = None,
     sleep: bool = False,
     extension: Optional[bool] = None,
+    unmap_later: bool = False,
 ) -> _CUDAAllocator:
     """Make vram-ledger PyTorch's CUDA allocator for this process, with the init, empty_cache,
     memory-fraction and record_stream hooks. Must run before any CUDA use; permanent. With
@@ -64,6 +65,10 @@ def install(
     and `wake()` restore it at the same addresses; it needs a virtual-memory mode
     (expandable, compact or remap).
 
+    `unmap_later=True` (remap mode only): when growth moves pieces of the stream's own free
+    memory, their old mappings are unmapped once the stream's earlier work has finished (an
+    event), instead of synchronising the stream first. Off by default.
+
     `extension=True` (default: the VRAM_LEDGER_TORCH_EXTENSION environment variable, else off)
     builds a small C++ extension the first time (torch.utils.cpp_extension: a C++ compiler,
     ninja and the CUDA headers; `_extension.py`) and installs its allocator instead of PyTorch's
@@ -80,6 +85,10 @@ def install(
     if sleep and (mode is None or mode not in abi().virtual_modes):
         first, *others = [m for m in abi().modes if m in abi().virtual_modes]
         raise ValueError(f"sleep=True needs a virtual-memory mode: install(mode={first!r}, sleep=True), or {', or '.join(others)}")
+    if not isinstance(unmap_later, bool):
+        raise TypeError(f"unmap_later must be True or False, not {unmap_later!r}")
+    if unmap_later and mode != "remap":
+        raise ValueError(f"unmap_later=True applies to remap mode only, not {mode!r}")
     with_extension = _extension.wanted(extension)
     if cudagraph_trees is None:
         cudagraph_trees = with_extension
@@ -101,6 +110,8 @@ def install(
         _check(lib.vram_ledger_configure(mode.encode()))
     if sleep:
         _check(lib.vram_ledger_separate_tags(1))
+    if unmap_later:
+        _check(lib.vram_ledger_unmap_later(1))
     if with_extension:
         _extension.install(lib, _address, _torch_stats.record_from_cpp, _torch_stats.raw_snapshot)
         alloc = torch.cuda.memory._get_current_allocator()

@@ -163,6 +163,7 @@ pub(super) const SIGNATURES: &[Signature] = &[
         &["int", "const char *"],
     ),
     sig("vram_ledger_separate_tags", "int", &["int"]),
+    sig("vram_ledger_unmap_later", "int", &["int"]),
     sig("vram_ledger_sleep", "char *", &["int", "int", "int"]),
     sig("vram_ledger_wake", "char *", &["int", "int"]),
     sig("vram_ledger_set_retain_host", "int", &["int", "int"]),

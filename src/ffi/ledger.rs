@@ -27,6 +27,20 @@ pub unsafe extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
     })
 }
 
+/// Remap mode: unmap a moved piece's old mapping once the stream's earlier work has finished,
+/// instead of synchronising the stream before the move (`Config::unmap_later`), in allocators
+/// not yet created. Other modes make no such moves and ignore it.
+#[no_mangle]
+pub extern "C" fn vram_ledger_unmap_later(enabled: c_int) -> c_int {
+    guard(-1, || {
+        devices::configure(Config {
+            unmap_later: enabled != 0,
+            ..devices::configured()
+        });
+        Ok(0)
+    })
+}
+
 /// Set this thread's tag (weights, activation, kv_cache or kv, untracked).
 ///
 /// # Safety

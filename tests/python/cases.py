@@ -32,3 +32,12 @@ def main(script, run_case, default_names, modes, timeout=900):
             print(json.dumps({"case": name, "mode": mode, "ok": False, "returncode": r.returncode, "stderr": r.stderr[-2500:]}))
         sys.stdout.flush()
     sys.exit(1 if failed else 0)
+
+
+def install(vl, config, **kw):
+    """`vl.install` for a configuration named `MODE` or `MODE+later` (remap's moves without a
+    wait, `install(unmap_later=True)`)."""
+    mode, plus, option = config.partition("+")
+    if plus and option != "later":
+        raise ValueError(f"unknown configuration {config!r}: MODE or MODE+later")
+    return vl.install(mode=mode, unmap_later=bool(plus), **kw)

@@ -3,7 +3,8 @@ and a serving loop, timed step by step, one process per configuration.
 
     python3 tests/python/h200_step_cost.py [CONFIG ...]      (default: torch, every mode, torch)
 
-CONFIG is `torch` (PyTorch's allocator) or a mode (`install(mode=...)`); by default each mode
+CONFIG is `torch` (PyTorch's allocator), a mode (`install(mode=...)`) or `remap+later`
+(`install(mode="remap", unmap_later=True)`); by default each mode
 runs twice and PyTorch's allocator three times, interleaved, so that a drift of the machine
 touches every configuration alike. PyTorch's runs show how far identical runs differ here.
 Before the first, a short untimed run of both loops reads the libraries and kernels from disk
@@ -199,9 +200,10 @@ def run_case(config):
     global CONFIG
     CONFIG = config
     if config != "torch":
+        import cases
         import vram_ledger as vl
 
-        vl.install(mode=config)
+        cases.install(vl, config)
     import torch
 
     torch.manual_seed(0)
