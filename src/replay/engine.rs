@@ -24,6 +24,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::addr_hash::AddrHash;
 use super::peak::{self, PeakBreakdown};
 use super::trace::{Action, Event, Trace};
 use crate::driver::counting::DriverCalls;
@@ -416,10 +417,10 @@ struct Replayer<'a> {
     trace: &'a Trace,
     delayed: Vec<bool>,
     /// Trace address -> (our pointer, trace size, tag).
-    ours: HashMap<u64, (u64, u64, Tag)>,
+    ours: HashMap<u64, (u64, u64, Tag), AddrHash>,
     /// Frees requested and not yet completed: trace address -> (size, the stream of its own
     /// that holds the block back, if its completion comes later).
-    completing: HashMap<u64, (u64, Option<StreamId>)>,
+    completing: HashMap<u64, (u64, Option<StreamId>), AddrHash>,
     next_hold: u64,
     live: Live,
     torch: Torch,
@@ -449,8 +450,8 @@ impl<'a> Replayer<'a> {
             allocator,
             trace,
             delayed: delayed_frees(trace),
-            ours: HashMap::with_capacity(4096),
-            completing: HashMap::with_capacity(64),
+            ours: HashMap::with_capacity_and_hasher(4096, AddrHash::default()),
+            completing: HashMap::with_capacity_and_hasher(64, AddrHash::default()),
             next_hold: 0,
             live: Live::default(),
             torch: Torch::default(),

@@ -1,6 +1,7 @@
 //! Replay of PyTorch memory snapshots through the allocator on a simulated device: does a
 //! workload fit, and how fragmented does it get, compared with what PyTorch recorded.
 
+mod addr_hash;
 pub mod engine;
 mod error;
 pub mod input;
