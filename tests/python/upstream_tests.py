@@ -58,6 +58,11 @@ EXPECTED = {
         "streams are joined (its opt-in graph_capture_record_stream_reuse setting)"
     ),
     "test_graph_capture_reclaim_4_streams": "as test_graph_capture_reclaim_2_streams",
+    "test_nested_mempool": (
+        "counts the segments of three nested pools as PyTorch's allocator cuts them (one per "
+        "20 MiB allocation); the virtual-memory modes map a pool's allocations into one "
+        "reservation, its one segment (native passes)"
+    ),
 }
 
 # Tests that only install(extension=True) can pass, because C++ calls the allocator for them
