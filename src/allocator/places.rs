@@ -164,7 +164,7 @@ impl Places {
                 .rev()
                 .find(|&l| {
                     let shift = FAN_SHIFT * l as u32;
-                    g & ((1 << shift) - 1) == 0 && (last - g) >> shift != 0
+                    g & ((1 << shift) - 1) == 0 && (last - g + 1) >> shift != 0
                 })
                 .unwrap_or(0);
             let top = &self.tops[(g >> (2 * FAN_SHIFT)) as usize];
@@ -364,6 +364,13 @@ mod tests {
             }
         }
         assert!(written < 1200, "{written} entries for 157 GiB");
+        // A whole aligned 1 GiB block is one entry.
+        let q = Places::default();
+        q.add(1 << 40, 1 << 30, 2);
+        let gibs = made(&q.tops[(1u64 << 40 >> (GRANULE_SHIFT + 2 * FAN_SHIFT)) as usize].gibs);
+        assert!(gibs.is_some_and(|t| t.iter().all(|g| made(&g.granules).is_none())));
+        assert_eq!(q.find((1 << 40) + (1 << 30) - 1), Place::Shard(2));
+        assert_eq!(q.find((1 << 40) + (1 << 30)), Place::Search);
         for off in [0, 2 * MIB, 100 * MIB, 64 << 30, 100 << 30, size - 1] {
             assert_eq!(p.find(base + off), Place::Shard(4), "{off:#x}");
         }
