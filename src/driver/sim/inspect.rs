@@ -39,7 +39,13 @@ impl SimDriver {
     pub fn held_bytes(&self) -> u64 {
         let st = self.device.state.lock();
         let p = &st.processes[&self.pid];
-        p.segments.values().sum::<u64>() + p.phys.values().map(|h| h.bytes).sum::<u64>()
+        let held = p.segments.values().sum::<u64>() + p.phys.values().map(|h| h.bytes).sum::<u64>();
+        // The room checks use the running total: every test that reads this checks it.
+        assert_eq!(
+            held, p.held,
+            "the simulated device's running total of held bytes"
+        );
+        held
     }
 
     /// Number of live driver objects: segments, physical handles, reservations, mappings.
