@@ -21,16 +21,15 @@
 //!
 //! Shards add and remove segments one at a time, under a lock of the tables' own (the slow
 //! path: a segment's driver calls cost far more); `find` takes no lock, and reads entries each
-//! written with one store. Tables are made on first use (one compare-and-swap installs each)
-//! and kept until the allocator is dropped.
+//! written with one store. Tables are made on first use, by a writer (one store installs
+//! each), and kept until the allocator is dropped.
 
-use std::ptr;
 use std::sync::atomic::{
     AtomicPtr, AtomicU32,
-    Ordering::{AcqRel, Acquire, Relaxed, Release},
+    Ordering::{Acquire, Relaxed, Release},
 };
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::driver::DevicePtr;
 
@@ -81,8 +80,8 @@ struct Top {
 pub(crate) struct Places {
     tops: Box<[Top]>,
     /// Held while a segment is added or removed: its few thousand entries at most are then
-    /// written with plain stores, where a compare-and-swap each cost 15% of a small trace's
-    /// replay. Readers take no lock.
+    /// written with plain stores (a compare-and-swap per entry costs 15% of a small trace's
+    /// replay). Readers take no lock.
     writers: Mutex<()>,
 }
 
@@ -156,7 +155,7 @@ impl Places {
     fn each(&self, base: DevicePtr, size: u64, change: impl Fn(u32) -> u32) {
         let first = base >> GRANULE_SHIFT;
         let last = (base.saturating_add(size.max(1) - 1) >> GRANULE_SHIFT).min(GRANULES - 1);
-        let _one_writer = self.writers.lock();
+        let writer = self.writers.lock();
         let mut g = first;
         while g <= last {
             // The largest aligned block that starts at `g` and ends by `last`.
@@ -171,11 +170,11 @@ impl Places {
             let entry = match level {
                 2 => &top.entry,
                 l => {
-                    let gib = &make(&top.gibs)[(g >> FAN_SHIFT) as usize & (FAN - 1)];
+                    let gib = &make(&top.gibs, &writer)[(g >> FAN_SHIFT) as usize & (FAN - 1)];
                     if l == 1 {
                         &gib.entry
                     } else {
-                        &make(&gib.granules)[g as usize & (FAN - 1)]
+                        &make(&gib.granules, &writer)[g as usize & (FAN - 1)]
                     }
                 }
             };
@@ -214,23 +213,16 @@ fn made<T>(slot: &AtomicPtr<T>) -> Option<&T> {
     unsafe { slot.load(Acquire).as_ref() }
 }
 
-/// The table `slot` names, made (zeroed) if it has none yet; of two threads making it at
-/// once, one's table is kept and the other's freed.
-fn make<T: Zeroed>(slot: &AtomicPtr<T>) -> &T {
+/// The table `slot` names, made (zeroed) if it has none yet. Only a writer makes tables, and
+/// writers hold the lock (`_writer`), so a plain store installs one.
+fn make<'a, T: Zeroed>(slot: &'a AtomicPtr<T>, _writer: &MutexGuard<()>) -> &'a T {
     if let Some(table) = made(slot) {
         return table;
     }
     let fresh = Box::into_raw(T::zeroed());
-    let kept = match slot.compare_exchange(ptr::null_mut(), fresh, AcqRel, Acquire) {
-        Ok(_) => fresh,
-        Err(other) => {
-            // SAFETY: `fresh` was never shared.
-            drop(unsafe { Box::from_raw(fresh) });
-            other
-        }
-    };
+    slot.store(fresh, Release);
     // SAFETY: as in `made`.
-    unsafe { &*kept }
+    unsafe { &*fresh }
 }
 
 /// # Safety

@@ -1,5 +1,5 @@
-//! The hash of the replay's maps keyed by trace address: one folded multiply, where std's
-//! default (SipHash) cost 8% of a small trace's replay. Keyed per map from std's random
+//! The hash of the replay's maps keyed by trace address: one folded multiply (std's default,
+//! SipHash, costs 8% of a small trace's replay). Keyed per map from std's random
 //! state, so that a trace cannot be made to collide without knowing the key.
 
 use std::collections::hash_map::RandomState;

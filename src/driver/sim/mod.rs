@@ -53,7 +53,8 @@ struct Process {
     /// Physical handles: bytes, released flag, live mapping count.
     phys: HashMap<u64, Phys>,
     /// Bytes of `segments` and `phys`, kept as they change: the room check of every
-    /// allocation reads it, and summing the maps there was most of a replay's driver time.
+    /// allocation reads it, and summing the maps at each check would be most of a replay's
+    /// time in the driver.
     held: u64,
     reservations: BTreeMap<DevicePtr, u64>,
     /// Mapped ranges: va -> (bytes, handle, access set).
