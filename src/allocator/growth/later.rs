@@ -40,7 +40,19 @@ pub(crate) struct Retiring {
     pub(crate) event: EventId,
 }
 
+impl Retiring {
+    /// Whether it lies in `seg` and overlaps `[lo, hi)`.
+    pub(crate) fn overlaps(&self, seg: u32, lo: DevicePtr, hi: DevicePtr) -> bool {
+        self.seg == seg && self.va < hi && lo < self.va + self.bytes
+    }
+}
+
 impl Shard {
+    /// Whether a retiring mapping lies in `seg`.
+    pub(crate) fn retiring_in(&self, seg: u32) -> bool {
+        self.retiring.iter().any(|r| r.seg == seg)
+    }
+
     /// Let pooled mapping `va` of `seg` (owned by `stream`) go without unmapping it: its piece
     /// becomes spare now, and the mapping is unmapped once `event` (on `stream`) completes.
     pub(crate) fn retire(
@@ -134,11 +146,7 @@ impl Shard {
         lo: DevicePtr,
         hi: DevicePtr,
     ) -> DriverResult<()> {
-        self.finish_retiring(
-            core,
-            |r| r.seg == seg && r.va < hi && lo < r.va + r.bytes,
-            true,
-        )
+        self.finish_retiring(core, |r| r.overlaps(seg, lo, hi), true)
     }
 
     /// Finish the retiring mapping of `handle`, if there is one, waiting for it: the handle is

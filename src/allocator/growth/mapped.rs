@@ -474,7 +474,7 @@ impl Shard {
         self.release_free_mappings(core, seg, u64::MAX, sync, [NIL; 2])?;
         // A retiring mapping (`later.rs`) shows as unmapped here, but the driver still holds
         // it: the reservation stays until it is gone.
-        if !self.wholly(seg, BlockState::Unmapped) || self.retiring.iter().any(|r| r.seg == seg) {
+        if !self.wholly(seg, BlockState::Unmapped) || self.retiring_in(seg) {
             return Ok(());
         }
         let s = self.segments.get(seg);

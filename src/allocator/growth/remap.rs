@@ -22,7 +22,7 @@ use crate::allocator::core::{Core, GrowError};
 use crate::allocator::owner::Owner;
 use crate::allocator::rules::{self, PoolKind};
 use crate::allocator::shard::Shard;
-use crate::driver::{Driver, StreamId};
+use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::OomCause;
 
 /// Growth weighs at most this many unmapped ranges for where to map spare pieces.
@@ -112,9 +112,8 @@ impl Remap {
             .ok_or(GrowError::Memory(OomCause::AddressSpace))?;
         let piece = self.largest_piece(pool);
         if let Site::Map { range, bytes } = site {
-            // What `map_spare` may map: `bytes`, and at most a piece more.
-            let (lo, size) = (sh.blocks[range].addr, sh.blocks[range].size);
-            sh.clear_for_map(core, seg, lo, lo + (bytes + piece).min(size))?;
+            let (lo, hi) = reach(sh, range, bytes, piece);
+            sh.clear_for_map(core, seg, lo, hi)?;
         }
         sh.grow_at(core, seg, site, rounded, |sh, start, bytes, room| {
             sh.map_spare(core, seg, start, bytes, room, piece)
@@ -186,7 +185,7 @@ impl Remap {
     /// A range where a moved piece's old mapping still waits (`later.rs`) is passed over while
     /// another will do: mapping there would first wait for the stream.
     fn site(&self, sh: &Shard, seg: u32, rounded: u64) -> Option<Site> {
-        if sh.retiring.iter().any(|r| r.seg == seg) {
+        if sh.retiring_in(seg) {
             if let Some(site) = self.site_avoiding(sh, seg, rounded, true) {
                 return Some(site);
             }
@@ -203,16 +202,10 @@ impl Remap {
             PoolKind::Large => rules::LARGE_BUFFER,
             PoolKind::Small => 0,
         };
-        // Whether mapping `bytes` (and at most a piece more) at the front of range `u` would
-        // cover a retiring mapping.
+        // Whether mapping at the front of range `u` would cover a retiring mapping.
         let waits = |u: BlockId, bytes: u64| {
-            let (lo, room) = (sh.blocks[u].addr, sh.blocks[u].size);
-            let hi = lo + (bytes + piece).min(room);
-            avoid
-                && sh
-                    .retiring
-                    .iter()
-                    .any(|r| r.seg == seg && r.va < hi && lo < r.va + r.bytes)
+            let (lo, hi) = reach(sh, u, bytes, piece);
+            avoid && sh.retiring.iter().any(|r| r.overlaps(seg, lo, hi))
         };
         // Only the pieces this pool may map weigh (`next_piece` passes over larger ones).
         let sizes = sh.spare_sizes(piece);
@@ -245,4 +238,11 @@ impl Remap {
         }
         best
     }
+}
+
+/// What `map_spare` may map to put `bytes` at the front of unmapped range `u`: those bytes and
+/// at most a piece more, within the range.
+fn reach(sh: &Shard, u: BlockId, bytes: u64, piece: u64) -> (DevicePtr, DevicePtr) {
+    let (lo, room) = (sh.blocks[u].addr, sh.blocks[u].size);
+    (lo, lo + (bytes + piece).min(room))
 }
