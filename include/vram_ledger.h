@@ -396,11 +396,14 @@ char *vram_ledger_pool_restore(int device, uint64_t pool_a, uint64_t pool_b, con
  * `createOrIncrefPool`, as a `torch.cuda.MemPool` is made); `vram_ledger_graph_release` drops
  * it. With `alloc` and `free` (both or neither), the pool's segments come from them, in every
  * mode: they must behave as PyTorch's pluggable-allocator functions, may be called from any
- * thread until the pool's last segment is given back, and must not unwind. With `use_on_oom`
- * non-zero, the pool's free blocks serve an allocation that would otherwise run out of
- * memory. A pool that exists keeps how it was made (another allocator is refused, -1).
+ * thread until the pool's last segment is given back, and must not unwind. `flags` is a sum
+ * of: 1 (PyTorch's `use_on_oom`), the pool's free blocks serve an allocation that would
+ * otherwise run out of memory; 2 (`no_split`), the pool's blocks are never split, so each
+ * allocation has a segment of its own (or reuses a whole free block). Other bits are refused
+ * (-1). A pool that exists keeps how it was made (another allocator or `no_split` is refused,
+ * -1).
  */
-int vram_ledger_pool_hold(int device, uint64_t pool_a, uint64_t pool_b, vram_ledger_pool_alloc alloc, vram_ledger_pool_free free, int use_on_oom);
+int vram_ledger_pool_hold(int device, uint64_t pool_a, uint64_t pool_b, vram_ledger_pool_alloc alloc, vram_ledger_pool_free free, int flags);
 
 /* Route every allocation the calling thread makes on `device` to the pool, on any stream,
  * until `vram_ledger_pool_end` (PyTorch's `beginAllocateToPool` with a filter for the current

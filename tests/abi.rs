@@ -310,6 +310,11 @@ fn abi_memory_pools_refuse_half_an_allocator_and_unknown_routes() {
         -1
     );
     assert!(last_error().contains("both"), "{}", last_error());
+    // Flags: 1 and 2 are known, any other bit is refused before anything is made.
+    for flags in [4, -1, 1 << 30] {
+        assert_eq!(vram_ledger_pool_hold(5, 0, 9, None, None, flags), -1);
+        assert!(last_error().contains("flags"), "{}", last_error());
+    }
     assert_eq!(vram_ledger_pool_end(5, 0, 9), -1);
     assert!(last_error().contains("graph pool"), "{}", last_error());
     // A pool whose allocator returns NULL: out of memory, and the device keeps working.

@@ -248,7 +248,7 @@ fn own(a: &Allocator<SimDriver>) -> Arc<Own> {
 fn with_source(o: &Arc<Own>) -> PoolOptions {
     PoolOptions {
         source: Some(o.clone() as Source),
-        use_on_oom: false,
+        ..PoolOptions::default()
     }
 }
 
@@ -353,8 +353,8 @@ fn a_use_on_oom_pools_free_blocks_serve_what_nothing_else_can() {
             ..Config::with_mode(mode)
         });
         let on_oom = PoolOptions {
-            source: None,
             use_on_oom: true,
+            ..PoolOptions::default()
         };
         a.hold_pool(P, PoolOptions::default()).unwrap();
         a.hold_pool(Q, on_oom).unwrap();
@@ -417,8 +417,8 @@ fn a_pool_whose_blocks_were_all_freed_gives_its_memory_back_as_it_goes() {
 fn a_capture_never_takes_a_use_on_oom_pools_block() {
     let a = sim(SegmentMode::Remap);
     let on_oom = PoolOptions {
-        source: None,
         use_on_oom: true,
+        ..PoolOptions::default()
     };
     let first = alloc(&a, 4096, S0);
     a.begin_thread_pool(P).unwrap();
@@ -504,4 +504,127 @@ fn pool_after_pool_leaves_no_free_lists_behind() {
         assert_eq!(o.held.load(Relaxed), 0, "{mode}");
         check(&a);
     }
+}
+
+/// The segments of `pool` in the allocator's dump: (size, each block's (size, allocated)).
+fn pool_segments(a: &Allocator<SimDriver>, pool: GraphPool) -> Vec<(u64, Vec<(u64, bool)>)> {
+    a.dump()
+        .segments
+        .iter()
+        .filter(|s| s.graph_pool == Some((pool.0, pool.1)))
+        .map(|s| {
+            let blocks = s
+                .blocks
+                .iter()
+                .map(|b| {
+                    (
+                        b.size,
+                        b.state == vram_ledger::allocator::dump::DumpState::Allocated,
+                    )
+                })
+                .collect();
+            (s.size, blocks)
+        })
+        .collect()
+}
+
+#[test]
+fn a_no_split_pools_allocations_take_whole_blocks_each_its_own_segment() {
+    let unsplit = PoolOptions {
+        no_split: true,
+        ..PoolOptions::default()
+    };
+    for separate_tags in [false, true] {
+        for mode in SegmentMode::ALL {
+            let a = sim_with(Config {
+                mode,
+                separate_tags,
+                ..Config::default()
+            });
+            let mode = format!("{mode}, separate_tags {separate_tags}");
+            a.hold_pool(P, unsplit.clone()).unwrap();
+            a.hold_pool(Q, PoolOptions::default()).unwrap();
+            // As PyTorch's test: 4 MiB twice in each pool.
+            let mut split = Vec::new();
+            let mut whole = Vec::new();
+            for _ in 0..2 {
+                a.begin_thread_pool(Q).unwrap();
+                split.push(alloc(&a, 4 * MIB, S0));
+                a.end_thread_pool(Q).unwrap();
+                a.begin_thread_pool(P).unwrap();
+                whole.push(alloc(&a, 4 * MIB, S0));
+                a.end_thread_pool(P).unwrap();
+            }
+            for x in &split {
+                assert_eq!(x.size, 4 * MIB, "{mode}: the other pool splits");
+            }
+            // PyTorch's segment for 4 MiB is 20 MiB; here it is one block, wholly the
+            // allocation's.
+            for x in &whole {
+                assert_eq!(x.size, 20 * MIB, "{mode}: the whole block");
+            }
+            let segs = pool_segments(&a, P);
+            assert_eq!(
+                segs,
+                vec![(20 * MIB, vec![(20 * MIB, true)]); 2],
+                "{mode}: a segment per allocation"
+            );
+            assert!(
+                pool_segments(&a, Q).iter().all(|(_, b)| b.len() > 1),
+                "{mode}: the other pool's segment holds more than one block"
+            );
+            assert_eq!(
+                a.graph_memory().allocated,
+                2 * 4 * MIB + 2 * 20 * MIB,
+                "{mode}: the ledger counts whole blocks"
+            );
+            // A freed block serves a smaller request whole, and nothing new is made; a small
+            // request has a small segment of its own.
+            a.free_on(whole[0].ptr, S0).unwrap();
+            a.begin_thread_pool(P).unwrap();
+            let again = alloc(&a, 3 * MIB, S0);
+            let small = alloc(&a, 4096, S0);
+            a.end_thread_pool(P).unwrap();
+            assert_eq!((again.ptr, again.size), (whole[0].ptr, 20 * MIB), "{mode}");
+            assert_eq!(small.size, 2 * MIB, "{mode}: a small segment, whole");
+            let segs = pool_segments(&a, P);
+            assert_eq!(segs.len(), 3, "{mode}");
+            assert!(
+                segs.iter().all(|(size, b)| *b == vec![(*size, true)]),
+                "{mode}: {segs:?}"
+            );
+            check(&a);
+            for x in split.iter().chain([&whole[1], &again, &small]) {
+                a.free_on(x.ptr, S0).unwrap();
+            }
+            // Each pool's hold and each of its routes counted a reference.
+            for (pool, refs) in [(P, 4), (Q, 3)] {
+                for _ in 0..refs {
+                    a.release_graph_pool(pool).unwrap();
+                }
+            }
+            a.empty_cache().unwrap();
+            assert_eq!(a.graph_memory().reserved, 0, "{mode}: all given back");
+            assert_eq!(a.graph_memory().pools, 0, "{mode}");
+            check(&a);
+        }
+    }
+}
+
+#[test]
+fn a_pool_made_unsplit_stays_so() {
+    let a = sim(SegmentMode::Native);
+    let unsplit = PoolOptions {
+        no_split: true,
+        ..PoolOptions::default()
+    };
+    a.hold_pool(P, unsplit.clone()).unwrap();
+    assert!(matches!(
+        a.hold_pool(P, PoolOptions::default()),
+        Err(Error::InvalidArgument(_))
+    ));
+    a.hold_pool(P, unsplit).unwrap();
+    a.begin_thread_pool(P).unwrap();
+    assert_eq!(alloc(&a, 4 * MIB, S0).size, 20 * MIB, "still whole");
+    a.end_thread_pool(P).unwrap();
 }

@@ -32,7 +32,7 @@ enum Call {
     Reset,
     Sleep { device: i8, offload: i32, discard: i32 },
     Wake { device: i8, mask: i32 },
-    PoolHold { device: i8, id: u8, own: bool, half: bool, on_oom: bool },
+    PoolHold { device: i8, id: u8, own: bool, half: bool, flags: u8 },
     PoolBegin { device: i8, id: u8 },
     PoolEnd { device: i8, id: u8 },
     PoolRelease { device: i8, id: u8 },
@@ -177,14 +177,14 @@ fuzz_target!(|calls: Vec<Call>| {
                 vram_ledger_string_free(vram_ledger_sleep(i32::from(device % 3), offload, discard))
             },
             Call::Wake { device, mask } => unsafe { vram_ledger_string_free(vram_ledger_wake(i32::from(device % 3), mask)) },
-            Call::PoolHold { device, id, own, half, on_oom } => {
+            Call::PoolHold { device, id, own, half, flags } => {
                 let d = i32::from(device % 3);
                 let (alloc, free): (Option<PoolAlloc>, Option<PoolFree>) = match (own, half) {
                     (true, false) => (Some(own_alloc), Some(own_free)),
                     (true, true) => (Some(own_alloc), None),
                     (false, _) => (None, None),
                 };
-                if vram_ledger_pool_hold(d, 0, u64::from(id % 8), alloc, free, i32::from(on_oom)) == 0 {
+                if vram_ledger_pool_hold(d, 0, u64::from(id % 8), alloc, free, i32::from(flags % 8)) == 0 {
                     refs.push((d, u64::from(id % 8)));
                 }
             }

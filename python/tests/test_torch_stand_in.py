@@ -3,6 +3,8 @@ simulated device: what they hand PyTorch and what they patch, where PyTorch is n
 
 import textwrap
 
+import pytest
+
 from test_pure import run_on_sim
 
 STAND_IN = """
@@ -394,6 +396,42 @@ def test_accumulated_statistics_reset_under_install():
     assert r["again"]["allocation.all.allocated"] == 0 and r["again"]["allocation.all.current"] == 1, r
 
 
+@pytest.mark.parametrize("mode", ["native", "expandable", "remap", "compact"])
+def test_mempool_no_split_gives_each_allocation_a_segment_of_its_own(mode):
+    # PyTorch's test_mempool_no_split, on the stand-in: 4 MiB twice in each pool.
+    r = run_on_sim(
+        STAND_IN
+        + f'vl.install(mode="{mode}")\n'
+        + textwrap.dedent(
+            """
+            state["initialized"] = True
+            M, use = torch.cuda.MemPool, torch.cuda.use_mem_pool
+            split, whole = M(), M(no_split=True)
+            held = []
+            for _ in range(2):
+                for pool in (split, whole):
+                    with use(pool):
+                        held.append(lib.vram_ledger_malloc(4 << 20, 0, None))
+            shape = lambda p: [[b["size"] for b in s["blocks"]] for s in p.snapshot()]
+            try:
+                M(no_split=1)
+                refused = None
+            except TypeError as e:
+                refused = str(e)
+            print(json.dumps({"split": shape(split), "whole": shape(whole), "refused": refused}))
+            """
+        )
+    )
+    assert r["whole"] == [[20 << 20], [20 << 20]], r
+    assert len(r["split"]) < len(r["whole"]), r
+    if mode == "compact":
+        # Compact maps exactly what the allocations use: no free tail for PyTorch's test to count.
+        assert r["split"] == [[4 << 20, 4 << 20]], r
+    else:
+        assert sum(map(len, r["split"])) > sum(map(len, r["whole"])), r
+    assert r["refused"] and "no_split" in r["refused"], r
+
+
 def test_mempool_under_install_is_the_librarys_pool():
     r = installed(
         """
@@ -438,7 +476,7 @@ def test_mempool_under_install_is_the_librarys_pool():
         for t in threads: t.join()
         seen["thread_ids"] = len(set(ids))
         seen["refused"] = []
-        for kw in [{"allocator": object()}, {"no_split": True}]:
+        for kw in [{"allocator": object()}, {"colour": "blue"}]:
             try:
                 M(**kw)
             except vl.VramLedgerError as e:
@@ -490,7 +528,7 @@ def test_mempool_under_install_is_the_librarys_pool():
     assert r["all_pools_listed"], "memory_snapshot() lists every pool's segments and the rest"
     assert r["thread_ids"] == 4, r
     assert "CUDAPluggableAllocator(path, alloc_name, free_name) after install()" in r["refused"][0], r
-    assert "no_split=...) is not supported under vram_ledger.install()" in r["refused"][1], r
+    assert "colour=...) is not supported under vram_ledger.install()" in r["refused"][1], r
     assert r["own_allocator"] and r["own_segment"] == [True, 1] and r["own_from_malloc"], r
     assert r["own_given_back"] < -(1 << 20), "the pool's segment went back to its allocator"
     assert r["kv_tag"] == "kv_cache" and r["kv_in_its_pool"], r

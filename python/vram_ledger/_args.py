@@ -35,6 +35,14 @@ def integer(value: Any, what: str, *, minimum: int = 0, maximum: int = INT64_MAX
     return int(value)
 
 
+def flag(value: Any, what: str) -> int:
+    """A bool as 0 or 1. Only a bool, as PyTorch's bindings take it: a truthy object passed by
+    mistake (a string, a pool) would otherwise switch the option on silently."""
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{what} must be True or False, not {value!r}")
+    return int(value)
+
+
 def optional_integer(value: Any, what: str, **limits: Any) -> Optional[int]:
     """None, or an int as `integer` checks it."""
     if value is None:

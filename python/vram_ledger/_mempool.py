@@ -14,7 +14,9 @@ A MemPool with its own allocator (`MemPool(CUDAPluggableAllocator(...).allocator
 its segments from that allocator's functions, in every mode, and gives them back to them; the
 library caches and splits them as its own, and counts them against the cap. install() records
 the functions of every CUDAPluggableAllocator made after it. `use_on_oom=True` lets the pool's
-free blocks serve an allocation that nothing else can. `no_split` is refused with an error."""
+free blocks serve an allocation that nothing else can. With `no_split=True` the pool's blocks
+are never split: each allocation takes a whole free block of the pool, or a segment of its own,
+in every mode."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class MemPool:
     snapshot(). Made on the current device."""
 
     def __init__(self, allocator: Any = None, use_on_oom: bool = False, no_split: bool = False, **unsupported: Any) -> None:
-        refused = (["no_split"] if no_split else []) + sorted(unsupported)
+        refused = sorted(unsupported)
         if refused:
             raise VramLedgerError(
                 f"torch.cuda.MemPool({', '.join(refused)}=...) is not supported under vram_ledger.install() "
@@ -74,7 +76,8 @@ class MemPool:
         self._id: Tuple[int, int] = _pool(torch.cuda.graph_pool_handle())
         self._device = int(torch.cuda.current_device())
         self._allocator = allocator
-        _check(load().vram_ledger_pool_hold(self._device, *self._id, *functions, 1 if use_on_oom else 0))
+        flags = _args.flag(use_on_oom, "use_on_oom") | _args.flag(no_split, "no_split") << 1
+        _check(load().vram_ledger_pool_hold(self._device, *self._id, *functions, flags))
         self._finalizer = weakref.finalize(self, _release, self._device, self._id)
 
     @property

@@ -282,6 +282,8 @@ impl<D: Driver> Allocator<D> {
         }
         let grown = match sh.graphs.source(owner).cloned() {
             Some(source) => sh.grow_external(&self.core, owner, stream, rounded, &source),
+            // A mode's growth may hand back part of a larger free block, which would be split.
+            None if sh.graphs.unsplit(owner) => sh.grow_plain(&self.core, owner, stream, rounded),
             None => self.grow(sh, owner, stream, rounded),
         };
         match grown {

@@ -111,6 +111,9 @@ impl<D: Driver> Allocator<D> {
                 if p.options.use_on_oom {
                     r.on_oom.push(key);
                 }
+                if p.options.no_split {
+                    r.unsplit.push(key);
+                }
             }
         })
     }
@@ -199,6 +202,7 @@ impl<D: Driver> Allocator<D> {
             // Segments keep their own source until they are given back to it.
             r.sources.retain(|(k, _)| !keys.contains(k));
             r.on_oom.retain(|k| !keys.contains(k));
+            r.unsplit.retain(|k| !keys.contains(k));
         })?;
         drop(pools);
         let mut first = None;

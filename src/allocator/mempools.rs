@@ -27,11 +27,19 @@ impl<D: Driver> Allocator<D> {
     /// Count one reference to `pool`, making it with `options` if it is new (a pool object was
     /// made, PyTorch's `createOrIncrefPool`). The pool keeps its memory until the last
     /// reference is dropped ([`Allocator::release_graph_pool`]). A pool that exists keeps how
-    /// it was made: asking for another allocator of its own is an error that changes nothing.
+    /// it was made: asking for another allocator of its own, or the other `no_split`, is an
+    /// error that changes nothing.
     pub fn hold_pool(&self, pool: GraphPool, options: PoolOptions) -> Result<()> {
         let mut pools = self.graphs.pools.lock();
         let asked = options.source.clone();
+        let no_split = options.no_split;
         let (p, made) = self.entry_made(&mut pools, pool, Some(options));
+        if !made && p.options.no_split != no_split {
+            return Err(Error::InvalidArgument(format!(
+                "pool {pool:?} exists with no_split={}; it cannot be held with no_split={no_split}",
+                p.options.no_split
+            )));
+        }
         if !made {
             if let Some(asked) = &asked {
                 let same = p

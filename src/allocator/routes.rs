@@ -45,6 +45,8 @@ pub(crate) struct GraphRoutes {
     /// The held pools whose free blocks serve an allocation that would otherwise fail
     /// (PyTorch's `use_on_oom`), oldest first.
     pub(crate) on_oom: Vec<PoolKey>,
+    /// The held pools whose blocks are never split (PyTorch's `no_split`).
+    pub(crate) unsplit: Vec<PoolKey>,
 }
 
 impl GraphRoutes {
@@ -93,6 +95,12 @@ impl GraphRoutes {
         self.sources.iter().find(|(k, _)| *k == key).map(|(_, s)| s)
     }
 
+    /// Whether `owner` is (a region of) a pool whose blocks are never split: each allocation
+    /// takes a whole block, and a block a whole segment of its own.
+    pub(crate) fn unsplit(&self, owner: Owner) -> bool {
+        owner.pool().is_some_and(|key| self.unsplit.contains(&key))
+    }
+
     /// Whether the memory of `owner` may be released or moved.
     #[inline]
     pub(crate) fn releasable(&self, owner: Owner) -> bool {
@@ -117,8 +125,8 @@ pub(crate) struct PoolEntry {
     pub(crate) options: PoolOptions,
 }
 
-/// How a pool is made (PyTorch's `MemPool(allocator, use_on_oom)`); a graph's pool has the
-/// defaults.
+/// How a pool is made (PyTorch's `MemPool(allocator, use_on_oom, no_split)`); a graph's pool
+/// has the defaults.
 #[derive(Clone, Debug, Default)]
 pub struct PoolOptions {
     /// Where the pool's segments come from: an allocator of its own, or (None) the driver, as
@@ -126,6 +134,11 @@ pub struct PoolOptions {
     pub source: Option<Source>,
     /// Whether the pool's free blocks may serve an allocation that nothing else can.
     pub use_on_oom: bool,
+    /// Whether the pool's blocks are never split: an allocation takes a whole free block, or a
+    /// new segment of its own (sized as PyTorch sizes segments), in every mode. Its segments
+    /// are plain ones (`cuMemAlloc`, or the pool's own allocator) whatever the mode, so they
+    /// stay awake while their tag sleeps, as a pool's own allocator's do.
+    pub no_split: bool,
 }
 
 impl PoolEntry {

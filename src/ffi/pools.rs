@@ -21,13 +21,21 @@ pub type PoolAlloc =
 pub type PoolFree =
     unsafe extern "C" fn(ptr: *mut c_void, size: usize, device: c_int, stream: *mut c_void);
 
+/// [`vram_ledger_pool_hold`]'s flag for PyTorch's `use_on_oom`.
+const POOL_USE_ON_OOM: c_int = 1;
+/// [`vram_ledger_pool_hold`]'s flag for PyTorch's `no_split`.
+const POOL_NO_SPLIT: c_int = 2;
+
 /// Make pool (`pool_a`, `pool_b`) if it is new, and count one reference to it (PyTorch's
 /// `createOrIncrefPool`, as a `torch.cuda.MemPool` is made); `vram_ledger_graph_release` drops
 /// it. With `alloc` and `free` (both or neither), the pool's segments come from them, in every
 /// mode: they must behave as PyTorch's pluggable-allocator functions, may be called from any
-/// thread until the pool's last segment is given back, and must not unwind. With `use_on_oom`
-/// non-zero, the pool's free blocks serve an allocation that would otherwise run out of
-/// memory. A pool that exists keeps how it was made (another allocator is refused, -1).
+/// thread until the pool's last segment is given back, and must not unwind. `flags` is a sum
+/// of: 1 (PyTorch's `use_on_oom`), the pool's free blocks serve an allocation that would
+/// otherwise run out of memory; 2 (`no_split`), the pool's blocks are never split, so each
+/// allocation has a segment of its own (or reuses a whole free block). Other bits are refused
+/// (-1). A pool that exists keeps how it was made (another allocator or `no_split` is refused,
+/// -1).
 #[no_mangle]
 pub extern "C" fn vram_ledger_pool_hold(
     device: c_int,
@@ -35,9 +43,14 @@ pub extern "C" fn vram_ledger_pool_hold(
     pool_b: u64,
     alloc: Option<PoolAlloc>,
     free: Option<PoolFree>,
-    use_on_oom: c_int,
+    flags: c_int,
 ) -> c_int {
     guard(-1, || {
+        if flags & !(POOL_USE_ON_OOM | POOL_NO_SPLIT) != 0 {
+            return Err(format!(
+                "pool flags {flags:#x}: only 1 (use_on_oom) and 2 (no_split) are known"
+            ));
+        }
         let pool = crate::GraphPool(pool_a, pool_b);
         let source = match (alloc, free) {
             (Some(alloc), Some(free)) => Some(Arc::new(HostAllocator {
@@ -52,7 +65,8 @@ pub extern "C" fn vram_ledger_pool_hold(
         };
         let options = PoolOptions {
             source,
-            use_on_oom: use_on_oom != 0,
+            use_on_oom: flags & POOL_USE_ON_OOM != 0,
+            no_split: flags & POOL_NO_SPLIT != 0,
         };
         status(on_device!(state(device)?, d => d.allocator().hold_pool(pool, options)))
     })

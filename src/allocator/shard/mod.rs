@@ -86,6 +86,8 @@ pub(crate) struct OwnerLists {
     pub(crate) pools: [FreeIndex; 2],
     /// The owner is a region of an asleep tag: nothing is served from these lists.
     pub(crate) asleep: bool,
+    /// The owner is a pool whose blocks are never split (`PoolOptions::no_split`).
+    pub(crate) unsplit: bool,
 }
 
 #[derive(Default, Debug)]
@@ -152,6 +154,7 @@ impl Shard {
             owner,
             pools: Default::default(),
             asleep: self.sleeps(owner),
+            unsplit: self.graphs.unsplit(owner),
         };
         match self.lists.iter().position(|l| l.owner.is_vacant()) {
             Some(i) => {
@@ -183,6 +186,7 @@ impl Shard {
                     owner: Owner::vacant(),
                     pools: Default::default(),
                     asleep: false,
+                    unsplit: false,
                 };
             }
         }
@@ -257,7 +261,10 @@ impl Shard {
         let (addr, size, pool) = (b.addr, b.size, b.pool);
         // Only the large pool's rule depends on the segment's kind.
         let virt = pool == PoolKind::Large && self.segments.get(b.segment).is_virtual();
-        let front = if rules::should_split(pool, virt, core.max_split, size, rounded) {
+        // A shard with no unsplit pool, almost every one, skips the look at the owner's slot.
+        let front = if rules::should_split(pool, virt, core.max_split, size, rounded)
+            && (self.graphs.unsplit.is_empty() || !self.lists[b.list as usize].unsplit)
+        {
             let cut = if planted::active(Bug::SplitOffBy512) {
                 rounded - rules::MIN_BLOCK
             } else {
