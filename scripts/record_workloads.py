@@ -5,9 +5,10 @@ snapshots `vram-ledger replay` reads: kinds the shared traces lack, each run for
                                         [--no-frames] [--max-entries N]
 
 NAMES (default: all):
-  serve-dyncache  continuous batching on a Llama (random weights) with HF's DynamicCache:
-                  requests of 64 to 3000 prompt tokens arrive, decode 16 to 187 tokens each
-                  and finish; one cache per request
+  serve-dyncache  continuous batching on a Llama (random weights, 2048 hidden, 8 layers) with
+                  HF's DynamicCache: 24 requests of 64 to 3000 prompt tokens arrive, decode 16
+                  to 187 tokens each and finish; one cache per request (every layer's cache
+                  grows by a copy each step, so the trace holds about a million events)
   ckpt-train      a Llama trained with activation checkpointing on every layer, gradient
                   accumulation over 4 micro-batches, AdamW
   conv-train      a ResNet-style convolutional network (bottleneck blocks, channels_last, bf16
@@ -66,10 +67,12 @@ def llama(torch, hidden, layers, heads, vocab, device, dtype):
 def serve_dyncache(torch, rng, dev, small):
     from transformers.cache_utils import DynamicCache
 
-    m = llama(torch, 256 if small else 2048, 2 if small else 22, 4 if small else 32, 1000 if small else 32000,
+    # 8 layers, not a 1.1B model's 22: each layer's cache is copied to grow at every step of
+    # every request, and with 22 layers and 41 requests the history filled 5,000,000 entries.
+    m = llama(torch, 256 if small else 2048, 2 if small else 8, 4 if small else 32, 1000 if small else 32000,
               dev, torch.float32 if small else torch.bfloat16).eval()
     vocab = m.config.vocab_size
-    n_requests = 6 if small else 41
+    n_requests = 6 if small else 24
     lo, hi = (8, 40) if small else (64, 3000)
     arrivals = sorted(rng.randrange(0, 20 if small else 120) for _ in range(n_requests))
     active, step, served = [], 0, 0
