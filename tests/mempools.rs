@@ -555,6 +555,8 @@ fn a_no_split_pools_allocations_take_whole_blocks_each_its_own_segment() {
                 whole.push(alloc(&a, 4 * MIB, S0));
                 a.end_thread_pool(P).unwrap();
             }
+            // The self-check knows that an unsplit pool's segment holds one block.
+            check(&a);
             for x in &split {
                 assert_eq!(x.size, 4 * MIB, "{mode}: the other pool splits");
             }

@@ -18,6 +18,7 @@
 //!   regions' slots are marked asleep (nothing is served from them) and frees of its memory
 //!   wait in `deferred`.
 //! - `live` maps the address of every `Allocated` block, and nothing else, to its id.
+//! - A segment of a pool whose blocks are never split (`OwnerLists::unsplit`) holds one block.
 //! - `pending` holds one entry per outstanding event of each `Pending` block; the count in
 //!   `Pending(n)` equals the block's entries. An entry without an event holds a block whose
 //!   events wait for a capture's end before they are recorded (`held.rs`).
