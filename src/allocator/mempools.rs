@@ -34,13 +34,13 @@ impl<D: Driver> Allocator<D> {
         let asked = options.source.clone();
         let no_split = options.no_split;
         let (p, made) = self.entry_made(&mut pools, pool, Some(options));
-        if !made && p.options.no_split != no_split {
-            return Err(Error::InvalidArgument(format!(
-                "pool {pool:?} exists with no_split={}; it cannot be held with no_split={no_split}",
-                p.options.no_split
-            )));
-        }
         if !made {
+            if p.options.no_split != no_split {
+                return Err(Error::InvalidArgument(format!(
+                    "pool {pool:?} exists with no_split={}; it cannot be held with no_split={no_split}",
+                    p.options.no_split
+                )));
+            }
             if let Some(asked) = &asked {
                 let same = p
                     .options

@@ -114,8 +114,7 @@ impl Shard {
                 }
             }
             // A pool whose blocks are never split has one block in each segment.
-            let unsplit = self.lists.iter().any(|l| l.owner == s.owner && l.unsplit);
-            if unsplit && self.blocks[s.first].next != NIL {
+            if self.graphs.unsplit(s.owner) && self.blocks[s.first].next != NIL {
                 problems.push(format!(
                     "segment {i} of an unsplit pool holds more than one block"
                 ));

@@ -18,7 +18,8 @@
 //!   regions' slots are marked asleep (nothing is served from them) and frees of its memory
 //!   wait in `deferred`.
 //! - `live` maps the address of every `Allocated` block, and nothing else, to its id.
-//! - A segment of a pool whose blocks are never split (`OwnerLists::unsplit`) holds one block.
+//! - A segment of a held pool whose blocks are never split (`GraphRoutes::unsplit`) holds one
+//!   block.
 //! - `pending` holds one entry per outstanding event of each `Pending` block; the count in
 //!   `Pending(n)` equals the block's entries. An entry without an event holds a block whose
 //!   events wait for a capture's end before they are recorded (`held.rs`).
@@ -87,8 +88,6 @@ pub(crate) struct OwnerLists {
     pub(crate) pools: [FreeIndex; 2],
     /// The owner is a region of an asleep tag: nothing is served from these lists.
     pub(crate) asleep: bool,
-    /// The owner is a pool whose blocks are never split (`PoolOptions::no_split`).
-    pub(crate) unsplit: bool,
 }
 
 #[derive(Default, Debug)]
@@ -155,7 +154,6 @@ impl Shard {
             owner,
             pools: Default::default(),
             asleep: self.sleeps(owner),
-            unsplit: self.graphs.unsplit(owner),
         };
         match self.lists.iter().position(|l| l.owner.is_vacant()) {
             Some(i) => {
@@ -187,7 +185,6 @@ impl Shard {
                     owner: Owner::vacant(),
                     pools: Default::default(),
                     asleep: false,
-                    unsplit: false,
                 };
             }
         }
@@ -262,9 +259,9 @@ impl Shard {
         let (addr, size, pool) = (b.addr, b.size, b.pool);
         // Only the large pool's rule depends on the segment's kind.
         let virt = pool == PoolKind::Large && self.segments.get(b.segment).is_virtual();
-        // A shard with no unsplit pool, almost every one, skips the look at the owner's slot.
+        // A shard that holds no unsplit pool, almost every one, skips the look at the owner.
         let front = if rules::should_split(pool, virt, core.max_split, size, rounded)
-            && (self.graphs.unsplit.is_empty() || !self.lists[b.list as usize].unsplit)
+            && (self.graphs.unsplit.is_empty() || !self.graphs.unsplit(self.owner_of(id)))
         {
             let cut = if planted::active(Bug::SplitOffBy512) {
                 rounded - rules::MIN_BLOCK
