@@ -21,12 +21,16 @@
 //            unmapped and released, on 1 and on T threads (what wake and sleep do beside them)
 //   fault    only faulting in N GiB on T threads (the floor of any route that takes fresh host
 //            memory)
+//   vmmhost  host memory that the driver makes (cuMemCreate at a host location, in chunks of
+//            S MiB on T threads, each mapped and copied into as soon as it is made): no
+//            registration of user pages and no copy on the CPU; wake copies back, then unmaps and
+//            releases the chunks on T threads. VMMHOST_NUMA=1 asks for NUMA node 0 by name
 //
 // Each route runs ROUNDS times in one process: the first round may pay for host memory that
 // the machine has never handed to this process.
 //
 // Build: nvcc -O2 -std=c++17 -o host_staging_bench scripts/host_staging_bench.cu -lcuda
-// Run:   host_staging_bench [GiB] [threads] [slot MiB] [rounds] [pinpipe|file|stage|uffd|fault|vmm]
+// Run:   host_staging_bench [GiB] [threads] [slot MiB] [rounds] [pinpipe|file|stage|uffd|fault|vmm|vmmhost]
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <errno.h>
@@ -485,6 +489,78 @@ static void route_vmm(size_t n, size_t piece, int threads, int round) {
          piece >> 20, threads, t1 - t0, t2 - t1);
 }
 
+// Host memory made by the driver, chunk by chunk, each copied into as soon as it is mapped.
+// Timed: the whole sleep, and the share of it each thread spent making and mapping chunks.
+static void route_vmmhost(Dev& dv, int threads, size_t chunk, int round, bool copies) {
+  size_t n = dv.bytes;
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  bool numa = getenv("VMMHOST_NUMA") && atoi(getenv("VMMHOST_NUMA"));
+  prop.location.type = numa ? CU_MEM_LOCATION_TYPE_HOST_NUMA : CU_MEM_LOCATION_TYPE_HOST;
+  prop.location.id = 0;
+  size_t gran = 0;
+  CU(cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  chunk = (chunk + gran - 1) / gran * gran;
+  size_t count = (n + chunk - 1) / chunk;
+  CUdeviceptr va = 0;
+  CU(cuMemAddressReserve(&va, count * chunk, 0, 0, 0));
+  std::vector<CUmemGenericAllocationHandle> h(count);
+  std::vector<cudaStream_t> st(threads);
+  for (auto& s : st) CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  CUcontext ctx;
+  CU(cuCtxGetCurrent(&ctx));
+  CUmemAccessDesc acc[2]{};
+  acc[0].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  acc[0].location.id = 0;
+  acc[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  acc[1].location.type = numa ? CU_MEM_LOCATION_TYPE_HOST_NUMA : CU_MEM_LOCATION_TYPE_HOST;
+  acc[1].location.id = 0;
+  acc[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  std::vector<double> making(threads, 0.0);
+  double t0 = now();
+  on_threads(threads, [&](int k) {
+    CU(cuCtxSetCurrent(ctx));
+    for (size_t i = k; i < count; i += threads) {
+      double m0 = now();
+      size_t len = std::min(chunk, n - i * chunk);
+      CU(cuMemCreate(&h[i], chunk, &prop, 0));
+      CU(cuMemMap(va + i * chunk, chunk, 0, h[i], 0));
+      if (cuMemSetAccess(va + i * chunk, chunk, acc, 2) != CUDA_SUCCESS) CU(cuMemSetAccess(va + i * chunk, chunk, acc, 1));
+      making[k] += now() - m0;
+      if (copies) CK(cudaMemcpyAsync((void*)(va + i * chunk), (char*)dv.d + i * chunk, len, cudaMemcpyDeviceToHost, st[k]));
+    }
+    CK(cudaStreamSynchronize(st[k]));
+  });
+  double t1 = now();
+  if (copies) scribble(dv);
+  double w0 = now();
+  if (copies)
+    on_threads(threads, [&](int k) {
+      CU(cuCtxSetCurrent(ctx));
+      for (size_t i = k; i < count; i += threads) {
+        size_t len = std::min(chunk, n - i * chunk);
+        CK(cudaMemcpyAsync((char*)dv.d + i * chunk, (void*)(va + i * chunk), len, cudaMemcpyHostToDevice, st[k]));
+      }
+      CK(cudaStreamSynchronize(st[k]));
+    });
+  double w1 = now();
+  on_threads(threads, [&](int k) {
+    CU(cuCtxSetCurrent(ctx));
+    for (size_t i = k; i < count; i += threads) {
+      CU(cuMemUnmap(va + i * chunk, chunk));
+      CU(cuMemRelease(h[i]));
+    }
+  });
+  double w2 = now();
+  CU(cuMemAddressFree(va, count * chunk));
+  for (auto& s : st) CK(cudaStreamDestroy(s));
+  double most = 0;
+  for (double m : making) most = std::max(most, m);
+  printf("vmmhost round %d (%s, %zu chunks of %zu MiB, %d threads, %s): sleep %.3f s (making %.3f on the busiest thread) | wake %.3f s (copy %.3f, release %.3f) | bad %llu\n",
+         round, numa ? "host numa 0" : "host", count, chunk >> 20, threads, copies ? "copies" : "no copies", t1 - t0, most,
+         w2 - w0, w1 - w0, w2 - w1, copies ? verify(dv, 7) : 0ull);
+}
+
 int main(int argc, char** argv) {
   size_t gib = argc > 1 ? atol(argv[1]) : 16;
   int threads = argc > 2 ? atoi(argv[2]) : 8;
@@ -514,6 +590,26 @@ int main(int argc, char** argv) {
     // [slot MiB] as the piece size; 1 thread, then T, then 1 again.
     for (int i = 0; i < rounds; i++)
       for (int t : {1, threads, 1}) route_vmm(dv.bytes, slot_mib << 20, t, i);
+    return 0;
+  }
+  if (argc > 5 && !strcmp(argv[5], "vmmhost")) {
+    // Making alone, then with copies, at [slot MiB] chunks on T threads and on 1; then the
+    // ring in the same process for comparison.
+    route_vmmhost(dv, threads, slot_mib << 20, 0, false);
+    route_vmmhost(dv, 1, slot_mib << 20, 0, false);
+    for (int i = 0; i < rounds; i++) {
+      prepare(dv, 7);
+      route_vmmhost(dv, threads, slot_mib << 20, i, true);
+    }
+    for (size_t c : {64ul, 512ul}) {
+      prepare(dv, 7);
+      route_vmmhost(dv, threads, c << 20, 0, true);
+    }
+    Ring r = make_ring(16, 2ul << 20);
+    for (int i = 0; i < 2; i++) {
+      prepare(dv, 7);
+      route_stage(dv, r, i, 16);
+    }
     return 0;
   }
   if (argc > 5 && !strcmp(argv[5], "uffd")) {

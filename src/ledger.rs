@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use crossbeam::utils::CachePadded;
 use serde::{Deserialize, Serialize};
 
-use crate::driver::counting::DriverCalls;
+use crate::driver::counting::{DriverCalls, DriverTime};
 
 mod gauge;
 use crate::tag::Tag;
@@ -303,9 +303,9 @@ impl Ledger {
         }
     }
 
-    /// A copy of every counter, with the driver calls counted elsewhere (the allocator's
-    /// counting driver); consistent when no allocation is in flight.
-    pub(crate) fn snapshot(&self, driver_calls: DriverCalls) -> Snapshot {
+    /// A copy of every counter, with the driver calls and their time counted elsewhere (the
+    /// allocator's counting driver); consistent when no allocation is in flight.
+    pub(crate) fn snapshot(&self, driver_calls: DriverCalls, driver_time: DriverTime) -> Snapshot {
         let mut per_tag = PerTag::<TagStats>::default();
         let mut all = TagStats::default();
         let mut active = Counter::default();
@@ -353,6 +353,7 @@ impl Ledger {
             reserved_bytes: reserved,
             segments: self.segments.read(),
             driver_calls,
+            driver_time,
             alloc_retries: self.retries.load(Relaxed),
             ooms: self.ooms.load(Relaxed),
             move_failures: self.move_failures.load(Relaxed),
@@ -449,6 +450,9 @@ pub struct Snapshot {
     pub segments: Counter,
     /// Every driver call the allocator made, by name.
     pub driver_calls: DriverCalls,
+    /// The time the allocator's threads spent in those calls, by name.
+    #[serde(default)]
+    pub driver_time: DriverTime,
     pub alloc_retries: u64,
     pub ooms: u64,
     /// Driver failures absorbed while moving free memory before growing (the allocation then
@@ -546,7 +550,10 @@ mod tests {
         l.shard(0).on_alloc(Tag::Activation, 1000, 1000);
         l.shard(0).on_free(Tag::Activation, 1000, 1000, false);
         l.shard(1).on_alloc(Tag::Activation, 512, 512);
-        let a = l.snapshot(DriverCalls::default()).per_tag[Tag::Activation].allocated_bytes;
+        let a = l
+            .snapshot(DriverCalls::default(), DriverTime::default())
+            .per_tag[Tag::Activation]
+            .allocated_bytes;
         assert_eq!(
             a,
             Counter {
@@ -556,7 +563,8 @@ mod tests {
         );
         l.reset_peaks();
         assert_eq!(
-            l.snapshot(DriverCalls::default()).per_tag[Tag::Activation]
+            l.snapshot(DriverCalls::default(), DriverTime::default())
+                .per_tag[Tag::Activation]
                 .allocated_bytes
                 .peak,
             512
@@ -569,7 +577,7 @@ mod tests {
         l.shard(0).on_alloc(Tag::Weights, 1024, 1000);
         l.shard(1).on_alloc(Tag::Activation, 4096, 4000);
         l.shard(1).on_free(Tag::Activation, 4096, 4000, false);
-        let s = l.snapshot(DriverCalls::default());
+        let s = l.snapshot(DriverCalls::default(), DriverTime::default());
         assert_eq!(
             s.all.allocated_bytes,
             Counter {
@@ -589,18 +597,25 @@ mod tests {
         assert_eq!(s.all.total_frees, 1);
         l.reset_tag_peaks(Tag::Activation);
         assert_eq!(
-            l.snapshot(DriverCalls::default()).per_tag[Tag::Activation]
+            l.snapshot(DriverCalls::default(), DriverTime::default())
+                .per_tag[Tag::Activation]
                 .allocated_bytes
                 .peak,
             0
         );
         assert_eq!(
-            l.snapshot(DriverCalls::default()).all.allocated_bytes.peak,
+            l.snapshot(DriverCalls::default(), DriverTime::default())
+                .all
+                .allocated_bytes
+                .peak,
             5120
         );
         l.reset_peaks();
         assert_eq!(
-            l.snapshot(DriverCalls::default()).all.allocated_bytes.peak,
+            l.snapshot(DriverCalls::default(), DriverTime::default())
+                .all
+                .allocated_bytes
+                .peak,
             1024
         );
     }
@@ -608,10 +623,10 @@ mod tests {
     #[test]
     fn diff_and_serde_round_trip() {
         let l = Ledger::default();
-        let before = l.snapshot(DriverCalls::default());
+        let before = l.snapshot(DriverCalls::default(), DriverTime::default());
         l.on_reserve(2 << 20, true);
         l.shard(0).on_alloc(Tag::KvCache, 512, 100);
-        let after = l.snapshot(DriverCalls::default());
+        let after = l.snapshot(DriverCalls::default(), DriverTime::default());
         let d = after.diff(&before);
         assert_eq!(d.allocated_bytes[Tag::KvCache], 512);
         assert_eq!(d.reserved_bytes, 2 << 20);

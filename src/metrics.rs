@@ -18,6 +18,7 @@
 //! | `vram_ledger_alloc_retries_total` | counter | device | allocations retried after a release |
 //! | `vram_ledger_ooms_total` | counter | device | allocations refused |
 //! | `vram_ledger_driver_calls_total` | counter | device, call | driver calls, by name |
+//! | `vram_ledger_driver_seconds_total` | counter | device, call | time spent in them, by name |
 //!
 //! Reading them takes no lock on the allocation path (the ledger is summed from its shards).
 
@@ -159,6 +160,26 @@ pub fn prometheus(devices: &[DeviceMetrics]) -> String {
             }
         }
     });
+    let name = "vram_ledger_driver_seconds_total";
+    family(
+        name,
+        "counter",
+        "Seconds the allocator's threads spent in driver calls, by call.",
+        &mut |o| {
+            for d in devices {
+                for (call, ns) in d.snapshot.driver_time.nonzero() {
+                    let _ = writeln!(
+                        o,
+                        "{name}{{device=\"{}\",call=\"{}\"}} {}.{:09}",
+                        d.device,
+                        call.name(),
+                        ns / 1_000_000_000,
+                        ns % 1_000_000_000
+                    );
+                }
+            }
+        },
+    );
     out
 }
 
@@ -219,6 +240,17 @@ mod tests {
         assert!(sample(&format!(
             "vram_ledger_driver_calls_total{{device=\"3\",call=\"alloc_segment\"}} {segments}"
         )));
+        // Time in the calls made: a sample for each, in seconds with nanoseconds.
+        let spent = a
+            .snapshot()
+            .driver_time
+            .nanos(crate::driver::DriverCall::AllocSegment);
+        assert!(spent > 0);
+        assert!(sample(&format!(
+            "vram_ledger_driver_seconds_total{{device=\"3\",call=\"alloc_segment\"}} {}.{:09}",
+            spent / 1_000_000_000,
+            spent % 1_000_000_000
+        )));
         // Every sample belongs to a family declared before it, once.
         let mut declared = std::collections::HashSet::new();
         for l in text.lines() {
@@ -229,7 +261,11 @@ mod tests {
                 let name = l.split('{').next().unwrap();
                 assert!(declared.contains(name), "{l}");
                 let value = l.rsplit(' ').next().unwrap();
-                assert!(value.parse::<u64>().is_ok(), "{l}");
+                if name.ends_with("_seconds_total") {
+                    assert!(value.parse::<f64>().is_ok_and(|v| v >= 0.0), "{l}");
+                } else {
+                    assert!(value.parse::<u64>().is_ok(), "{l}");
+                }
             }
         }
     }

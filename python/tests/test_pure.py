@@ -517,11 +517,16 @@ def test_unmap_later_reaches_the_allocator(later):
         y = lib.vram_ledger_malloc(20 << 20, 0, None)
         lib.vram_ledger_free(x, 40 << 20, 0, None)
         z = lib.vram_ledger_malloc(60 << 20, 0, None)
-        calls = {k: int(v) for k, v in re.findall(r'driver_calls_total\{device="0",call="(\w+)"\} (\d+)', vl.metrics())}
-        print(json.dumps({"calls": calls, "ok": bool(x and y and z), "reserved": vl.stats(0)["reserved_bytes"]["current"]}))
+        text = vl.metrics()
+        calls = {k: int(v) for k, v in re.findall(r'driver_calls_total\{device="0",call="(\w+)"\} (\d+)', text)}
+        seconds = {k: float(v) for k, v in re.findall(r'driver_seconds_total\{device="0",call="(\w+)"\} ([0-9.]+)', text)}
+        print(json.dumps({"calls": calls, "seconds": seconds, "ok": bool(x and y and z),
+                          "reserved": vl.stats(0)["reserved_bytes"]["current"]}))
         """.replace("LATER", str(later))
     )
     calls = r["calls"]
+    # Time is kept for the calls made, and only for them.
+    assert r["seconds"] and set(r["seconds"]) <= set(calls), r
     assert r["ok"] and r["reserved"] == 80 << 20, r
     if later:
         assert calls.get("sync_stream", 0) == 0 and calls.get("record_event", 0) == 1, calls

@@ -52,7 +52,8 @@ def metrics() -> str:
     endpoint: `vram_ledger_allocated_bytes` and `vram_ledger_allocated_peak_bytes` by device and
     tag; `vram_ledger_reserved_bytes`, `_reserved_peak_bytes`, `_cached_bytes`,
     `_graph_pool_bytes` and `_cap_bytes` by device; the counters `vram_ledger_ooms_total`,
-    `_alloc_retries_total`, and `vram_ledger_driver_calls_total` by device and call."""
+    `_alloc_retries_total`, `vram_ledger_driver_calls_total` and `vram_ledger_driver_seconds_total`
+    (time spent in those calls) by device and call."""
     return _string(load().vram_ledger_metrics())
 
 

@@ -93,7 +93,9 @@ impl<D: Driver> Allocator<D> {
 
     /// Every counter, now.
     pub fn snapshot(&self) -> Snapshot {
-        self.core.ledger.snapshot(self.driver_calls())
+        self.core
+            .ledger
+            .snapshot(self.driver_calls(), self.core.driver.time())
     }
 
     pub fn mode(&self) -> SegmentMode {

@@ -1,5 +1,6 @@
 //! Fault injection for the simulated driver: every call is counted by kind, and a planted
-//! fault makes the Nth call of a kind fail (once, or from then on) or panic.
+//! fault makes the Nth call of a kind fail (once, or from then on), panic, or stall (succeed
+//! after a wait, as a real driver's call that waits for the device).
 //!
 //! Invariant: a call is counted before any fault or validation applies, so "the Nth call"
 //! means the Nth call made, whatever happened to the calls before it.
@@ -19,6 +20,8 @@ pub(super) enum Fault {
     FromThen,
     /// The one call panics (a bug below the allocator, or in a callback).
     Panic,
+    /// The one call waits this long, then goes on as if nothing was planted.
+    Stall(std::time::Duration),
 }
 
 #[derive(Debug, Default)]
@@ -59,6 +62,10 @@ impl Faults {
         });
         match hit {
             None => Ok(()),
+            Some(Fault::Stall(wait)) => {
+                std::thread::sleep(wait);
+                Ok(())
+            }
             Some(Fault::Panic) => panic!("injected panic in {call} call #{n}"),
             Some(_) => {
                 self.struck
@@ -93,6 +100,11 @@ impl SimDriver {
     /// Panic in the `n`th call of `call` from now, to test what a panic leaves behind.
     pub fn panic_nth(&self, call: DriverCall, n: u64) {
         self.faults.plant(call, n, Fault::Panic);
+    }
+
+    /// Make the `n`th call of `call` from now wait `wait` before it goes on.
+    pub fn stall_nth(&self, call: DriverCall, n: u64, wait: std::time::Duration) {
+        self.faults.plant(call, n, Fault::Stall(wait));
     }
 
     pub fn clear_faults(&self) {
