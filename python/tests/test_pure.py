@@ -74,10 +74,16 @@ def test_metrics_are_prometheus_text():
     assert 'vram_ledger_cap_bytes{device="1"} 8589934592' in lines
     types = [l.split()[2] for l in lines if l.startswith("# TYPE ")]
     assert len(types) == len(set(types)) and "vram_ledger_ooms_total" in types
+    # Time in driver calls is in seconds, with nanoseconds; every other sample is an integer.
+    assert "vram_ledger_driver_seconds_total" in types
     for l in lines:
         if not l.startswith("#"):
             name, value = l.split("{")[0], l.rsplit(" ", 1)[1]
-            assert name in types and value.isdigit(), l
+            assert name in types, l
+            if name.endswith("_seconds_total"):
+                assert float(value) >= 0 and "e" not in value.lower(), l
+            else:
+                assert value.isdigit(), l
 
 
 def test_env_var_naming_a_missing_file_is_a_clear_error(tmp_path):

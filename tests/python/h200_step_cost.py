@@ -51,7 +51,10 @@ in driver calls over the median warm step of PyTorch's allocator: an upper bound
 calls add to a step (a synchronisation is timed whole, though the device keeps working while
 the host waits). The rest of what the allocator adds is its cached path, which the benchmarks
 price per allocation (`gpu_bench`, `h200_torch.py latency_*`) against PyTorch's.
-`warm_driver_within_1pct` (≤ 0.01) is printed under `open_goals` too.
+`warm_driver_within_1pct` (≤ 0.01) is a mark in each loop of each mode, but for compact's
+training loop, where it is printed under `open_goals`: compact gives back and maps again
+the memory of every step (about 190 driver calls a step in that loop), and the README says
+it is for serving.
 """
 
 import json
@@ -65,6 +68,8 @@ import time
 from marks import Marks
 
 MODES = ["native", "expandable", "compact", "remap"]
+# (mode, loop) whose driver-time share is an open goal, not a mark (see the module's doc).
+DRIVER_SHARE_OPEN = {("compact", "train")}
 DEFAULT = ["torch", *MODES, "torch", *MODES, "torch"]
 FIRST = 3
 TRAIN_STEPS = int(os.environ.get("STEP_COST_TRAIN_STEPS", "27"))
@@ -327,7 +332,8 @@ def main(argv):
                               for x in r[loop + "_step_allocations"][FIRST:] if x is not None)}
             goals.at_most(f"{loop}_warm_within_1pct", warm_ratio, 1.01, 0.5)
             goals.at_most(f"{loop}_steady_within_1pct", steady_ratio, 1.01, 0.5)
-            goals.at_most(f"{loop}_warm_driver_within_1pct", driver_share, 0.01, -1.0)
+            share_checks = goals if (config, loop) in DRIVER_SHARE_OPEN else marks
+            share_checks.at_most(f"{loop}_warm_driver_within_1pct", driver_share, 0.01, -1.0)
             marks.at_most(f"{loop}_first_within_1s", first_extra, 1.0, -100.0)
         line.update(ok=marks.ok, marks=marks.met, missed=marks.missed(), open_goals=goals.met)
         failed |= not marks.ok
