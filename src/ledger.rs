@@ -506,6 +506,8 @@ pub struct SnapshotDiff {
     pub allocations: u64,
     pub frees: u64,
     pub driver_calls: DriverCalls,
+    #[serde(default)]
+    pub driver_time: DriverTime,
 }
 
 fn delta(later: u64, earlier: u64) -> i64 {
@@ -535,6 +537,7 @@ impl Snapshot {
             allocations: self.all.total_allocations - earlier.all.total_allocations,
             frees: self.all.total_frees - earlier.all.total_frees,
             driver_calls: self.driver_calls.since(&earlier.driver_calls),
+            driver_time: self.driver_time.since(&earlier.driver_time),
         }
     }
 }
@@ -626,15 +629,28 @@ mod tests {
         let before = l.snapshot(DriverCalls::default(), DriverTime::default());
         l.on_reserve(2 << 20, true);
         l.shard(0).on_alloc(Tag::KvCache, 512, 100);
-        let after = l.snapshot(DriverCalls::default(), DriverTime::default());
+        // Time in a driver call, from a counting driver whose call waits.
+        use crate::driver::{counting::Counting, sim::SimDriver, Driver, DriverCall};
+        let drv = Counting::new(SimDriver::new());
+        let wait = std::time::Duration::from_millis(2);
+        drv.inner().stall_nth(DriverCall::MemInfo, 1, wait);
+        drv.mem_info().unwrap();
+        let after = l.snapshot(DriverCalls::default(), drv.time());
         let d = after.diff(&before);
         assert_eq!(d.allocated_bytes[Tag::KvCache], 512);
         assert_eq!(d.reserved_bytes, 2 << 20);
         assert_eq!(d.allocations, 1);
+        assert!(d.driver_time.nanos(DriverCall::MemInfo) >= wait.as_nanos() as u64);
         assert_eq!(after.cached_bytes, (2 << 20) - 512);
         let json = serde_json::to_string(&after).unwrap();
         assert!(json.contains("\"kv_cache\""));
         let back: Snapshot = serde_json::from_str(&json).unwrap();
         assert_eq!(back, after);
+        // A snapshot written before driver time was kept still reads, with none.
+        let mut old: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert!(old.as_object_mut().unwrap().remove("driver_time").is_some());
+        let back: Snapshot = serde_json::from_value(old).unwrap();
+        assert_eq!(back.driver_time, DriverTime::default());
+        assert_eq!(back.driver_calls, after.driver_calls);
     }
 }

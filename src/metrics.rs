@@ -170,11 +170,10 @@ pub fn prometheus(devices: &[DeviceMetrics]) -> String {
                 for (call, ns) in d.snapshot.driver_time.nonzero() {
                     let _ = writeln!(
                         o,
-                        "{name}{{device=\"{}\",call=\"{}\"}} {}.{:09}",
+                        "{name}{{device=\"{}\",call=\"{}\"}} {}",
                         d.device,
                         call.name(),
-                        ns / 1_000_000_000,
-                        ns % 1_000_000_000
+                        seconds(ns)
                     );
                 }
             }
@@ -183,11 +182,24 @@ pub fn prometheus(devices: &[DeviceMetrics]) -> String {
     out
 }
 
+/// Nanoseconds as seconds in plain decimal, exact: no float rounding, no exponent.
+fn seconds(ns: u64) -> String {
+    format!("{}.{:09}", ns / 1_000_000_000, ns % 1_000_000_000)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::driver::sim::SimDriver;
     use crate::{Allocator, Config, StreamId};
+
+    #[test]
+    fn seconds_are_exact_decimals() {
+        assert_eq!(seconds(0), "0.000000000");
+        assert_eq!(seconds(5), "0.000000005");
+        assert_eq!(seconds(1_000_000_005), "1.000000005");
+        assert_eq!(seconds(u64::MAX), "18446744073.709551615");
+    }
 
     #[test]
     fn metrics_are_prometheus_text_with_the_ledgers_figures() {
@@ -246,11 +258,16 @@ mod tests {
             .driver_time
             .nanos(crate::driver::DriverCall::AllocSegment);
         assert!(spent > 0);
-        assert!(sample(&format!(
-            "vram_ledger_driver_seconds_total{{device=\"3\",call=\"alloc_segment\"}} {}.{:09}",
-            spent / 1_000_000_000,
-            spent % 1_000_000_000
-        )));
+        let prefix = "vram_ledger_driver_seconds_total{device=\"3\",call=\"alloc_segment\"} ";
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .expect("a sample for the segments' calls");
+        let shown: f64 = line[prefix.len()..].parse().unwrap();
+        assert!(
+            (shown * 1e9 - spent as f64).abs() < 1.0,
+            "{line} vs {spent} ns"
+        );
         // Every sample belongs to a family declared before it, once.
         let mut declared = std::collections::HashSet::new();
         for l in text.lines() {

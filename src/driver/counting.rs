@@ -154,7 +154,7 @@ impl DriverTime {
         self.0.iter().fold(0u64, |a, &c| a.saturating_add(c))
     }
 
-    /// `self − earlier`, per call.
+    /// `self − earlier`, per call (time only grows; a smaller later figure reads as 0).
     pub fn since(&self, earlier: &DriverTime) -> DriverTime {
         DriverTime(std::array::from_fn(|i| {
             self.0[i].saturating_sub(earlier.0[i])
@@ -221,9 +221,11 @@ impl<D> Counting<D> {
         self.counts.bump(call);
         let t0 = Instant::now();
         let r = f(&self.inner);
-        // Saturates at 584 years of waiting; a clock cannot go back (Instant is monotonic).
+        // Saturating, one call and the running total alike: a total that wrapped would read as
+        // time going back. Off the cached path, so a compare-and-swap loop costs nothing there.
         let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        self.nanos[call.index()].fetch_add(ns, Relaxed);
+        let _ =
+            self.nanos[call.index()].fetch_update(Relaxed, Relaxed, |t| Some(t.saturating_add(ns)));
         r
     }
 }
@@ -373,17 +375,24 @@ mod tests {
         let d = Counting::new(SimDriver::new());
         let s = d.create_stream().unwrap();
         let wait = Duration::from_millis(30);
-        // The second of three synchronisations waits; the failed one still took time.
+        // The second of three synchronisations waits; so does the third, which fails.
         d.inner().stall_nth(DriverCall::SyncStream, 2, wait);
+        d.inner().stall_nth(DriverCall::SyncStream, 3, wait);
         d.inner().fail_nth(DriverCall::SyncStream, 3);
         let before = d.time();
         d.sync_stream(s).unwrap();
         d.sync_stream(s).unwrap();
+        let ok = d.time().since(&before);
+        assert!(
+            ok.nanos(DriverCall::SyncStream) >= wait.as_nanos() as u64,
+            "{ok:?}"
+        );
         assert!(d.sync_stream(s).is_err());
         let t = d.time().since(&before);
         assert!(
-            t.nanos(DriverCall::SyncStream) >= wait.as_nanos() as u64,
-            "{t:?}"
+            t.nanos(DriverCall::SyncStream)
+                >= ok.nanos(DriverCall::SyncStream) + wait.as_nanos() as u64,
+            "the failed call's wait is counted: {t:?}"
         );
         assert_eq!(
             t.nonzero().count(),

@@ -47,9 +47,12 @@ once a measurement can resolve 1%. A missing reading is still reported as not me
 What can resolve 1% is what the allocator waits for inside the step: the library times every
 driver call it makes (`vram_ledger_driver_seconds_total`), and each warm step's share of it
 is read between steps like the counts. `warm_driver_share` is the mean time a warm step spent
-in driver calls over the median warm step of PyTorch's allocator: an upper bound on what those
-calls add to a step (a synchronisation is timed whole, though the device keeps working while
-the host waits). The rest of what the allocator adds is its cached path, which the benchmarks
+in driver calls over the median warm step of PyTorch's allocator: the host's time in those
+calls (a synchronisation is timed whole, though the device keeps working while the host
+waits; what it does not see is the device left idle after a synchronisation until the host
+queues work again, which the replay prices at 437.9 µs a drain). A loop that made no driver
+call at all gives no reading: its first steps always map memory. The rest of what the
+allocator adds is its cached path, which the benchmarks
 price per allocation (`gpu_bench`, `h200_torch.py latency_*`) against PyTorch's.
 `warm_driver_within_1pct` (≤ 0.01) is a mark in each loop of each mode, but for compact's
 training loop, where it is printed under `open_goals`: compact gives back and maps again
@@ -68,7 +71,8 @@ import time
 from marks import Marks
 
 MODES = ["native", "expandable", "compact", "remap"]
-# (mode, loop) whose driver-time share is an open goal, not a mark (see the module's doc).
+# (mode, loop) whose driver-time share is an open goal, not a mark (see the module's doc); a
+# configuration such as `compact+later` counts as its mode.
 DRIVER_SHARE_OPEN = {("compact", "train")}
 DEFAULT = ["torch", *MODES, "torch", *MODES, "torch"]
 FIRST = 3
@@ -313,10 +317,11 @@ def main(argv):
             steady_ratio = mine_steady / base_steady if base_steady and mine_steady else None
             first_extra = first - base_first if base_first is not None else None
             # The mean warm step's time in driver calls, over PyTorch's median warm step.
-            warm_seconds = [x for r in runs if r["config"] == config
-                            for x in r.get(loop + "_step_driver_seconds", [])[FIRST:]]
+            mine = [r for r in runs if r["config"] == config]
+            warm_seconds = [x for r in mine for x in r[loop + "_step_driver_seconds"][FIRST:]]
+            read = all(r[loop + "_driver_calls"] for r in mine)
             driver_share = (statistics.mean(warm_seconds) / base_warm
-                            if warm_seconds and None not in warm_seconds and base_warm else None)
+                            if read and warm_seconds and None not in warm_seconds and base_warm else None)
             line[loop] = {"first_s": round(first, 4), "warm_median_s": round(warm, 5),
                           "warm_vs_torch": None if warm_ratio is None else round(warm_ratio, 5),
                           "first_extra_s": None if first_extra is None else round(first_extra, 4),
@@ -332,7 +337,7 @@ def main(argv):
                               for x in r[loop + "_step_allocations"][FIRST:] if x is not None)}
             goals.at_most(f"{loop}_warm_within_1pct", warm_ratio, 1.01, 0.5)
             goals.at_most(f"{loop}_steady_within_1pct", steady_ratio, 1.01, 0.5)
-            share_checks = goals if (config, loop) in DRIVER_SHARE_OPEN else marks
+            share_checks = goals if (config.partition("+")[0], loop) in DRIVER_SHARE_OPEN else marks
             share_checks.at_most(f"{loop}_warm_driver_within_1pct", driver_share, 0.01, -1.0)
             marks.at_most(f"{loop}_first_within_1s", first_extra, 1.0, -100.0)
         line.update(ok=marks.ok, marks=marks.met, missed=marks.missed(), open_goals=goals.met)

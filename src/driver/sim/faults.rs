@@ -53,19 +53,27 @@ impl Faults {
         self.planted.lock().clear();
     }
 
-    /// Count a call of `call` and say whether a planted fault strikes it.
+    /// Count a call of `call` and say whether a planted fault strikes it. A stall planted on
+    /// the same call as another fault waits first: a failed call can take time too.
     pub(super) fn count(&self, call: DriverCall) -> DriverResult<()> {
         let n = self.counts.bump(call);
-        let hit = self.planted.lock().iter().find_map(|&(c, at, f)| {
-            let strikes = c == call && (n == at || (f == Fault::FromThen && n > at));
-            strikes.then_some(f)
-        });
-        match hit {
-            None => Ok(()),
-            Some(Fault::Stall(wait)) => {
-                std::thread::sleep(wait);
-                Ok(())
+        let (mut wait, mut hit) = (std::time::Duration::ZERO, None);
+        for &(c, at, f) in self.planted.lock().iter() {
+            if c != call || !(n == at || (f == Fault::FromThen && n > at)) {
+                continue;
             }
+            match f {
+                Fault::Stall(w) => wait += w,
+                _ => {
+                    hit.get_or_insert(f);
+                }
+            }
+        }
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
+        match hit {
+            None | Some(Fault::Stall(_)) => Ok(()),
             Some(Fault::Panic) => panic!("injected panic in {call} call #{n}"),
             Some(_) => {
                 self.struck
