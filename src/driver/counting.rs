@@ -77,21 +77,6 @@ impl DriverCalls {
     pub fn memory_frees(&self) -> u64 {
         self[DriverCall::FreeSegment].saturating_add(self[DriverCall::ReleasePhysical])
     }
-
-    /// `self − earlier`, per call (counts only grow; a smaller later count reads as 0).
-    pub fn since(&self, earlier: &DriverCalls) -> DriverCalls {
-        DriverCalls(std::array::from_fn(|i| {
-            self.0[i].saturating_sub(earlier.0[i])
-        }))
-    }
-
-    /// Every call with a non-zero count, in [`DriverCall::ALL`] order.
-    pub fn nonzero(&self) -> impl Iterator<Item = (DriverCall, u64)> + '_ {
-        DriverCall::ALL
-            .into_iter()
-            .map(|c| (c, self[c]))
-            .filter(|&(_, n)| n > 0)
-    }
 }
 
 impl Index<DriverCall> for DriverCalls {
@@ -101,17 +86,43 @@ impl Index<DriverCall> for DriverCalls {
     }
 }
 
-impl Serialize for DriverCalls {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        serialize_per_call(&self.0, s)
-    }
+/// What the per-call figures share: `since`, `nonzero`, and serde as a map from the call's name
+/// to its figure.
+macro_rules! per_call_figures {
+    ($t:ident) => {
+        impl $t {
+            /// `self − earlier`, per call (figures only grow; a smaller later one reads as 0).
+            pub fn since(&self, earlier: &$t) -> $t {
+                $t(std::array::from_fn(|i| {
+                    self.0[i].saturating_sub(earlier.0[i])
+                }))
+            }
+
+            /// Every call with a non-zero figure, in [`DriverCall::ALL`] order.
+            pub fn nonzero(&self) -> impl Iterator<Item = (DriverCall, u64)> + '_ {
+                DriverCall::ALL
+                    .into_iter()
+                    .map(|c| (c, self.0[c.index()]))
+                    .filter(|&(_, n)| n > 0)
+            }
+        }
+
+        impl Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                serialize_per_call(&self.0, s)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<De: serde::Deserializer<'de>>(d: De) -> Result<Self, De::Error> {
+                deserialize_per_call(d).map($t)
+            }
+        }
+    };
 }
 
-impl<'de> Deserialize<'de> for DriverCalls {
-    fn deserialize<De: serde::Deserializer<'de>>(d: De) -> Result<Self, De::Error> {
-        deserialize_per_call(d).map(DriverCalls)
-    }
-}
+per_call_figures!(DriverCalls);
+per_call_figures!(DriverTime);
 
 /// A figure per call, as a map from the call's name to its figure.
 fn serialize_per_call<S: serde::Serializer>(v: &[u64; N], s: S) -> Result<S::Ok, S::Error> {
@@ -152,33 +163,6 @@ impl DriverTime {
     /// Nanoseconds spent in every call.
     pub fn total_nanos(&self) -> u64 {
         self.0.iter().fold(0u64, |a, &c| a.saturating_add(c))
-    }
-
-    /// `self − earlier`, per call (time only grows; a smaller later figure reads as 0).
-    pub fn since(&self, earlier: &DriverTime) -> DriverTime {
-        DriverTime(std::array::from_fn(|i| {
-            self.0[i].saturating_sub(earlier.0[i])
-        }))
-    }
-
-    /// Every call with time spent in it, in [`DriverCall::ALL`] order.
-    pub fn nonzero(&self) -> impl Iterator<Item = (DriverCall, u64)> + '_ {
-        DriverCall::ALL
-            .into_iter()
-            .map(|c| (c, self.nanos(c)))
-            .filter(|&(_, n)| n > 0)
-    }
-}
-
-impl Serialize for DriverTime {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        serialize_per_call(&self.0, s)
-    }
-}
-
-impl<'de> Deserialize<'de> for DriverTime {
-    fn deserialize<De: serde::Deserializer<'de>>(d: De) -> Result<Self, De::Error> {
-        deserialize_per_call(d).map(DriverTime)
     }
 }
 
