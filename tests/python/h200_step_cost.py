@@ -102,8 +102,8 @@ STEADY_REPEATS = int(os.environ.get("STEP_COST_STEADY", "10"))
 
 def counts(torch):
     allocations = torch.cuda.memory_stats().get("allocation.all.allocated")
-    return (allocations, sum(driver_calls(CONFIG).values()),
-            sum(driver_calls(CONFIG, "vram_ledger_driver_seconds_total").values()))
+    calls, seconds = driver_figures(CONFIG)
+    return allocations, sum(calls.values()), sum(seconds.values())
 
 
 def timed(torch, fn):
@@ -195,26 +195,31 @@ def serve(torch):
     return times
 
 
-def driver_calls(config, family="vram_ledger_driver_calls_total"):
-    """The library's driver calls so far (or, with `vram_ledger_driver_seconds_total`, the
-    seconds spent in them), by call; none under PyTorch's allocator."""
+FAMILIES = {"vram_ledger_driver_calls_total": int, "vram_ledger_driver_seconds_total": float}
+
+
+def driver_figures(config):
+    """The library's driver calls so far and the seconds spent in them, each by call, from one
+    reading of its metrics; none under PyTorch's allocator."""
     if config == "torch":
-        return {}
+        return {}, {}
     import vram_ledger as vl
 
-    calls = {}
     text = vl.metrics()
-    # Only calls made so far have samples, but the family is always introduced: without it the
-    # figure is no reading, not 0.
-    if f"# TYPE {family} counter" not in text:
-        raise RuntimeError(f"{family} is not among the metrics: no reading")
-    parse = int if family.endswith("_calls_total") else float
-    for line in text.splitlines():
-        if line.startswith(family + "{"):
-            labels, value = line.rsplit(" ", 1)
-            call = labels.split('call="', 1)[1].split('"', 1)[0]
-            calls[call] = calls.get(call, 0) + parse(float(value))
-    return calls
+    figures = []
+    for family, parse in FAMILIES.items():
+        # Only calls made so far have samples, but the family is always introduced: without it
+        # the figure is no reading, not 0.
+        if f"# TYPE {family} counter" not in text:
+            raise RuntimeError(f"{family} is not among the metrics: no reading")
+        by_call = {}
+        for line in text.splitlines():
+            if line.startswith(family + "{"):
+                labels, value = line.rsplit(" ", 1)
+                call = labels.split('call="', 1)[1].split('"', 1)[0]
+                by_call[call] = by_call.get(call, 0) + parse(float(value))
+        figures.append(by_call)
+    return tuple(figures)
 
 
 def run_case(config):
@@ -232,8 +237,7 @@ def run_case(config):
     loops = [(n, f) for n, f in (("train", train), ("serve", serve)) if n in os.environ.get("STEP_COST_LOOPS", "train,serve")]
     for name, loop in loops:
         torch.cuda.reset_peak_memory_stats()
-        before = driver_calls(config)
-        before_s = driver_calls(config, "vram_ledger_driver_seconds_total")
+        before, before_s = driver_figures(config)
         COUNTS.clear()
         STEADY.clear()
         out[name] = loop(torch)
@@ -245,9 +249,8 @@ def run_case(config):
         out[name + "_step_driver_seconds"] = [c[2] for c in COUNTS]
         out[name + "_peak_reserved"] = torch.cuda.max_memory_reserved()
         # What the allocator asked of the driver during the loop (what a step's time may hide).
-        after = driver_calls(config)
+        after, seconds = driver_figures(config)
         out[name + "_driver_calls"] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-        seconds = driver_calls(config, "vram_ledger_driver_seconds_total")
         out[name + "_driver_seconds"] = {k: round(v - before_s.get(k, 0), 6) for k, v in seconds.items()
                                          if v != before_s.get(k, 0)}
         torch.cuda.empty_cache()
