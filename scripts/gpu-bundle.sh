@@ -170,7 +170,7 @@ step bench-marks python3 tests/python/bench_marks.py "$logs/gpu-bench.jsonl"
 step sync-bench python3 scripts/sync_load_bench.py
 step profile profile
 step kv-engine unskipped bin/kv_engine
-for s in h200_torch h200_contract h200_graphs h200_package h200_sleep h200_vllm_profile h200_graph_trees h200_step_cost; do
+for s in h200_torch h200_contract h200_graphs h200_package h200_sleep h200_vllm_profile h200_graph_trees h200_step_cost h200_workloads; do
     step "$s" script "$s"
 done
 step h200_engine script h200_engine torch alone hold churn together resize

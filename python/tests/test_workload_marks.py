@@ -1,0 +1,61 @@
+"""tests/python/h200_workloads.py's summary and marks, on results of its own here (no GPU): the
+best mode's driver share against PyTorch's mean wall time, a missing reading, a tightened mark."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+RUNNER = Path(__file__).resolve().parents[2] / "tests" / "python"
+if not (RUNNER / "h200_workloads.py").exists():
+    pytest.skip("tests/python/h200_workloads.py is not here (outside the repository)", allow_module_level=True)
+sys.path.insert(0, str(RUNNER))
+
+import h200_workloads  # noqa: E402
+import marks  # noqa: E402
+
+
+def run(workload, config, seconds, driver_seconds=None, calls=0):
+    r = {"workload": workload, "config": config, "ok": True, "steps": 10, "seconds": seconds,
+         "peak_reserved": 110, "peak_allocated": 100, "ratio": 1.1}
+    if config != "torch":
+        r.update(driver_calls=calls, driver_seconds=driver_seconds)
+    return r
+
+
+@pytest.fixture(autouse=True)
+def no_replay(monkeypatch):
+    # Replay's column needs the binary; these tests check the marks only.
+    monkeypatch.delenv("VRAM_LEDGER_BIN", raising=False)
+
+
+def test_best_mode_under_one_percent_of_pytorchs_mean_meets_its_mark():
+    results = [run("serve-dyncache", "torch", 40.0), run("serve-dyncache", "compact", 41.0, 0.35, 600),
+               run("serve-dyncache", "remap", 40.5, 0.9, 200), run("serve-dyncache", "torch", 44.0)]
+    summary, m = h200_workloads.summarise(results)
+    assert m.ok and list(m.met) == ["serve-dyncache_compact_driver_within_1pct"], m.met
+    row = summary["serve-dyncache"]["compact"]
+    # 0.35 s of driver calls against PyTorch's mean of 42 s; remap's 2.1% is printed, not marked.
+    assert row["driver_share"] == round(0.35 / 42.0, 5) and row["driver_calls"] == 600
+    assert summary["serve-dyncache"]["remap"]["driver_share"] == round(0.9 / 42.0, 5)
+    assert row["wall_over_torch"] == round(41.0 / 42.0, 4) and row["replay_ratio"] is None
+
+
+def test_best_mode_over_one_percent_misses():
+    results = [run("ckpt-train", "torch", 10.0), run("ckpt-train", "remap", 10.3, 0.11)]
+    _, m = h200_workloads.summarise(results)
+    assert m.missed() == ["ckpt-train_remap_driver_within_1pct"], m.met
+
+
+def test_a_missing_driver_reading_or_no_pytorch_run_misses():
+    _, m = h200_workloads.summarise([run("ckpt-train", "torch", 10.0), run("ckpt-train", "remap", 10.0, None)])
+    assert m.missed() == ["ckpt-train_remap_driver_within_1pct"], m.met
+    _, m = h200_workloads.summarise([run("ckpt-train", "remap", 10.0, 0.001)])
+    assert m.missed() == ["ckpt-train_remap_driver_within_1pct"], m.met
+
+
+def test_tightened_mark_misses(monkeypatch):
+    monkeypatch.setattr(marks, "TIGHTEN", {"side-stream_remap_driver_within_1pct"})
+    results = [run("side-stream", "torch", 10.0), run("side-stream", "remap", 10.0, 0.001)]
+    _, m = h200_workloads.summarise(results)
+    assert m.missed() == ["side-stream_remap_driver_within_1pct"], m.met
