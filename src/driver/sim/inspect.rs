@@ -34,6 +34,14 @@ impl SimDriver {
             .usage_visible = visible;
     }
 
+    /// This process's device usage as the device counts it (context, memory behind the
+    /// allocator's back, and what it holds), whether or not `process_usage` may see it: what a
+    /// test checks the allocator against. Unlike `process_usage` it is no driver call, so it is
+    /// neither counted nor failed by an injected fault.
+    pub fn usage_now(&self) -> u64 {
+        self.device.state.lock().processes[&self.pid].usage()
+    }
+
     /// Bytes of plain segments plus physical handles this process holds through the driver
     /// (what an allocator on it has reserved), excluding context and external memory.
     pub fn held_bytes(&self) -> u64 {
