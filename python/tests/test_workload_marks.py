@@ -59,3 +59,21 @@ def test_tightened_mark_misses(monkeypatch):
     results = [run("side-stream", "torch", 10.0), run("side-stream", "remap", 10.0, 0.001)]
     _, m = h200_workloads.summarise(results)
     assert m.missed() == ["side-stream_remap_driver_within_1pct"], m.met
+
+
+def test_a_case_process_that_fails_or_prints_no_result_is_reported(tmp_path):
+    import cases
+
+    script = tmp_path / "case.py"
+    script.write_text(
+        "import sys\n"
+        "kind = sys.argv[2]\n"
+        "if kind != 'silent':\n"
+        "    print('RESULT {\"ok\": true, \"kind\": \"%s\"}' % kind)\n"
+        "sys.exit(3 if kind == 'crash' else 0)\n"
+    )
+    assert cases.run(str(script), ["fine"], 60) == ([{"ok": True, "kind": "fine"}], None)
+    results, failure = cases.run(str(script), ["crash"], 60)
+    assert results == [{"ok": True, "kind": "crash"}] and failure["returncode"] == 3 and not failure["ok"]
+    results, failure = cases.run(str(script), ["silent"], 60)
+    assert results == [] and failure["returncode"] == 0 and not failure["ok"]

@@ -1,6 +1,7 @@
 """Running a GPU script's cases, one process each (installing the allocator is permanent for a
 process): `NAME[:MODE]` arguments, a case's `RESULT {json}` lines passed through, and exit 1
-when any case failed or printed no result."""
+when any case failed or printed no result; `run` is the one case's process, for scripts that
+summarise their cases themselves."""
 
 import json
 import subprocess
@@ -9,6 +10,18 @@ import sys
 
 def emit(**kv):
     print("RESULT " + json.dumps(kv), flush=True)
+
+
+def run(script, args, timeout, env=None):
+    """Run `script _case ARGS...` in its own interpreter: its `RESULT` lines as dicts, and what
+    to report when it failed or printed none (else None); the caller adds which case it was."""
+    r = subprocess.run([sys.executable, script, "_case", *args], capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    results = [json.loads(l[7:]) for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+    failure = None
+    if r.returncode != 0 or not results:
+        failure = {"ok": False, "returncode": r.returncode, "stderr": r.stderr[-2500:]}
+    return results, failure
 
 
 def main(script, run_case, default_names, modes, timeout=900):
@@ -22,14 +35,12 @@ def main(script, run_case, default_names, modes, timeout=900):
         cases += [(name, m) for m in ([mode] if mode else modes)]
     failed = 0
     for name, mode in cases:
-        r = subprocess.run([sys.executable, script, "_case", name, mode], capture_output=True, text=True, timeout=timeout)
-        lines = [l[7:] for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-        ok = r.returncode == 0 and lines and all(json.loads(l).get("ok") for l in lines)
-        failed += not ok
-        for l in lines:
-            print(l)
-        if r.returncode != 0 or not lines:
-            print(json.dumps({"case": name, "mode": mode, "ok": False, "returncode": r.returncode, "stderr": r.stderr[-2500:]}))
+        results, failure = run(script, [name, mode], timeout)
+        failed += failure is not None or not all(r.get("ok") for r in results)
+        for r in results:
+            print(json.dumps(r))
+        if failure:
+            print(json.dumps({"case": name, "mode": mode, **failure}))
         sys.stdout.flush()
     sys.exit(1 if failed else 0)
 

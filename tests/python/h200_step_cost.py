@@ -68,6 +68,7 @@ import subprocess
 import sys
 import time
 
+import cases
 from marks import Marks
 
 MODES = ["native", "expandable", "compact", "remap"]
@@ -226,7 +227,6 @@ def run_case(config):
     global CONFIG
     CONFIG = config
     if config != "torch":
-        import cases
         import vram_ledger as vl
 
         cases.install(vl, config)
@@ -271,11 +271,9 @@ def main(argv):
                    env={**os.environ, "STEP_COST_TRAIN_STEPS": "4", "STEP_COST_SERVE_REQUESTS": "2"})
     runs, failed = [], False
     for config in configs:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "_case", config],
-                           capture_output=True, text=True, timeout=240)
-        lines = [json.loads(l[7:]) for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-        if r.returncode != 0 or not lines:
-            print(json.dumps({"config": config, "ok": False, "returncode": r.returncode, "stderr": r.stderr[-2500:]}))
+        lines, failure = cases.run(os.path.abspath(__file__), [config], 240)
+        if failure:
+            print(json.dumps({"config": config, **failure}))
             failed = True
             continue
         runs.append(lines[0])

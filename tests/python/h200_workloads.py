@@ -25,6 +25,7 @@ tests/data (when `VRAM_LEDGER_BIN` names the binary and the trace is there). Exi
 missed mark or failed case.
 """
 
+import functools
 import json
 import os
 import random
@@ -37,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import cases  # noqa: E402
 from marks import Marks  # noqa: E402
 
 SEED = int(os.environ.get("WORKLOAD_SEED", "0"))
@@ -85,22 +87,28 @@ def run_case(workload, config):
 
 
 def replay_ratio(workload, mode):
-    """`vram-ledger replay`'s ratio for the trace of this seed, if the binary and trace are here."""
+    """`vram-ledger replay`'s ratio for the trace of this seed in `mode` ("pytorch": the recorded
+    one), if the binary and trace are here."""
+    return replay_ratios(workload).get(mode)
+
+
+@functools.lru_cache(maxsize=None)
+def replay_ratios(workload):
+    """Every mode's ratio from one replay of the workload's trace (none without binary or trace)."""
     binary = os.environ.get("VRAM_LEDGER_BIN")
     trace = os.path.join(ROOT, "tests", "data", f"{workload}-s{SEED}.pickle.gz")
     if not binary or not os.path.exists(trace):
-        return None
+        return {}
     r = subprocess.run([binary, "replay", "--mode", "all", "--json", trace], capture_output=True, text=True)
+    ratios = {}
     for line in r.stdout.splitlines():
         try:
             row = json.loads(line)
         except ValueError:
             continue
-        if mode == "pytorch" and row.get("mode") == "native":
-            return round(row["torch_fragmentation_ratio"], 4)
-        if row.get("mode") == mode:
-            return round(row["fragmentation_ratio"], 4)
-    return None
+        ratios[row["mode"]] = round(row["fragmentation_ratio"], 4)
+        ratios["pytorch"] = round(row["torch_fragmentation_ratio"], 4)
+    return ratios
 
 
 def summarise(results):
@@ -137,13 +145,10 @@ def main():
     for arg in sys.argv[1:] or DEFAULT:
         workload, _, config = arg.partition(":")
         config = config or "torch"
-        r = subprocess.run([sys.executable, __file__, "_case", workload, config], capture_output=True, text=True,
-                           timeout=900)
-        lines = [json.loads(l[7:]) for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-        if r.returncode != 0 or not lines:
+        lines, failure = cases.run(os.path.abspath(__file__), [workload, config], 900)
+        if failure:
             failed += 1
-            print(json.dumps({"workload": workload, "config": config, "ok": False, "returncode": r.returncode,
-                              "stderr": r.stderr[-2500:]}), flush=True)
+            print(json.dumps({"workload": workload, "config": config, **failure}), flush=True)
             continue
         results += lines
         print(json.dumps(lines[-1]), flush=True)
