@@ -64,6 +64,17 @@ if [ -n "${UPSTREAM_TESTS:-}" ]; then
         for w in "$out"/wheels/expecttest-*.whl; do python3 -m zipfile -e "$w" "$out/pylib"; done ||
         echo "gpu-bundle: expecttest not bundled: the upstream step will fail to import its file" >&2
 fi
+# What code the bundle was built from, for run-all.sh to print: the commit, and a digest of the
+# tracked files the bundle is built or copied from (documentation left out), so that steps run
+# from bundles of different commits are known to have run the same code when the digests agree.
+code_paths=(Cargo.toml Cargo.lock build.rs benches csrc examples include kernels python scripts src tests)
+{
+    echo "commit $(git rev-parse HEAD)"
+    echo "code $(git ls-tree -r HEAD -- "${code_paths[@]}" | git hash-object --stdin)"
+    if [ -n "$(git status --porcelain --untracked-files=no -- "${code_paths[@]}")" ]; then
+        echo "modified $(git diff HEAD -- "${code_paths[@]}" | git hash-object --stdin)"
+    fi
+} >"$out/CODE"
 # The wheel as users get it, for tests/python/h200_wheel.sh: installed with pip, no Rust.
 wheel=$(bash scripts/build-wheel.sh "$out/wheel")
 echo "wheel: $wheel"
@@ -83,6 +94,10 @@ export VRAM_LEDGER_LIB="$here/libvram_ledger.so" VRAM_LEDGER_BIN="$here/bin/vram
 cd "$here"
 failed=()
 ran=()
+# The code this bundle holds (gpu-bundle.sh): printed first and last, so that a run split over
+# several machines or times can show that every part ran the same code.
+code_stamp() { tr '\n' ' ' <CODE 2>/dev/null || printf 'no CODE file in the bundle'; echo; }
+echo "bundle: $(code_stamp)"
 
 # step NAME COMMAND...: run COMMAND (its own redirections, or its output into $logs/NAME.log)
 # and remember NAME if it exits non-zero.
@@ -269,6 +284,7 @@ fi
 step cpu-bench bin/alloc-bench --bench --warm-up-time 1 --measurement-time 3
 
 echo
+echo "bundle: $(code_stamp)"
 [ ${#ran[@]} -gt 0 ] || failed+=("no step matched RUN_ONLY=${RUN_ONLY:-}")
 if [ ${#failed[@]} -eq 0 ]; then
     echo "all ${#ran[@]} steps run passed${RUN_ONLY:+ (RUN_ONLY=$RUN_ONLY)}"
