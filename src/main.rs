@@ -486,6 +486,12 @@ fn replay_table(r: &replay::ReplayResult) -> String {
 }
 
 fn main() -> ExitCode {
+    // Rust ignores SIGPIPE, so printing to a reader that has gone (`replay FILE | head`) would
+    // panic with a backtrace; a command-line tool stops quietly there instead, as `cat` does.
+    // SAFETY: called before any thread starts; SIG_DFL is a valid disposition for SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let r = match cli.command {
         Command::Rules { sizes } => rules_cmd(&sizes),

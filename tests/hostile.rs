@@ -311,3 +311,35 @@ fn streams_recorded_as_pointers_or_with_high_bits_replay_in_every_mode() {
         ]
     );
 }
+
+/// A reader that has gone (`replay FILE | head`) stops the command as it stops `cat`, by
+/// SIGPIPE, with nothing on stderr: no panic, no backtrace. The pipe's read end is closed
+/// before the command starts, so its first line meets a closed pipe whatever the timing.
+#[test]
+fn replay_into_a_closed_pipe_stops_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let exe = std::env::var("VRAM_LEDGER_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_vram-ledger").to_string());
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(exe)
+        .args([
+            "replay",
+            "tests/data/streams-train-0.pickle.gz",
+            "--mode",
+            "remap",
+        ])
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?}: {err}",
+        out.status
+    );
+    assert!(err.is_empty(), "{err}");
+}
