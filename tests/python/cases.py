@@ -12,11 +12,10 @@ def emit(**kv):
     print("RESULT " + json.dumps(kv), flush=True)
 
 
-def run(script, args, timeout, env=None):
+def run(script, args, timeout):
     """Run `script _case ARGS...` in its own interpreter: its `RESULT` lines as dicts, and what
     to report when it failed or printed none (else None); the caller adds which case it was."""
-    r = subprocess.run([sys.executable, script, "_case", *args], capture_output=True, text=True, timeout=timeout,
-                       env=env)
+    r = subprocess.run([sys.executable, script, "_case", *args], capture_output=True, text=True, timeout=timeout)
     results = [json.loads(l[7:]) for l in r.stdout.splitlines() if l.startswith("RESULT ")]
     failure = None
     if r.returncode != 0 or not results:
