@@ -1,8 +1,8 @@
 //! Hostile snapshots (`tests/data/hostile/`, written by `scripts/hostile_corpus.py`, and a gzip
 //! bomb written here): `vram-ledger replay` refuses each with one line on stderr and exit code
 //! 2, within seconds and without a panic; the reader gives the typed error behind each line;
-//! and a trace whose stream handles are pointers, or have their high bits set, replays in
-//! every mode.
+//! a trace whose stream handles are pointers, or have their high bits set, replays in every
+//! mode; and a reader that goes away stops the command quietly.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
