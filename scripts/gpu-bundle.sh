@@ -177,6 +177,9 @@ torch_bench() { python3 scripts/torch_alloc_bench.py >>"$logs/gpu-bench.jsonl"; 
 profile() { scripts/h200_profile.sh "$logs/profile" >"$logs/profile.txt"; }
 # Each GPU script exits 1 when any of its marks is missed (tests/python/marks.py).
 script() { python3 "tests/python/$1.py" "${@:2}" >"$logs/$1.jsonl"; }
+# script_as STEP SCRIPT ARGS...: one part of a script whose whole run takes longer than one
+# device command may (10 minutes), its output under the step's name.
+script_as() { python3 "tests/python/$2.py" "${@:3}" >"$logs/$1.jsonl"; }
 step gpu-bench gpu_bench
 step torch-bench torch_bench
 # The cached path against PyTorch's allocator, from the two benchmarks just run.
@@ -185,10 +188,21 @@ step bench-marks python3 tests/python/bench_marks.py "$logs/gpu-bench.jsonl"
 step sync-bench python3 scripts/sync_load_bench.py
 step profile profile
 step kv-engine unskipped bin/kv_engine
-for s in h200_torch h200_contract h200_graphs h200_package h200_sleep h200_vllm_profile h200_graph_trees h200_step_cost h200_workloads; do
+for s in h200_torch h200_contract h200_graphs h200_package h200_vllm_profile h200_graph_trees h200_step_cost; do
     step "$s" script "$s"
 done
-step h200_engine script h200_engine torch alone hold churn together resize
+# The longer scripts in parts, each part well inside one command; together, every case of
+# the script's default run.
+step h200_sleep-bench-model script_as h200_sleep-bench-model h200_sleep bench model
+step h200_sleep-graphs-two-disk script_as h200_sleep-graphs-two-disk h200_sleep graphs two disk
+for w in serve-dyncache ckpt-train side-stream; do
+    step "h200_workloads-$w" script_as "h200_workloads-$w" h200_workloads "$w:torch" "$w:compact" "$w:remap" "$w:torch"
+done
+# Each part runs the torch scenario first: the other scenarios compare their replays with it.
+step h200_engine-native-expandable env ENGINE_MODES=native,expandable \
+    python3 tests/python/h200_engine.py torch alone hold churn together
+step h200_engine-compact-remap env ENGINE_MODES=compact,remap \
+    python3 tests/python/h200_engine.py torch alone hold churn together resize
 if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
     step two_gpus python3 tests/python/two_gpus.py
     step h200_sleep-devices script h200_sleep devices
@@ -276,6 +290,8 @@ step tightened-h200_vllm_profile tightened weights_exact py h200_vllm_profile re
 step tightened-h200_graph_trees tightened remap:graphs_recorded py h200_graph_trees torch remap
 step tightened-h200_step_cost tightened train_first_within_1s step_cost_train
 step tightened-h200_engine tightened at_least_99_5 engine_alone
+step tightened-h200_workloads tightened side-stream_remap_driver_within_1pct \
+    py h200_workloads side-stream:torch side-stream:remap
 if [ -s "$logs/upstream/torch.json" ]; then
     step tightened-upstream tightened passes_what_torch_passes upstream_saved
 else

@@ -153,7 +153,9 @@ def main():
         results += lines
         print(json.dumps(lines[-1]), flush=True)
     summary, marks = summarise(results)
-    print(json.dumps({"summary": summary, "marks": marks.met, "missed": marks.missed()}, indent=1), flush=True)
+    print(json.dumps({"summary": summary}, indent=1), flush=True)
+    # On one line, last: what a reader (and a tightened run's check) looks for.
+    print(json.dumps({"marks": marks.met, "missed": marks.missed()}), flush=True)
     return 1 if failed or not marks.ok else 0
 
 
