@@ -108,6 +108,18 @@ int vram_ledger_configure(const char *mode);
  */
 int vram_ledger_unmap_later(int enabled);
 
+/* Remap mode: the largest piece of physical memory one map call covers, in bytes, rounded up
+ * to whole granules (`Config::remap_piece`), in allocators not yet created; 0 puts back the
+ * default (68 MiB). Other modes ignore it.
+ */
+int vram_ledger_remap_piece(uint64_t bytes);
+
+/* Compact and remap modes: before growing, also take the free memory other streams' shards
+ * hold, after synchronising the device (`Config::move_across_streams`), in allocators not yet
+ * created. Off by default; other modes ignore it.
+ */
+int vram_ledger_move_across_streams(int enabled);
+
 /* Set this thread's tag (weights, activation, kv_cache or kv, untracked).
  *
  * Safety:

@@ -110,6 +110,8 @@ USED = (
     "vram_ledger_reset_accumulated",
     "vram_ledger_separate_tags",
     "vram_ledger_unmap_later",
+    "vram_ledger_remap_piece",
+    "vram_ledger_move_across_streams",
     "vram_ledger_sleep",
     "vram_ledger_wake",
     "vram_ledger_set_retain_host",

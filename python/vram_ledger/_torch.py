@@ -39,6 +39,8 @@ def install(
     sleep: bool = False,
     extension: Optional[bool] = None,
     unmap_later: bool = False,
+    remap_piece: Optional[int] = None,
+    move_across_streams: bool = False,
 ) -> _CUDAAllocator:
     """Make vram-ledger PyTorch's CUDA allocator for this process, with the init, empty_cache,
     memory-fraction and record_stream hooks. Must run before any CUDA use; permanent. With
@@ -69,6 +71,14 @@ def install(
     memory, their old mappings are unmapped once the stream's earlier work has finished (an
     event), instead of synchronising the stream first. Off by default.
 
+    `remap_piece` (remap mode only): the largest piece of physical memory one map call covers,
+    in bytes, rounded up to whole granules (default 68 MiB). Smaller pieces fragment less and
+    make more driver calls (the README measures both).
+
+    `move_across_streams=True` (compact and remap modes): before growing, also take the free
+    memory cached for other streams, after synchronising the device, as `vram-ledger replay`
+    does. Off by default.
+
     `extension=True` (default: the VRAM_LEDGER_TORCH_EXTENSION environment variable, else off)
     builds a small C++ extension the first time (torch.utils.cpp_extension: a C++ compiler,
     ninja and the CUDA headers; `_extension.py`) and installs its allocator instead of PyTorch's
@@ -89,6 +99,12 @@ def install(
         raise TypeError(f"unmap_later must be True or False, not {unmap_later!r}")
     if unmap_later and mode != "remap":
         raise ValueError(f"unmap_later=True applies to remap mode only, not {mode!r}")
+    remap_piece = _args.optional_integer(remap_piece, "remap_piece", minimum=1, maximum=2**64 - 1, c_type="uint64_t")
+    if remap_piece is not None and mode != "remap":
+        raise ValueError(f"remap_piece applies to remap mode only, not {mode!r}")
+    across = _args.flag(move_across_streams, "move_across_streams")
+    if across and mode not in ("compact", "remap"):
+        raise ValueError(f"move_across_streams=True applies to compact and remap modes only, not {mode!r}")
     with_extension = _extension.wanted(extension)
     if cudagraph_trees is None:
         cudagraph_trees = with_extension
@@ -112,6 +128,10 @@ def install(
         _check(lib.vram_ledger_separate_tags(1))
     if unmap_later:
         _check(lib.vram_ledger_unmap_later(1))
+    if remap_piece is not None:
+        _check(lib.vram_ledger_remap_piece(remap_piece))
+    if across:
+        _check(lib.vram_ledger_move_across_streams(1))
     if with_extension:
         _extension.install(lib, _address, _torch_stats.record_from_cpp, _torch_stats.raw_snapshot)
         alloc = torch.cuda.memory._get_current_allocator()

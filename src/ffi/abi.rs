@@ -164,6 +164,8 @@ pub(super) const SIGNATURES: &[Signature] = &[
     ),
     sig("vram_ledger_separate_tags", "int", &["int"]),
     sig("vram_ledger_unmap_later", "int", &["int"]),
+    sig("vram_ledger_remap_piece", "int", &["uint64_t"]),
+    sig("vram_ledger_move_across_streams", "int", &["int"]),
     sig("vram_ledger_sleep", "char *", &["int", "int", "int"]),
     sig("vram_ledger_wake", "char *", &["int", "int"]),
     sig("vram_ledger_set_retain_host", "int", &["int", "int"]),

@@ -41,6 +41,34 @@ pub extern "C" fn vram_ledger_unmap_later(enabled: c_int) -> c_int {
     })
 }
 
+/// Remap mode: the largest piece of physical memory one map call covers, in bytes, rounded up
+/// to whole granules (`Config::remap_piece`), in allocators not yet created; 0 puts back the
+/// default (68 MiB). Other modes ignore it.
+#[no_mangle]
+pub extern "C" fn vram_ledger_remap_piece(bytes: u64) -> c_int {
+    guard(-1, || {
+        devices::configure(Config {
+            remap_piece: (bytes != 0).then_some(bytes),
+            ..devices::configured()
+        });
+        Ok(0)
+    })
+}
+
+/// Compact and remap modes: before growing, also take the free memory other streams' shards
+/// hold, after synchronising the device (`Config::move_across_streams`), in allocators not yet
+/// created. Off by default; other modes ignore it.
+#[no_mangle]
+pub extern "C" fn vram_ledger_move_across_streams(enabled: c_int) -> c_int {
+    guard(-1, || {
+        devices::configure(Config {
+            move_across_streams: enabled != 0,
+            ..devices::configured()
+        });
+        Ok(0)
+    })
+}
+
 /// Set this thread's tag (weights, activation, kv_cache or kv, untracked).
 ///
 /// # Safety

@@ -4,6 +4,7 @@ when any case failed or printed no result; `run` is the one case's process, for 
 summarise their cases themselves."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -44,10 +45,34 @@ def main(script, run_case, default_names, modes, timeout=900):
     sys.exit(1 if failed else 0)
 
 
+SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def options(config):
+    """`MODE` and `install()`'s keyword arguments for a configuration `MODE[OPTION...]`, each
+    option `+later` (remap's moves without a wait, unmap_later=True), `+across`
+    (move_across_streams=True) or `@SIZE` (remap_piece: bytes, or with a K, M or G suffix):
+    `remap+across@2M`."""
+    mode, *rest = re.split(r"(?=[+@])", config)
+    kw = {}
+    for option in rest:
+        if option == "+later":
+            kw["unmap_later"] = True
+        elif option == "+across":
+            kw["move_across_streams"] = True
+        elif re.fullmatch(r"@\d+[KMG]?", option):
+            kw["remap_piece"] = int(option[1:].rstrip("KMG")) * SIZE_UNITS[option[-1] if option[-1] in "KMG" else ""]
+        else:
+            raise ValueError(f"unknown option {option!r} in configuration {config!r}: +later, +across or @SIZE")
+    return mode, kw
+
+
+def mode_of(config):
+    """The mode a configuration runs (`remap` for `remap+across@2M`)."""
+    return re.split(r"[+@]", config)[0]
+
+
 def install(vl, config, **kw):
-    """`vl.install` for a configuration named `MODE` or `MODE+later` (remap's moves without a
-    wait, `install(unmap_later=True)`)."""
-    mode, plus, option = config.partition("+")
-    if plus and option != "later":
-        raise ValueError(f"unknown configuration {config!r}: MODE or MODE+later")
-    return vl.install(mode=mode, unmap_later=bool(plus), **kw)
+    """`vl.install` for a configuration (`options`)."""
+    mode, extra = options(config)
+    return vl.install(mode=mode, **extra, **kw)

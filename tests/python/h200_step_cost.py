@@ -338,7 +338,7 @@ def main(argv):
                               for x in r[loop + "_step_allocations"][FIRST:] if x is not None)}
             goals.at_most(f"{loop}_warm_within_1pct", warm_ratio, 1.01, 0.5)
             goals.at_most(f"{loop}_steady_within_1pct", steady_ratio, 1.01, 0.5)
-            share_checks = goals if (config.partition("+")[0], loop) in DRIVER_SHARE_OPEN else marks
+            share_checks = goals if (cases.mode_of(config), loop) in DRIVER_SHARE_OPEN else marks
             share_checks.at_most(f"{loop}_warm_driver_within_1pct", driver_share, 0.01, -1.0)
             marks.at_most(f"{loop}_first_within_1s", first_extra, 1.0, -100.0)
         line.update(ok=marks.ok, marks=marks.met, missed=marks.missed(), open_goals=goals.met)

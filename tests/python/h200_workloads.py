@@ -5,7 +5,8 @@ fragmentation table replays, and what it reserves there.
     python3 tests/python/h200_workloads.py [WORKLOAD:CONFIG ...]
 
 WORKLOAD is one of `scripts/record_workloads.py`'s (seed `WORKLOAD_SEED`, default 0: the seed
-of the traces in tests/data); CONFIG is `torch`, a mode or `remap+later`. By default:
+of the traces in tests/data); CONFIG is `torch`, a mode, or a mode with
+`cases.options`' options (`remap+across@2M`: `move_across_streams`, 2 MiB pieces). By default:
 serve-dyncache, ckpt-train and side-stream, each under PyTorch's allocator, then compact and
 remap, then PyTorch's allocator again (the first process on a machine also reads libraries
 and kernels from disk, so PyTorch's two runs show how far identical runs differ). One process
@@ -132,7 +133,7 @@ def summarise(results):
                 row["driver_share"] = None if share is None else round(share, 5)
                 if config == BEST.get(workload):
                     marks.at_most(f"{workload}_{config}_driver_within_1pct", share, 0.01, 0.0)
-            row["replay_ratio"] = replay_ratio(workload, "pytorch" if config == "torch" else config.partition("+")[0])
+            row["replay_ratio"] = replay_ratio(workload, "pytorch" if config == "torch" else cases.mode_of(config))
             rows[config] = row
         summary[workload] = rows
     return summary, marks

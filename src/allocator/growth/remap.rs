@@ -43,8 +43,11 @@ pub(crate) struct Remap {
 impl Remap {
     pub(super) fn new(config: &Config, granularity: u64, max_split: u64) -> Remap {
         let piece = config.remap_piece.unwrap_or(DEFAULT_REMAP_PIECE).max(1);
+        // Whole granules; a piece larger than any device (a caller's u64::MAX) stays whole
+        // granules instead of overflowing.
+        let granules = piece.div_ceil(granularity).min(u64::MAX / granularity);
         Remap {
-            piece: piece.div_ceil(granularity) * granularity,
+            piece: granules * granularity,
             across_streams: config.move_across_streams,
             unmap_later: config.unmap_later,
             granularity,
