@@ -122,6 +122,18 @@ fuzz_target!(|input: Input| {
         move_across_streams: input.mode & 4 != 0,
         separate_tags: input.mode & 8 != 0,
         unmap_later: input.mode & 16 != 0,
+        // Remap's piece from the top bits: the default, pieces of a few granules (many moves),
+        // one byte (rounded up to a granule) and the largest a caller can ask for.
+        remap_piece: [
+            None,
+            Some(2 * MIB),
+            Some(4 * MIB),
+            Some(6 * MIB),
+            Some(20 * MIB),
+            Some(1),
+            Some(u64::MAX),
+            None,
+        ][(input.mode >> 5) as usize],
         ..Default::default()
     };
     let a = Allocator::new(drv, config).unwrap();
