@@ -196,7 +196,7 @@ done
 step h200_sleep-bench-model script_as h200_sleep-bench-model h200_sleep bench model
 step h200_sleep-graphs-two-disk script_as h200_sleep-graphs-two-disk h200_sleep graphs two disk
 for w in serve-dyncache ckpt-train side-stream; do
-    step "h200_workloads-$w" script_as "h200_workloads-$w" h200_workloads "$w:torch" "$w:compact" "$w:remap" "$w:torch"
+    step "h200_workloads-$w" script_as "h200_workloads-$w" h200_workloads "$w:torch" "$w:compact+across" "$w:remap+across" "$w:torch"
 done
 # Each part runs the torch scenario first: the other scenarios compare their replays with it.
 step h200_engine-native-expandable env ENGINE_MODES=native,expandable \
@@ -291,7 +291,7 @@ step tightened-h200_graph_trees tightened remap:graphs_recorded py h200_graph_tr
 step tightened-h200_step_cost tightened train_first_within_1s step_cost_train
 step tightened-h200_engine tightened at_least_99_5 engine_alone
 step tightened-h200_workloads tightened side-stream_remap_driver_within_1pct \
-    py h200_workloads side-stream:torch side-stream:remap
+    py h200_workloads side-stream:torch side-stream:remap+across
 if [ -s "$logs/upstream/torch.json" ]; then
     step tightened-upstream tightened passes_what_torch_passes upstream_saved
 else

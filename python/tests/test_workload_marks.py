@@ -30,11 +30,11 @@ def no_replay(monkeypatch):
 
 
 def test_best_mode_under_one_percent_of_pytorchs_mean_meets_its_mark():
-    results = [run("serve-dyncache", "torch", 40.0), run("serve-dyncache", "compact", 41.0, 0.35, 600),
+    results = [run("serve-dyncache", "torch", 40.0), run("serve-dyncache", "compact+across", 41.0, 0.35, 600),
                run("serve-dyncache", "remap", 40.5, 0.9, 200), run("serve-dyncache", "torch", 44.0)]
     summary, m = h200_workloads.summarise(results)
     assert m.ok and list(m.met) == ["serve-dyncache_compact_driver_within_1pct"], m.met
-    row = summary["serve-dyncache"]["compact"]
+    row = summary["serve-dyncache"]["compact+across"]
     # 0.35 s of driver calls against PyTorch's mean of 42 s; remap's 2.1% is printed, not marked.
     assert row["driver_share"] == round(0.35 / 42.0, 5) and row["driver_calls"] == 600
     assert summary["serve-dyncache"]["remap"]["driver_share"] == round(0.9 / 42.0, 5)
@@ -42,21 +42,21 @@ def test_best_mode_under_one_percent_of_pytorchs_mean_meets_its_mark():
 
 
 def test_best_mode_over_one_percent_misses():
-    results = [run("ckpt-train", "torch", 10.0), run("ckpt-train", "remap", 10.3, 0.11)]
+    results = [run("ckpt-train", "torch", 10.0), run("ckpt-train", "remap+across", 10.3, 0.11)]
     _, m = h200_workloads.summarise(results)
     assert m.missed() == ["ckpt-train_remap_driver_within_1pct"], m.met
 
 
 def test_a_missing_driver_reading_or_no_pytorch_run_misses():
-    _, m = h200_workloads.summarise([run("ckpt-train", "torch", 10.0), run("ckpt-train", "remap", 10.0, None)])
+    _, m = h200_workloads.summarise([run("ckpt-train", "torch", 10.0), run("ckpt-train", "remap+across", 10.0, None)])
     assert m.missed() == ["ckpt-train_remap_driver_within_1pct"], m.met
-    _, m = h200_workloads.summarise([run("ckpt-train", "remap", 10.0, 0.001)])
+    _, m = h200_workloads.summarise([run("ckpt-train", "remap+across", 10.0, 0.001)])
     assert m.missed() == ["ckpt-train_remap_driver_within_1pct"], m.met
 
 
 def test_tightened_mark_misses(monkeypatch):
     monkeypatch.setattr(marks, "TIGHTEN", {"side-stream_remap_driver_within_1pct"})
-    results = [run("side-stream", "torch", 10.0), run("side-stream", "remap", 10.0, 0.001)]
+    results = [run("side-stream", "torch", 10.0), run("side-stream", "remap+across", 10.0, 0.001)]
     _, m = h200_workloads.summarise(results)
     assert m.missed() == ["side-stream_remap_driver_within_1pct"], m.met
 
