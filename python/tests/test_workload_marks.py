@@ -77,3 +77,13 @@ def test_a_case_process_that_fails_or_prints_no_result_is_reported(tmp_path):
     assert results == [{"ok": True, "kind": "crash"}] and failure["returncode"] == 3 and not failure["ok"]
     results, failure = cases.run(str(script), ["silent"], 60)
     assert results == [] and failure["returncode"] == 0 and not failure["ok"]
+
+
+def test_the_share_spent_waiting_for_the_device_is_printed_beside_the_mark():
+    r = run("side-stream", "remap+across", 10.0, 0.5)
+    r.update(wait_seconds=0.45, waits=12)
+    summary, m = h200_workloads.summarise([run("side-stream", "torch", 10.0), r])
+    row = summary["side-stream"]["remap+across"]
+    assert (row["driver_share"], row["wait_share"], row["waits"]) == (0.05, 0.045, 12)
+    # The mark still counts every second in driver calls, waits included.
+    assert m.missed() == ["side-stream_remap_driver_within_1pct"], m.met

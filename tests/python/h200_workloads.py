@@ -20,7 +20,8 @@ the seconds spent in them (`vram_ledger_driver_seconds_total`, read before and a
 Marks (`marks.py`; a missing reading misses): for each workload, the mode the README names best
 for it spends at most 1% of PyTorch's mean wall time in driver calls
 (`WORKLOAD_MODE_driver_within_1pct`, tightened to 0). Printed, not marked: every other mode's
-driver share, each wall time over PyTorch's mean (identical runs differ by more than 1% here),
+driver share, how much of each share was spent waiting for the device (`wait_share`: the
+stream and device synchronisations, which block while the device works), each wall time over PyTorch's mean (identical runs differ by more than 1% here),
 and each ratio beside the one `vram-ledger replay` gives for the trace of the same seed in
 tests/data (when `VRAM_LEDGER_BIN` names the binary and the trace is there). Exit 1 on any
 missed mark or failed case.
@@ -51,14 +52,21 @@ DEFAULT = [f"{w}:{c}" for w in ("serve-dyncache", "ckpt-train", "side-stream")
            for c in ("torch", "compact+across", "remap+across", "torch")]
 
 
+# Calls that block until the device has done the work queued before them: their seconds are
+# mostly that wait, which the device spends working, not the host's overhead.
+WAITS = ("sync_stream", "sync_device")
+
+
 def driver_totals(config):
-    """Driver calls and seconds so far, all calls together; none under PyTorch's allocator."""
+    """Driver calls and seconds so far, all calls together, and the seconds of the waits among
+    them; none under PyTorch's allocator."""
     if config == "torch":
         return None
     from h200_step_cost import driver_figures
 
     calls, seconds = driver_figures(config)
-    return sum(calls.values()), sum(seconds.values())
+    return sum(calls.values()), sum(seconds.values()), sum(seconds.get(c, 0.0) for c in WAITS), \
+        sum(calls.get(c, 0) for c in WAITS)
 
 
 def run_case(workload, config):
@@ -83,25 +91,31 @@ def run_case(workload, config):
     out = {"workload": workload, "config": config, "ok": True, "steps": steps, "seconds": round(seconds, 3),
            "peak_reserved": reserved, "peak_allocated": allocated, "ratio": round(reserved / max(allocated, 1), 4)}
     if after is not None:
-        out.update(driver_calls=after[0] - before[0], driver_seconds=round(after[1] - before[1], 6))
+        out.update(driver_calls=after[0] - before[0], driver_seconds=round(after[1] - before[1], 6),
+                   wait_seconds=round(after[2] - before[2], 6), waits=after[3] - before[3])
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 
 
-def replay_ratio(workload, mode):
-    """`vram-ledger replay`'s ratio for the trace of this seed in `mode` ("pytorch": the recorded
-    one), if the binary and trace are here."""
-    return replay_ratios(workload).get(mode)
+def replay_ratio(workload, config):
+    """`vram-ledger replay`'s ratio for the trace of this seed under `config` ("pytorch": the
+    recorded one; a remap piece as the configuration names it), if the binary and trace are
+    here."""
+    if config == "pytorch":
+        return replay_ratios(workload, None).get("pytorch")
+    piece = cases.options(config)[1].get("remap_piece")
+    return replay_ratios(workload, piece).get(cases.mode_of(config))
 
 
 @functools.lru_cache(maxsize=None)
-def replay_ratios(workload):
+def replay_ratios(workload, piece):
     """Every mode's ratio from one replay of the workload's trace (none without binary or trace)."""
     binary = os.environ.get("VRAM_LEDGER_BIN")
     trace = os.path.join(ROOT, "tests", "data", f"{workload}-s{SEED}.pickle.gz")
     if not binary or not os.path.exists(trace):
         return {}
-    r = subprocess.run([binary, "replay", "--mode", "all", "--json", trace], capture_output=True, text=True)
+    extra = [] if piece is None else ["--remap-piece", str(piece)]
+    r = subprocess.run([binary, "replay", "--mode", "all", "--json", *extra, trace], capture_output=True, text=True)
     ratios = {}
     for line in r.stdout.splitlines():
         try:
@@ -132,9 +146,14 @@ def summarise(results):
                 share = max(seconds) / base if base and None not in seconds else None
                 row["driver_calls"] = max((r.get("driver_calls") or 0) for r in mine)
                 row["driver_share"] = None if share is None else round(share, 5)
+                # How much of that share was waiting for the device (printed, not marked).
+                waited = [r.get("wait_seconds") for r in mine]
+                if base and None not in waited:
+                    row["wait_share"] = round(max(waited) / base, 5)
+                    row["waits"] = max((r.get("waits") or 0) for r in mine)
                 if config == BEST.get(workload):
                     marks.at_most(f"{workload}_{cases.mode_of(config)}_driver_within_1pct", share, 0.01, 0.0)
-            row["replay_ratio"] = replay_ratio(workload, "pytorch" if config == "torch" else cases.mode_of(config))
+            row["replay_ratio"] = replay_ratio(workload, "pytorch" if config == "torch" else config)
             rows[config] = row
         summary[workload] = rows
     return summary, marks
