@@ -78,9 +78,10 @@ def run_case(workload, config):
     import torch
     import record_workloads
 
-    # install() imports inductor's configuration (and with it dynamo), which a training loop
-    # otherwise imports at its first optimiser step, seconds inside the timed run: imported
-    # here under every configuration, so that the timed run holds the workload alone.
+    # install() imports inductor's configuration (and with it dynamo) before the timed run;
+    # without it they can be imported lazily inside it (an optimiser's first step imports
+    # dynamo), seconds that are no allocator's. Imported here under every configuration, so
+    # that the timed run holds the workload alone.
     import torch._dynamo  # noqa: F401
     import torch._inductor.config  # noqa: F401
 
