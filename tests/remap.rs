@@ -207,3 +207,35 @@ fn remap_rounding_never_takes_a_request_to_max_split_size() {
     a.free(x.ptr).unwrap();
     check(&a);
 }
+
+#[test]
+fn a_piece_larger_than_any_device_maps_what_growth_needs_without_overflowing() {
+    // A caller's largest piece (u64::MAX, through the C ABI or Python) with moves that wait for
+    // nothing: in this debug build an overflow in the piece's arithmetic would panic.
+    for later in [false, true] {
+        let a = Allocator::new(
+            SimDriver::with_config(SimConfig::default()),
+            Config {
+                remap_piece: Some(u64::MAX),
+                unmap_later: later,
+                move_across_streams: true,
+                ..Config::with_mode(SegmentMode::Remap)
+            },
+        )
+        .unwrap();
+        let x = a.allocate(40 * MIB, S0).unwrap();
+        let y = a.allocate(20 * MIB, S0).unwrap();
+        a.free(x.ptr).unwrap();
+        // Growth moves x's free piece and maps it with the new bytes: one piece each time.
+        let z = a.allocate(60 * MIB, S0).unwrap();
+        let s = a.allocate(30 * MIB, S1).unwrap();
+        assert_eq!(a.ledger().reserved(), 110 * MIB, "later={later}");
+        assert_eq!(
+            a.driver().calls(DriverCall::CreatePhysical),
+            4,
+            "later={later}"
+        );
+        check(&a);
+        free_all(&a, [y.ptr, z.ptr, s.ptr]);
+    }
+}

@@ -17,35 +17,108 @@ use vram_ledger::ffi::*;
 
 #[derive(Arbitrary, Debug)]
 enum Call {
-    Malloc { size: i64, device: i8, stream: u8 },
-    Free { pick: u8, raw: u64, device: i8, use_raw: bool },
+    Malloc {
+        size: i64,
+        device: i8,
+        stream: u8,
+    },
+    Free {
+        pick: u8,
+        raw: u64,
+        device: i8,
+        use_raw: bool,
+    },
     SetTag(Vec<u8>),
     PushTag(Vec<u8>),
     PopTag,
-    Fraction { f: f64, device: i8 },
-    RecordStream { pick: u8, stream: u8 },
-    Stats { device: i8, pytorch: bool },
+    Fraction {
+        f: f64,
+        device: i8,
+    },
+    RecordStream {
+        pick: u8,
+        stream: u8,
+    },
+    Stats {
+        device: i8,
+        pytorch: bool,
+    },
     ResetPeaks(i8),
     EmptyCache(i8),
-    ProfileBegin { device: i8, utilization: f64, margin: i64 },
+    ProfileBegin {
+        device: i8,
+        utilization: f64,
+        margin: i64,
+    },
     ProfileEnd(i8),
     Reset,
-    Sleep { device: i8, offload: i32, discard: i32 },
-    Wake { device: i8, mask: i32 },
-    PoolHold { device: i8, id: u8, own: bool, half: bool, flags: u8 },
-    PoolBegin { device: i8, id: u8 },
-    PoolEnd { device: i8, id: u8 },
-    PoolRelease { device: i8, id: u8 },
-    Reporter { on: bool, profiling: u8 },
-    Checkpoint { device: i8, id: u8 },
+    Sleep {
+        device: i8,
+        offload: i32,
+        discard: i32,
+    },
+    Wake {
+        device: i8,
+        mask: i32,
+    },
+    PoolHold {
+        device: i8,
+        id: u8,
+        own: bool,
+        half: bool,
+        flags: u8,
+    },
+    PoolBegin {
+        device: i8,
+        id: u8,
+    },
+    PoolEnd {
+        device: i8,
+        id: u8,
+    },
+    PoolRelease {
+        device: i8,
+        id: u8,
+    },
+    Reporter {
+        on: bool,
+        profiling: u8,
+    },
+    Checkpoint {
+        device: i8,
+        id: u8,
+    },
     /// A checkpoint this input took (`text` None), or arbitrary bytes as one.
-    Restore { device: i8, id: u8, pick: u8, text: Option<Vec<u8>> },
-    SetCap { device: i8, bytes: i64 },
-    KvReserve { device: i8, block_bytes: u32, max_bytes: i64, initial: u16 },
+    Restore {
+        device: i8,
+        id: u8,
+        pick: u8,
+        text: Option<Vec<u8>>,
+    },
+    SetCap {
+        device: i8,
+        bytes: i64,
+    },
+    KvReserve {
+        device: i8,
+        block_bytes: u32,
+        max_bytes: i64,
+        initial: u16,
+    },
     KvCommit(i8),
-    KvResize { device: i8, blocks: u32, free_from: u32 },
+    KvResize {
+        device: i8,
+        blocks: u32,
+        free_from: u32,
+    },
     KvInfo(i8),
     KvRelease(i8),
+    /// Settings for allocators not yet created (those of this process exist already).
+    Settings {
+        piece: u64,
+        across: i32,
+        later: i32,
+    },
 }
 
 /// A KV cache result: NULL (refused, the reason in the last error) or JSON the library made,
@@ -53,7 +126,10 @@ enum Call {
 fn kv_result(p: *mut std::ffi::c_char) {
     if !p.is_null() {
         // SAFETY: a string the library returned.
-        let text = unsafe { std::ffi::CStr::from_ptr(p) }.to_str().expect("UTF-8").to_owned();
+        let text = unsafe { std::ffi::CStr::from_ptr(p) }
+            .to_str()
+            .expect("UTF-8")
+            .to_owned();
         serde_json::from_str::<serde_json::Value>(&text).expect("a KV result is JSON");
     }
     // SAFETY: NULL or a string from the library, freed once.
@@ -64,9 +140,17 @@ fn kv_result(p: *mut std::ffi::c_char) {
 fn restored(json: &str) -> (Vec<u64>, Vec<u64>) {
     let v: serde_json::Value = serde_json::from_str(json).expect("a restore's result is JSON");
     let addrs = |key: &str, addr: fn(&serde_json::Value) -> Option<u64>| -> Vec<u64> {
-        v[key].as_array().expect("a list").iter().map(|x| addr(x).expect("an address")).collect()
+        v[key]
+            .as_array()
+            .expect("a list")
+            .iter()
+            .map(|x| addr(x).expect("an address"))
+            .collect()
     };
-    (addrs("freed", |x| x.as_u64()), addrs("made", |x| x["addr"].as_u64()))
+    (
+        addrs("freed", |x| x.as_u64()),
+        addrs("made", |x| x["addr"].as_u64()),
+    )
 }
 
 /// A pool's own allocator for the fuzzer: host memory, refused above 64 MiB (the library sees
@@ -97,7 +181,8 @@ unsafe extern "C" fn profiling() -> u8 {
     PROFILING.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-unsafe extern "C" fn report(_p: *mut c_void, _size: i64, _allocated: u64, _reserved: u64, _d: u16) {}
+unsafe extern "C" fn report(_p: *mut c_void, _size: i64, _allocated: u64, _reserved: u64, _d: u16) {
+}
 
 fuzz_target!(|calls: Vec<Call>| {
     static ONCE: Once = Once::new();
@@ -114,18 +199,40 @@ fuzz_target!(|calls: Vec<Call>| {
     let mut checkpoints: Vec<CString> = Vec::new();
     for c in calls.into_iter().take(100) {
         match c {
-            Call::Malloc { size, device, stream } => {
+            Call::Malloc {
+                size,
+                device,
+                stream,
+            } => {
                 // SAFETY: a simulated device drives no stream.
-                let p = unsafe { vram_ledger_malloc(size as isize % (1 << 34), i32::from(device % 3), stream as usize as *mut c_void) };
+                let p = unsafe {
+                    vram_ledger_malloc(
+                        size as isize % (1 << 34),
+                        i32::from(device % 3),
+                        stream as usize as *mut c_void,
+                    )
+                };
                 if !p.is_null() {
                     live.push((p, i32::from(device % 3)));
                 }
             }
-            Call::Free { pick, raw, device, use_raw } => {
+            Call::Free {
+                pick,
+                raw,
+                device,
+                use_raw,
+            } => {
                 if use_raw || live.is_empty() {
                     if !live.iter().any(|&(p, _)| p as u64 == raw) {
                         // SAFETY: the pointer is only looked up; a NULL stream is the default one.
-                        unsafe { vram_ledger_free(raw as *mut c_void, 0, i32::from(device), std::ptr::null_mut()) };
+                        unsafe {
+                            vram_ledger_free(
+                                raw as *mut c_void,
+                                0,
+                                i32::from(device),
+                                std::ptr::null_mut(),
+                            )
+                        };
                     }
                 } else {
                     let (p, d) = live.swap_remove(pick as usize % live.len());
@@ -151,12 +258,18 @@ fuzz_target!(|calls: Vec<Call>| {
             }
             Call::Fraction { f, device } => vram_ledger_memory_fraction(f, i32::from(device % 3)),
             Call::RecordStream { pick, stream } => {
-                let p = live.get(pick as usize % live.len().max(1)).map_or(std::ptr::null_mut(), |&(p, _)| p);
+                let p = live
+                    .get(pick as usize % live.len().max(1))
+                    .map_or(std::ptr::null_mut(), |&(p, _)| p);
                 // SAFETY: the pointer is only looked up; a simulated device drives no stream.
                 unsafe { vram_ledger_record_stream(p, stream as usize as *mut c_void) };
             }
             Call::Stats { device, pytorch } => {
-                let s = if pytorch { vram_ledger_memory_stats_json(i32::from(device)) } else { vram_ledger_stats_json(i32::from(device)) };
+                let s = if pytorch {
+                    vram_ledger_memory_stats_json(i32::from(device))
+                } else {
+                    vram_ledger_stats_json(i32::from(device))
+                };
                 // SAFETY: NULL or a string from the library, freed once.
                 unsafe { vram_ledger_string_free(s) };
             }
@@ -166,25 +279,54 @@ fuzz_target!(|calls: Vec<Call>| {
             Call::EmptyCache(d) => {
                 vram_ledger_empty_cache(i32::from(d));
             }
-            Call::ProfileBegin { device, utilization, margin } => {
+            Call::ProfileBegin {
+                device,
+                utilization,
+                margin,
+            } => {
                 vram_ledger_profile_begin(i32::from(device % 3), utilization, margin);
             }
             // SAFETY: NULL or a string from the library, freed once.
-            Call::ProfileEnd(d) => unsafe { vram_ledger_string_free(vram_ledger_profile_end(i32::from(d % 3))) },
+            Call::ProfileEnd(d) => unsafe {
+                vram_ledger_string_free(vram_ledger_profile_end(i32::from(d % 3)))
+            },
             Call::Reset => vram_ledger_reset(),
+            Call::Settings {
+                piece,
+                across,
+                later,
+            } => {
+                assert_eq!(vram_ledger_remap_piece(piece), 0);
+                assert_eq!(vram_ledger_move_across_streams(across), 0);
+                assert_eq!(vram_ledger_unmap_later(later), 0);
+            }
             // Native devices here: argument checks and the refusal, across the boundary.
-            Call::Sleep { device, offload, discard } => unsafe {
+            Call::Sleep {
+                device,
+                offload,
+                discard,
+            } => unsafe {
                 vram_ledger_string_free(vram_ledger_sleep(i32::from(device % 3), offload, discard))
             },
-            Call::Wake { device, mask } => unsafe { vram_ledger_string_free(vram_ledger_wake(i32::from(device % 3), mask)) },
-            Call::PoolHold { device, id, own, half, flags } => {
+            Call::Wake { device, mask } => unsafe {
+                vram_ledger_string_free(vram_ledger_wake(i32::from(device % 3), mask))
+            },
+            Call::PoolHold {
+                device,
+                id,
+                own,
+                half,
+                flags,
+            } => {
                 let d = i32::from(device % 3);
                 let (alloc, free): (Option<PoolAlloc>, Option<PoolFree>) = match (own, half) {
                     (true, false) => (Some(own_alloc), Some(own_free)),
                     (true, true) => (Some(own_alloc), None),
                     (false, _) => (None, None),
                 };
-                if vram_ledger_pool_hold(d, 0, u64::from(id % 8), alloc, free, i32::from(flags % 8)) == 0 {
+                if vram_ledger_pool_hold(d, 0, u64::from(id % 8), alloc, free, i32::from(flags % 8))
+                    == 0
+                {
                     refs.push((d, u64::from(id % 8)));
                 }
             }
@@ -218,7 +360,12 @@ fuzz_target!(|calls: Vec<Call>| {
                 }
                 unsafe { vram_ledger_string_free(p) };
             }
-            Call::Restore { device, id, pick, text } => {
+            Call::Restore {
+                device,
+                id,
+                pick,
+                text,
+            } => {
                 let d = i32::from(device % 3);
                 let text = match text {
                     Some(t) => match CString::new(t) {
@@ -232,7 +379,10 @@ fuzz_target!(|calls: Vec<Call>| {
                 let p = unsafe { vram_ledger_pool_restore(d, 0, u64::from(id % 8), text.as_ptr()) };
                 if !p.is_null() {
                     // SAFETY: a string the library returned.
-                    let json = unsafe { std::ffi::CStr::from_ptr(p) }.to_str().unwrap().to_owned();
+                    let json = unsafe { std::ffi::CStr::from_ptr(p) }
+                        .to_str()
+                        .unwrap()
+                        .to_owned();
                     unsafe { vram_ledger_string_free(p) };
                     // What the pool freed is no longer this input's to free; what it made is.
                     let (freed, made) = restored(&json);
@@ -245,14 +395,32 @@ fuzz_target!(|calls: Vec<Call>| {
             Call::SetCap { device, bytes } => {
                 vram_ledger_set_cap(i32::from(device % 3), bytes % (1 << 36));
             }
-            Call::KvReserve { device, block_bytes, max_bytes, initial } => {
+            Call::KvReserve {
+                device,
+                block_bytes,
+                max_bytes,
+                initial,
+            } => {
                 // Blocks of up to 16 MiB (0 and other odd sizes refused), ranges up to 64 GiB.
                 let block = u64::from(block_bytes % (16 << 20));
-                kv_result(vram_ledger_kv_reserve(i32::from(device % 3), block, max_bytes % (1 << 36), u64::from(initial)));
+                kv_result(vram_ledger_kv_reserve(
+                    i32::from(device % 3),
+                    block,
+                    max_bytes % (1 << 36),
+                    u64::from(initial),
+                ));
             }
             Call::KvCommit(d) => kv_result(vram_ledger_kv_commit(i32::from(d % 3))),
-            Call::KvResize { device, blocks, free_from } => {
-                kv_result(vram_ledger_kv_resize(i32::from(device % 3), u64::from(blocks % 4096), u64::from(free_from % 4096)));
+            Call::KvResize {
+                device,
+                blocks,
+                free_from,
+            } => {
+                kv_result(vram_ledger_kv_resize(
+                    i32::from(device % 3),
+                    u64::from(blocks % 4096),
+                    u64::from(free_from % 4096),
+                ));
             }
             Call::KvInfo(d) => kv_result(vram_ledger_kv_info(i32::from(d % 3))),
             Call::KvRelease(d) => {
@@ -274,10 +442,18 @@ fuzz_target!(|calls: Vec<Call>| {
         unsafe { vram_ledger_free(p, 0, d, std::ptr::null_mut()) };
     }
     for (d, id) in routes.into_iter().rev() {
-        assert_eq!(vram_ledger_pool_end(d, 0, id), 0, "a route this input began ends");
+        assert_eq!(
+            vram_ledger_pool_end(d, 0, id),
+            0,
+            "a route this input began ends"
+        );
     }
     for (d, id) in refs {
-        assert_eq!(vram_ledger_graph_release(d, 0, id), 0, "a pool this input holds is known");
+        assert_eq!(
+            vram_ledger_graph_release(d, 0, id),
+            0,
+            "a pool this input holds is known"
+        );
     }
     vram_ledger_set_memory_reporter(None, None);
     // The KV cache and the cap this input left go with it (release fails only where none is).
@@ -286,7 +462,10 @@ fuzz_target!(|calls: Vec<Call>| {
         assert_eq!(vram_ledger_set_cap(d, -1), 0, "the cap lifts");
         let info = vram_ledger_kv_info(d);
         // SAFETY: a string the library returned.
-        let text = unsafe { std::ffi::CStr::from_ptr(info) }.to_str().unwrap().to_owned();
+        let text = unsafe { std::ffi::CStr::from_ptr(info) }
+            .to_str()
+            .unwrap()
+            .to_owned();
         unsafe { vram_ledger_string_free(info) };
         assert_eq!(text, "null", "device {d}: no KV cache after its release");
     }

@@ -104,6 +104,12 @@ def test_configuration_names_give_install_options():
     assert cases.options("remap@512K+later") == ("remap", {"remap_piece": 512 << 10, "unmap_later": True})
     assert cases.options("remap@3145728") == ("remap", {"remap_piece": 3 * MIB})
     assert cases.mode_of("compact+across") == "compact" and cases.mode_of("remap@1G") == "remap"
-    for bad in ("remap+soon", "remap@", "remap@2T", "remap@-1", "remap@2MB"):
+    for bad in ("remap+soon", "remap@", "remap@2T", "remap@-1", "remap@2MB", "remap@0", "remap@\u0663M"):
         with pytest.raises(ValueError, match="unknown option"):
+            cases.options(bad)
+    for bad in ("remap@2M@4M", "remap+later+later"):
+        with pytest.raises(ValueError, match="given twice"):
+            cases.options(bad)
+    for bad in ("torch@2M", "torch+across", "", "+later", "@2M"):
+        with pytest.raises(ValueError, match="a mode first"):
             cases.options(bad)

@@ -87,3 +87,11 @@ def test_the_share_spent_waiting_for_the_device_is_printed_beside_the_mark():
     assert (row["driver_share"], row["wait_share"], row["waits"]) == (0.05, 0.045, 12)
     # The mark still counts every second in driver calls, waits included.
     assert m.missed() == ["side-stream_remap_driver_within_1pct"], m.met
+
+
+def test_a_best_mode_asked_for_that_gave_no_result_misses():
+    results = [run("ckpt-train", "torch", 10.0)]
+    asked = [("ckpt-train", "torch"), ("ckpt-train", "remap+across"), ("ckpt-train", "compact+across")]
+    _, m = h200_workloads.summarise(results, asked)
+    # Only the best mode has a mark: compact's failure shows in the exit code alone.
+    assert m.missed() == ["ckpt-train_remap_driver_within_1pct"], m.met

@@ -54,16 +54,22 @@ def options(config):
     (move_across_streams=True) or `@SIZE` (remap_piece: bytes, or with a K, M or G suffix):
     `remap+across@2M`."""
     mode, *rest = re.split(r"(?=[+@])", config)
+    if not mode or (mode == "torch" and rest):
+        raise ValueError(f"configuration {config!r}: a mode first, options only after a mode of vram-ledger's")
     kw = {}
     for option in rest:
+        size = re.fullmatch(r"@([1-9][0-9]*)([KMG]?)", option)
         if option == "+later":
-            kw["unmap_later"] = True
+            key, value = "unmap_later", True
         elif option == "+across":
-            kw["move_across_streams"] = True
-        elif re.fullmatch(r"@\d+[KMG]?", option):
-            kw["remap_piece"] = int(option[1:].rstrip("KMG")) * SIZE_UNITS[option[-1] if option[-1] in "KMG" else ""]
+            key, value = "move_across_streams", True
+        elif size:
+            key, value = "remap_piece", int(size[1]) * SIZE_UNITS[size[2]]
         else:
             raise ValueError(f"unknown option {option!r} in configuration {config!r}: +later, +across or @SIZE")
+        if key in kw:
+            raise ValueError(f"option {option!r} given twice in configuration {config!r}")
+        kw[key] = value
     return mode, kw
 
 

@@ -52,9 +52,9 @@ DEFAULT = [f"{w}:{c}" for w in ("serve-dyncache", "ckpt-train", "side-stream")
            for c in ("torch", "compact+across", "remap+across", "torch")]
 
 
-# Calls that block until the device has done the work queued before them: their seconds are
-# mostly that wait, which the device spends working, not the host's overhead.
-WAITS = ("sync_stream", "sync_device")
+# Calls that block until the device has done the work queued before them (an event's too):
+# their seconds are mostly that wait, which the device spends working, not the host's overhead.
+WAITS = ("sync_stream", "sync_device", "wait_event")
 
 
 def driver_totals(config):
@@ -134,10 +134,15 @@ def replay_ratios(workload, piece):
     return ratios
 
 
-def summarise(results):
+def summarise(results, asked=()):
     """Per workload and configuration: wall seconds, ratios, driver calls and share, and the
-    marks (the README's best mode for each workload within 1% of PyTorch's mean wall time)."""
+    marks (the README's best mode for each workload within 1% of PyTorch's mean wall time).
+    `asked`: the (workload, configuration) pairs run; a best mode asked for that gave no result
+    (its process failed) misses its mark for want of a reading."""
     marks, summary = Marks(), {}
+    for workload, config in asked:
+        if config == BEST.get(workload) and not any(r["workload"] == workload and r["config"] == config for r in results):
+            marks.at_most(f"{workload}_{cases.mode_of(config)}_driver_within_1pct", None, 0.01, 0.0)
     for workload in dict.fromkeys(r["workload"] for r in results):
         runs = [r for r in results if r["workload"] == workload]
         torch_secs = [r["seconds"] for r in runs if r["config"] == "torch"]
@@ -169,10 +174,11 @@ def summarise(results):
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "_case":
         return run_case(sys.argv[2], sys.argv[3])
-    results, failed = [], 0
+    results, failed, asked = [], 0, []
     for arg in sys.argv[1:] or DEFAULT:
         workload, _, config = arg.partition(":")
         config = config or "torch"
+        asked.append((workload, config))
         lines, failure = cases.run(os.path.abspath(__file__), [workload, config], 900)
         if failure:
             failed += 1
@@ -180,7 +186,7 @@ def main():
             continue
         results += lines
         print(json.dumps(lines[-1]), flush=True)
-    summary, marks = summarise(results)
+    summary, marks = summarise(results, asked)
     print(json.dumps({"summary": summary}, indent=1), flush=True)
     # On one line, last: what a reader (and a tightened run's check) looks for.
     print(json.dumps({"marks": marks.met, "missed": marks.missed()}), flush=True)

@@ -28,6 +28,11 @@ use crate::error::OomCause;
 /// Growth weighs at most this many unmapped ranges for where to map spare pieces.
 const WEIGHED: usize = 32;
 
+/// The largest piece kept (256 TiB, larger than any device): a caller's larger one, up to
+/// `u64::MAX`, means the same (every piece as large as the growth needs), and sums of a piece
+/// and a growth's bytes stay far from overflowing.
+const LARGEST_PIECE: u64 = 1 << 48;
+
 #[derive(Debug)]
 pub(crate) struct Remap {
     /// The largest piece of the large pool mapped by one `cuMemMap` (whole granules).
@@ -42,12 +47,12 @@ pub(crate) struct Remap {
 
 impl Remap {
     pub(super) fn new(config: &Config, granularity: u64, max_split: u64) -> Remap {
-        let piece = config.remap_piece.unwrap_or(DEFAULT_REMAP_PIECE).max(1);
-        // Whole granules; a piece larger than any device (a caller's u64::MAX) stays whole
-        // granules instead of overflowing.
-        let granules = piece.div_ceil(granularity).min(u64::MAX / granularity);
+        let piece = config
+            .remap_piece
+            .unwrap_or(DEFAULT_REMAP_PIECE)
+            .clamp(1, LARGEST_PIECE);
         Remap {
-            piece: granules * granularity,
+            piece: piece.div_ceil(granularity) * granularity,
             across_streams: config.move_across_streams,
             unmap_later: config.unmap_later,
             granularity,
