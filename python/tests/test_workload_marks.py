@@ -95,3 +95,26 @@ def test_a_best_mode_asked_for_that_gave_no_result_misses():
     _, m = h200_workloads.summarise(results, asked)
     # Only the best mode has a mark: compact's failure shows in the exit code alone.
     assert m.missed() == ["ckpt-train_remap_driver_within_1pct"], m.met
+
+
+def test_step_times_give_warm_medians_and_first_steps_beside_pytorchs():
+    def timed(config, steps):
+        r = run("conv-train", config, sum(steps))
+        r["step_seconds"] = steps
+        return r
+
+    results = [timed("torch", [2.0, 1.0, 0.50, 0.52, 0.48]), timed("torch", [2.2, 1.0, 0.60, 0.62, 0.58]),
+               timed("remap+across", [2.5, 1.1, 0.55, 0.56, 0.90])]
+    summary, _ = h200_workloads.summarise(results)
+    row = summary["conv-train"]["remap+across"]
+    assert row["warm_median_s"] == [0.56] and row["first_steps_s"] == [3.6]
+    assert summary["conv-train"]["torch"]["warm_median_s"] == [0.5, 0.6]
+    # Against PyTorch's mean warm median (0.55) and mean first steps (3.1).
+    assert row["warm_over_torch"] == round(0.56 / 0.55, 4) and row["first_steps_extra_s"] == 0.5
+
+
+def test_runs_too_short_to_have_warm_steps_give_no_step_figures():
+    r = run("ckpt-train", "remap+across", 5.0, 0.01)
+    r["step_seconds"] = [2.0, 3.0]
+    summary, _ = h200_workloads.summarise([r])
+    assert "warm_median_s" not in summary["ckpt-train"]["remap+across"]

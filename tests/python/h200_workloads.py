@@ -21,7 +21,10 @@ Marks (`marks.py`; a missing reading misses): for each workload, the mode the RE
 for it spends at most 1% of PyTorch's mean wall time in driver calls
 (`WORKLOAD_MODE_driver_within_1pct`, tightened to 0). Printed, not marked: every other mode's
 driver share, how much of each share was spent waiting for the device (`wait_share`: the
-stream and device synchronisations, which block while the device works), each wall time over PyTorch's mean (identical runs differ by more than 1% here),
+stream, device and event synchronisations, which block while the device works), each run's
+median warm step and first steps (the first `FIRST`) from events recorded on the workload's
+stream at each step's end, beside PyTorch's mean (`warm_over_torch`, `first_steps_extra_s`),
+each wall time over PyTorch's mean (identical runs differ by more than 1% here),
 and each ratio beside the one `vram-ledger replay` gives for the trace of the same seed in
 tests/data (when `VRAM_LEDGER_BIN` names the binary and the trace is there). Exit 1 on any
 missed mark or failed case.
@@ -31,6 +34,7 @@ import functools
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -88,14 +92,25 @@ def run_case(workload, config):
     rng = random.Random(f"{workload}-{SEED}")
     torch.manual_seed(SEED)
     before = driver_totals(config)
+    # Step times from events on the workload's stream at each step's end: the device's own
+    # timeline, idle gaps included, with no synchronisation added to the workload.
+    marks = []
+
+    def tick():
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    steps = record_workloads.WORKLOADS[workload](torch, rng, "cuda", False)
+    tick()
+    steps = record_workloads.WORKLOADS[workload](torch, rng, "cuda", False, tick)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     after = driver_totals(config)
     reserved, allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+    step_seconds = [round(a.elapsed_time(b) / 1e3, 6) for a, b in zip(marks, marks[1:])]
     out = {"workload": workload, "config": config, "ok": True, "steps": steps, "seconds": round(seconds, 3),
+           "step_seconds": step_seconds,
            "peak_reserved": reserved, "peak_allocated": allocated, "ratio": round(reserved / max(allocated, 1), 4)}
     if after is not None:
         out.update(driver_calls=after[0] - before[0], driver_seconds=round(after[1] - before[1], 6),
@@ -134,6 +149,24 @@ def replay_ratios(workload, piece):
     return ratios
 
 
+# Steps that obtain the workload's memory: the first steps; the later ones are warm.
+FIRST = 2
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def step_figures(runs):
+    """Each run's median warm step and the sum of its first steps, in seconds (from its step
+    times); None when a run has no warm step to time."""
+    if not runs or any(len(r.get("step_seconds") or []) <= FIRST for r in runs):
+        return None
+    warm = [round(statistics.median(r["step_seconds"][FIRST:]), 6) for r in runs]
+    first = [round(sum(r["step_seconds"][:FIRST]), 6) for r in runs]
+    return warm, first
+
+
 def summarise(results, asked=()):
     """Per workload and configuration: wall seconds, ratios, driver calls and share, and the
     marks (the README's best mode for each workload within 1% of PyTorch's mean wall time).
@@ -147,12 +180,19 @@ def summarise(results, asked=()):
         runs = [r for r in results if r["workload"] == workload]
         torch_secs = [r["seconds"] for r in runs if r["config"] == "torch"]
         base = sum(torch_secs) / len(torch_secs) if torch_secs else None
+        torch_steps = step_figures([r for r in runs if r["config"] == "torch"])
         rows = {}
         for config in dict.fromkeys(r["config"] for r in runs):
             mine = [r for r in runs if r["config"] == config]
             row = {"seconds": [r["seconds"] for r in mine], "ratio": [r["ratio"] for r in mine]}
             if base:
                 row["wall_over_torch"] = round(sum(row["seconds"]) / len(mine) / base, 4)
+            steps = step_figures(mine)
+            if steps:
+                row["warm_median_s"], row["first_steps_s"] = steps
+                if torch_steps and config != "torch":
+                    row["warm_over_torch"] = round(mean(steps[0]) / mean(torch_steps[0]), 4)
+                    row["first_steps_extra_s"] = round(mean(steps[1]) - mean(torch_steps[1]), 3)
             if config != "torch":
                 seconds = [r.get("driver_seconds") for r in mine]
                 share = max(seconds) / base if base and None not in seconds else None
