@@ -77,6 +77,13 @@ pub fn configure(config: Config) {
     *CONFIG.lock() = Some(config);
 }
 
+/// Change one setting of the configuration of allocators created from now on, under one lock
+/// (two settings changed at once from two threads both stay).
+pub fn configure_with(change: impl FnOnce(&mut Config)) {
+    let mut config = CONFIG.lock();
+    change(config.get_or_insert_with(Config::default));
+}
+
 /// The configuration set by [`configure`] (the default if none).
 pub fn configured() -> Config {
     CONFIG.lock().clone().unwrap_or_default()

@@ -4,7 +4,7 @@ use std::ffi::{c_char, c_int};
 
 use super::boundary::*;
 use crate::devices::{self, Device};
-use crate::{Config, SegmentMode, Tag};
+use crate::{SegmentMode, Tag};
 
 /// Choose the segment mode ("native", "expandable", "compact" or "remap") of allocators not yet
 /// created.
@@ -19,10 +19,7 @@ pub unsafe extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
         let mode: SegmentMode = unsafe { c_str(mode, "mode") }?
             .parse()
             .map_err(|e| format!("{e}"))?;
-        devices::configure(Config {
-            mode,
-            ..devices::configured()
-        });
+        devices::configure_with(|c| c.mode = mode);
         Ok(0)
     })
 }
@@ -33,10 +30,7 @@ pub unsafe extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
 #[no_mangle]
 pub extern "C" fn vram_ledger_unmap_later(enabled: c_int) -> c_int {
     guard(-1, || {
-        devices::configure(Config {
-            unmap_later: enabled != 0,
-            ..devices::configured()
-        });
+        devices::configure_with(|c| c.unmap_later = enabled != 0);
         Ok(0)
     })
 }
@@ -47,10 +41,7 @@ pub extern "C" fn vram_ledger_unmap_later(enabled: c_int) -> c_int {
 #[no_mangle]
 pub extern "C" fn vram_ledger_remap_piece(bytes: u64) -> c_int {
     guard(-1, || {
-        devices::configure(Config {
-            remap_piece: (bytes != 0).then_some(bytes),
-            ..devices::configured()
-        });
+        devices::configure_with(|c| c.remap_piece = (bytes != 0).then_some(bytes));
         Ok(0)
     })
 }
@@ -61,10 +52,7 @@ pub extern "C" fn vram_ledger_remap_piece(bytes: u64) -> c_int {
 #[no_mangle]
 pub extern "C" fn vram_ledger_move_across_streams(enabled: c_int) -> c_int {
     guard(-1, || {
-        devices::configure(Config {
-            move_across_streams: enabled != 0,
-            ..devices::configured()
-        });
+        devices::configure_with(|c| c.move_across_streams = enabled != 0);
         Ok(0)
     })
 }

@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int};
 
 use super::boundary::*;
 use crate::devices::{self, Device};
-use crate::{Config, Tag};
+use crate::Tag;
 
 /// The bit of `tag` in the masks of sleep and wake.
 pub(super) const fn tag_bit(tag: Tag) -> c_int {
@@ -56,10 +56,7 @@ fn reports<R: serde::Serialize>(
 #[no_mangle]
 pub extern "C" fn vram_ledger_separate_tags(enabled: c_int) -> c_int {
     guard(-1, || {
-        devices::configure(Config {
-            separate_tags: enabled != 0,
-            ..devices::configured()
-        });
+        devices::configure_with(|c| c.separate_tags = enabled != 0);
         Ok(0)
     })
 }
