@@ -53,11 +53,9 @@ def step(opt, loss):
     opt.zero_grad(set_to_none=True)
 
 
-def ticked(tick):
-    """The end of a step (of a training loop; of an iteration of a serving loop): `tick()`, for
-    a caller that times steps; nothing when recording."""
-    if tick is not None:
-        tick()
+def no_tick():
+    """Each workload calls its `tick` at the end of a step (of a training loop; of an iteration
+    of a serving loop), for a caller that times steps; recording times none."""
 
 
 def llama(torch, hidden, layers, heads, vocab, device, dtype):
@@ -71,7 +69,7 @@ def llama(torch, hidden, layers, heads, vocab, device, dtype):
     return m
 
 
-def serve_dyncache(torch, rng, dev, small, tick=None):
+def serve_dyncache(torch, rng, dev, small, tick=no_tick):
     from transformers.cache_utils import DynamicCache
 
     # 8 layers, not a 1.1B model's 22: each layer's cache is copied to grow at every step of
@@ -98,11 +96,11 @@ def serve_dyncache(torch, rng, dev, small, tick=None):
                 r[2] -= 1
             active = [r for r in active if r[2] > 0]
             step += 1
-            ticked(tick)
+            tick()
     return step
 
 
-def ckpt_train(torch, rng, dev, small, tick=None):
+def ckpt_train(torch, rng, dev, small, tick=no_tick):
     from torch.utils.checkpoint import checkpoint
 
     m = llama(torch, 256 if small else 1536, 2 if small else 24, 4 if small else 16, 1000 if small else 32000,
@@ -122,7 +120,7 @@ def ckpt_train(torch, rng, dev, small, tick=None):
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        ticked(tick)
+        tick()
     return steps
 
 
@@ -154,7 +152,7 @@ def conv_net(torch, width, blocks):
     return nn.Sequential(*layers)
 
 
-def conv_train(torch, rng, dev, small, tick=None):
+def conv_train(torch, rng, dev, small, tick=no_tick):
     m = conv_net(torch, 8 if small else 64, [1, 1, 1, 1] if small else [3, 4, 6, 3]).to(dev)
     m = m.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
@@ -167,11 +165,11 @@ def conv_train(torch, rng, dev, small, tick=None):
         with autocast(torch, dev, small):
             loss = torch.nn.functional.cross_entropy(m(x), y)
         step(opt, loss)
-        ticked(tick)
+        tick()
     return steps
 
 
-def moe_train(torch, rng, dev, small, tick=None):
+def moe_train(torch, rng, dev, small, tick=no_tick):
     nn = torch.nn
     d, experts, layers = (64, 4, 2) if small else (1024, 8, 8)
 
@@ -214,11 +212,11 @@ def moe_train(torch, rng, dev, small, tick=None):
         with autocast(torch, dev, small):
             loss = m(x).float().pow(2).mean()
         step(opt, loss)
-        ticked(tick)
+        tick()
     return steps
 
 
-def side_stream(torch, rng, dev, small, tick=None):
+def side_stream(torch, rng, dev, small, tick=no_tick):
     nn = torch.nn
     d = 64 if small else 4096
     m = nn.Sequential(*[nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(2 if small else 6)]).to(dev)
@@ -240,7 +238,7 @@ def side_stream(torch, rng, dev, small, tick=None):
         loss = m(x).pow(2).mean()
         step(opt, loss)
         del x
-        ticked(tick)
+        tick()
     return steps
 
 

@@ -1,7 +1,7 @@
 """Running a GPU script's cases, one process each (installing the allocator is permanent for a
 process): `NAME[:MODE]` arguments, a case's `RESULT {json}` lines passed through, and exit 1
 when any case failed or printed no result; `run` is the one case's process, for scripts that
-summarise their cases themselves."""
+summarise their cases themselves; `options` reads a configuration's name (`remap+across@2M`)."""
 
 import json
 import re
@@ -75,7 +75,7 @@ def options(config):
 
 def mode_of(config):
     """The mode a configuration runs (`remap` for `remap+across@2M`)."""
-    return re.split(r"[+@]", config)[0]
+    return options(config)[0]
 
 
 def install(vl, config, **kw):

@@ -153,10 +153,6 @@ def replay_ratios(workload, piece):
 FIRST = 2
 
 
-def mean(xs):
-    return sum(xs) / len(xs)
-
-
 def step_figures(runs):
     """Each run's median warm step and the sum of its first steps, in seconds (from its step
     times); None when a run has no warm step to time."""
@@ -191,8 +187,8 @@ def summarise(results, asked=()):
             if steps:
                 row["warm_median_s"], row["first_steps_s"] = steps
                 if torch_steps and config != "torch":
-                    row["warm_over_torch"] = round(mean(steps[0]) / mean(torch_steps[0]), 4)
-                    row["first_steps_extra_s"] = round(mean(steps[1]) - mean(torch_steps[1]), 3)
+                    row["warm_over_torch"] = round(statistics.mean(steps[0]) / statistics.mean(torch_steps[0]), 4)
+                    row["first_steps_extra_s"] = round(statistics.mean(steps[1]) - statistics.mean(torch_steps[1]), 3)
             if config != "torch":
                 seconds = [r.get("driver_seconds") for r in mine]
                 share = max(seconds) / base if base and None not in seconds else None
