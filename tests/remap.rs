@@ -118,6 +118,45 @@ fn remap_small_pool_growth_moves_no_large_piece() {
 }
 
 #[test]
+fn with_pieces_of_one_granule_the_small_pool_takes_free_large_pages() {
+    // Pieces of one granule: every piece is a page the small pool can map, and small blocks pin
+    // it no more than a new page. A small request after a large block was freed takes one of
+    // its free pages instead of new memory, and a large request after the small blocks were
+    // freed takes their pages back.
+    let a = sim_with(Config {
+        remap_piece: Some(2 * MIB),
+        ..Config::with_mode(SegmentMode::Remap)
+    });
+    let big = a.allocate(40 * MIB, S0).unwrap();
+    a.free(big.ptr).unwrap();
+    let before = a.driver_calls();
+    let small: Vec<u64> = (0..64)
+        .map(|_| a.allocate(512 * 1024, S0).unwrap().ptr)
+        .collect();
+    let calls = a.driver_calls().since(&before);
+    assert_eq!(
+        (calls[DriverCall::CreatePhysical], calls[DriverCall::Unmap]),
+        (0, 16),
+        "32 MiB of small blocks took 16 of the free pages: {:?}",
+        calls.nonzero().collect::<Vec<_>>()
+    );
+    assert_eq!(a.ledger().reserved(), 40 * MIB);
+    check(&a);
+    for p in small {
+        a.free(p).unwrap();
+    }
+    let again = a.allocate(40 * MIB, S0).unwrap();
+    assert_eq!(
+        a.ledger().reserved(),
+        40 * MIB,
+        "the large block took the small pool's free pages back"
+    );
+    assert_eq!(a.driver().calls(DriverCall::CreatePhysical), 20);
+    check(&a);
+    free_all(&a, [again.ptr]);
+}
+
+#[test]
 fn remap_growth_asks_other_streams_again_for_what_its_final_site_lacks() {
     // Stream 0's growth first picks a 20 MiB hole (with the free block beside it) and asks the
     // other streams for 20 MiB; the first that has free memory gives a 24 MiB piece, too wide

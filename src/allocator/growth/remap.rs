@@ -8,8 +8,9 @@
 //! - Moving memory before growth keeps the free blocks beside the range that growth is to
 //!   map, as chosen before the move (growth extends them in place; it chooses again after the
 //!   move, with the pieces moved, and may take another range).
-//! - The small pool's mappings are pages of one granule; its growth moves no memory and maps
-//!   no larger spare piece (a large piece there would be pinned by small blocks).
+//! - The small pool's mappings are pages of one granule, and it maps no larger spare piece (a
+//!   large piece there would be pinned by small blocks). Its growth moves memory only when
+//!   [`Remap::piece`] is one granule: then every piece is such a page.
 //! - A large block is rounded up to whole granules when that adds at most
 //!   1/[`rules::REMAP_ALIGN_WASTE`] of it, but never across `max_split_size`.
 
@@ -86,9 +87,13 @@ impl Remap {
     pub(super) fn grow<D: Driver>(&self, at: At<'_, D>, sh: &mut Shard, r: Request) -> Grown {
         let (core, shards, owner, rounded) = (at.core, at.shards, r.owner, r.rounded);
         let pool = rules::pool_for(rounded);
-        // A small-pool page is one granule: moving memory for it would map a whole free piece
-        // of the large pool (CUDA maps whole handles), where small blocks that live long would
-        // pin all of it. New pages cost a map each, as the small pool's always do.
+        // A small-pool page is one granule. With larger pieces, moving memory for it would map
+        // a whole free piece of the large pool (CUDA maps whole handles), where small blocks
+        // that live long would pin all of it; new pages cost a map each, as the small pool's
+        // always do. With pieces of one granule every piece is such a page, and the two pools
+        // trade free pages: a workload whose small blocks come and go in waves (a serving
+        // loop's) would otherwise keep the pages of its last wave as well as the large pool's.
+        let pool_moves = pool == PoolKind::Large || self.piece == self.granularity;
         // Asked once: it is a driver call.
         let moving = may_move(core, owner, r.stream);
         if moving && !sh.retiring.is_empty() {
@@ -97,7 +102,7 @@ impl Remap {
             // pool's growth, which may be inside a capture, where events are not asked.
             let _ = sh.finish_retiring(core, |_| true, false);
         }
-        if pool == PoolKind::Large && moving {
+        if pool_moves && moving {
             let left = self.make_room(core, sh, owner, r.stream, rounded);
             if left > 0 && self.across_streams && !sh.graphs.capturing() {
                 // With the pieces moved in, growth chooses its site again and may need more
@@ -128,11 +133,12 @@ impl Remap {
         })
     }
 
-    /// Before growing the large pool: unmap free pieces of this shard, so that reserved bytes
-    /// follow live bytes (their pieces become spare, to be mapped here), except the free blocks
-    /// beside the range that growth will map: growth uses them where they are, and moving them
-    /// would only map their pieces back (one unmap, map and set-access each, for nothing).
-    /// Returns the bytes still wanted. A failure only means that less is moved.
+    /// Before growing a pool that moves memory (the large pool; both pools when pieces are one
+    /// granule): unmap free pieces of this shard, so that reserved bytes follow live bytes
+    /// (their pieces become spare, to be mapped here), except the free blocks beside the range
+    /// that growth will map: growth uses them where they are, and moving them would only map
+    /// their pieces back (one unmap, map and set-access each, for nothing). Returns the bytes
+    /// still wanted. A failure only means that less is moved.
     fn make_room<D: Driver>(
         &self,
         core: &Core<D>,
