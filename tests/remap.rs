@@ -120,9 +120,9 @@ fn remap_small_pool_growth_moves_no_large_piece() {
 #[test]
 fn with_pieces_of_one_granule_the_small_pool_takes_free_large_pages() {
     // Pieces of one granule: every piece is a page the small pool can map, and small blocks pin
-    // it no more than a new page. A small request after a large block was freed takes one of
-    // its free pages instead of new memory, and a large request after the small blocks were
-    // freed takes their pages back.
+    // it no more than a new page. Small requests after a large block was freed take its free
+    // pages instead of new memory, and a large request after the small blocks were freed takes
+    // their pages back.
     let a = sim_with(Config {
         remap_piece: Some(2 * MIB),
         ..Config::with_mode(SegmentMode::Remap)
@@ -252,16 +252,12 @@ fn a_piece_larger_than_any_device_maps_what_growth_needs_without_overflowing() {
     // A caller's largest piece (u64::MAX, through the C ABI or Python) with moves that wait for
     // nothing: in this debug build an overflow in the piece's arithmetic would panic.
     for later in [false, true] {
-        let a = Allocator::new(
-            SimDriver::with_config(SimConfig::default()),
-            Config {
-                remap_piece: Some(u64::MAX),
-                unmap_later: later,
-                move_across_streams: true,
-                ..Config::with_mode(SegmentMode::Remap)
-            },
-        )
-        .unwrap();
+        let a = sim_with(Config {
+            remap_piece: Some(u64::MAX),
+            unmap_later: later,
+            move_across_streams: true,
+            ..Config::with_mode(SegmentMode::Remap)
+        });
         let x = a.allocate(40 * MIB, S0).unwrap();
         let y = a.allocate(20 * MIB, S0).unwrap();
         a.free(x.ptr).unwrap();

@@ -93,7 +93,8 @@ impl Remap {
         // always do. With pieces of one granule every piece is such a page, and the two pools
         // trade free pages: a workload whose small blocks come and go in waves (a serving
         // loop's) would otherwise keep the pages of its last wave as well as the large pool's.
-        let pool_moves = pool == PoolKind::Large || self.piece == self.granularity;
+        // So a pool moves memory when it may map every piece a move frees.
+        let pool_moves = self.piece <= self.largest_piece(pool);
         // Asked once: it is a driver call.
         let moving = may_move(core, owner, r.stream);
         if moving && !sh.retiring.is_empty() {
