@@ -118,3 +118,25 @@ def test_runs_too_short_to_have_warm_steps_give_no_step_figures():
     r["step_seconds"] = [2.0, 3.0]
     summary, _ = h200_workloads.summarise([r])
     assert "warm_median_s" not in summary["ckpt-train"]["remap+across"]
+
+
+def test_warm_steps_add_up_step_by_step_and_driver_seconds_within_them_are_a_share():
+    def timed(config, steps, driver=None):
+        r = run("side-stream", config, sum(steps), None if driver is None else sum(driver))
+        r["step_seconds"] = steps
+        if driver is not None:
+            r["step_driver_seconds"] = driver
+        return r
+
+    # Steps of different lengths (one seed: the same lengths under both allocators).
+    results = [timed("torch", [3.0, 1.0, 0.6, 0.2, 0.6]), timed("torch", [3.0, 1.0, 0.8, 0.2, 0.6]),
+               timed("remap+across", [3.5, 1.0, 0.7, 0.3, 0.6], [0.4, 0.1, 0.02, 0.01, 0.0])]
+    summary, _ = h200_workloads.summarise(results)
+    row = summary["side-stream"]["remap+across"]
+    # Warm sums: PyTorch's mean 1.5 s, this run's 1.6 s; 0.03 s of driver calls within them.
+    assert row["warm_sum_over_torch"] == round(1.6 / 1.5, 4)
+    assert row["warm_driver_share"] == round(0.03 / 1.5, 5)
+    # A run whose steps differ in number from PyTorch's has no sum to set beside it.
+    short = timed("remap+across", [3.5, 1.0, 0.7, 0.3], [0.4, 0.1, 0.02, 0.01])
+    summary, _ = h200_workloads.summarise(results[:2] + [short])
+    assert "warm_sum_over_torch" not in summary["side-stream"]["remap+across"]

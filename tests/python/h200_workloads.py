@@ -24,6 +24,8 @@ driver share, how much of each share was spent waiting for the device (`wait_sha
 stream, device and event synchronisations, which block while the device works), each run's
 median warm step and first steps (the first `FIRST`) from events recorded on the workload's
 stream at each step's end, beside PyTorch's mean (`warm_over_torch`, `first_steps_extra_s`),
+the warm steps added up beside PyTorch's (`warm_sum_over_torch`: the same steps, one seed), the
+driver seconds within the warm steps over PyTorch's warm seconds (`warm_driver_share`),
 each wall time over PyTorch's mean (identical runs differ by more than 1% here),
 and each ratio beside the one `vram-ledger replay` gives for the trace of the same seed in
 tests/data (when `VRAM_LEDGER_BIN` names the binary and the trace is there). Exit 1 on any
@@ -95,10 +97,15 @@ def run_case(workload, config):
     # Step times from events on the workload's stream at each step's end: the device's own
     # timeline, idle gaps included, with no synchronisation added to the workload.
     marks = []
+    # The driver seconds so far at each step's end: the host's time in driver calls step by
+    # step, which no other process on the device and no clock speed of it changes.
+    driver_at = []
 
     def tick():
         marks.append(torch.cuda.Event(enable_timing=True))
         marks[-1].record()
+        if before is not None:
+            driver_at.append(driver_totals(config)[1])
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -114,7 +121,8 @@ def run_case(workload, config):
            "peak_reserved": reserved, "peak_allocated": allocated, "ratio": round(reserved / max(allocated, 1), 4)}
     if after is not None:
         out.update(driver_calls=after[0] - before[0], driver_seconds=round(after[1] - before[1], 6),
-                   wait_seconds=round(after[2] - before[2], 6), waits=after[3] - before[3])
+                   wait_seconds=round(after[2] - before[2], 6), waits=after[3] - before[3],
+                   step_driver_seconds=[round(b - a, 6) for a, b in zip(driver_at, driver_at[1:])])
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 
@@ -153,6 +161,15 @@ def replay_ratios(workload, piece):
 FIRST = 2
 
 
+def warm_sums(runs, key):
+    """The mean over `runs` of the sum of their warm steps' `key` (step seconds, or driver
+    seconds within them); None unless every run has the same warm steps to add."""
+    lists = [r.get(key) for r in runs]
+    if not runs or any(not x or len(x) <= FIRST for x in lists) or len({len(x) for x in lists}) > 1:
+        return None
+    return statistics.mean(sum(x[FIRST:]) for x in lists)
+
+
 def step_figures(runs):
     """Each run's median warm step and the sum of its first steps, in seconds (from its step
     times); None when a run has no warm step to time."""
@@ -189,6 +206,16 @@ def summarise(results, asked=()):
                 if torch_steps and config != "torch":
                     row["warm_over_torch"] = round(statistics.mean(steps[0]) / statistics.mean(torch_steps[0]), 4)
                     row["first_steps_extra_s"] = round(statistics.mean(steps[1]) - statistics.mean(torch_steps[1]), 3)
+                    # The same steps under both allocators (one seed), added up: steps that
+                    # differ in length weigh as they take time.
+                    torch_runs = [r for r in runs if r["config"] == "torch"]
+                    same = warm_sums(torch_runs + mine, "step_seconds") is not None
+                    torch_warm = same and warm_sums(torch_runs, "step_seconds")
+                    mine_warm, mine_driver = warm_sums(mine, "step_seconds"), warm_sums(mine, "step_driver_seconds")
+                    if torch_warm and mine_warm:
+                        row["warm_sum_over_torch"] = round(mine_warm / torch_warm, 4)
+                    if torch_warm and mine_driver is not None:
+                        row["warm_driver_share"] = round(mine_driver / torch_warm, 5)
             if config != "torch":
                 seconds = [r.get("driver_seconds") for r in mine]
                 share = max(seconds) / base if base and None not in seconds else None
