@@ -290,7 +290,7 @@ step tightened-h200_vllm_profile tightened weights_exact py h200_vllm_profile re
 step tightened-h200_graph_trees tightened remap:graphs_recorded py h200_graph_trees torch remap
 step tightened-h200_step_cost tightened train_first_within_1s step_cost_train
 step tightened-h200_engine tightened at_least_99_5 engine_alone
-step tightened-h200_workloads tightened side-stream_remap_driver_within_1pct \
+step tightened-h200_workloads tightened side-stream_remap_warm_driver_within_1pct \
     py h200_workloads side-stream:torch side-stream:remap+across
 if [ -s "$logs/upstream/torch.json" ]; then
     step tightened-upstream tightened passes_what_torch_passes upstream_saved

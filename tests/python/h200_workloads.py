@@ -18,9 +18,10 @@ own figures under `install()`) and their ratio, and, under vram-ledger, the driv
 the seconds spent in them (`vram_ledger_driver_seconds_total`, read before and after).
 
 Marks (`marks.py`; a missing reading misses): for each workload, the mode the README names best
-for it spends at most 1% of PyTorch's mean wall time in driver calls
-(`WORKLOAD_MODE_driver_within_1pct`, tightened to 0). Printed, not marked: every other mode's
-driver share, how much of each share was spent waiting for the device (`wait_share`: the
+for it spends at most 1% of PyTorch's warm steps in driver calls within its own warm steps, the
+README's cost goal (`WORKLOAD_MODE_warm_driver_within_1pct`, from `warm_driver_share` below;
+tightened to 0). Printed, not marked: the whole run's driver seconds over PyTorch's mean wall
+time (`driver_share`), every other mode's figures, how much of the share was spent waiting for the device (`wait_share`: the
 stream, device and event synchronisations, which block while the device works), each run's
 median warm step and first steps (the first `FIRST`) from events recorded on the workload's
 stream at each step's end, beside PyTorch's mean (`warm_over_torch`, `first_steps_extra_s`),
@@ -182,13 +183,13 @@ def step_figures(runs):
 
 def summarise(results, asked=()):
     """Per workload and configuration: wall seconds, ratios, driver calls and share, and the
-    marks (the README's best mode for each workload within 1% of PyTorch's mean wall time).
+    marks (the README's best mode for each workload within 1% of PyTorch's warm steps).
     `asked`: the (workload, configuration) pairs run; a best mode asked for that gave no result
     (its process failed) misses its mark for want of a reading."""
     marks, summary = Marks(), {}
     for workload, config in asked:
         if config == BEST.get(workload) and not any(r["workload"] == workload and r["config"] == config for r in results):
-            marks.at_most(f"{workload}_{cases.mode_of(config)}_driver_within_1pct", None, 0.01, 0.0)
+            marks.at_most(f"{workload}_{cases.mode_of(config)}_warm_driver_within_1pct", None, 0.01, 0.0)
     for workload in dict.fromkeys(r["workload"] for r in results):
         runs = [r for r in results if r["workload"] == workload]
         torch_secs = [r["seconds"] for r in runs if r["config"] == "torch"]
@@ -227,7 +228,10 @@ def summarise(results, asked=()):
                     row["wait_share"] = round(max(waited) / base, 5)
                     row["waits"] = max((r.get("waits") or 0) for r in mine)
                 if config == BEST.get(workload):
-                    marks.at_most(f"{workload}_{cases.mode_of(config)}_driver_within_1pct", share, 0.01, 0.0)
+                    # No reading (no PyTorch run beside it, steps that differ in number, no
+                    # driver seconds step by step) misses.
+                    marks.at_most(f"{workload}_{cases.mode_of(config)}_warm_driver_within_1pct",
+                                  row.get("warm_driver_share"), 0.01, 0.0)
             row["replay_ratio"] = replay_ratio(workload, "pytorch" if config == "torch" else config)
             rows[config] = row
         summary[workload] = rows
