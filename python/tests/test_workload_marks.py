@@ -49,30 +49,30 @@ def test_best_mode_under_one_percent_of_pytorchs_warm_steps_meets_its_mark():
 
 
 def test_best_mode_over_one_percent_misses():
-    results = [run("ckpt-train", "torch", 10.0), run("ckpt-train", "remap+across", 10.3, 0.11, 0, 0.06)]
+    results = [run("moe-train", "torch", 10.0), run("moe-train", "remap+across", 10.3, 0.11, 0, 0.06)]
     _, m = h200_workloads.summarise(results)
-    assert m.missed() == ["ckpt-train_remap_warm_driver_within_1pct"], m.met
+    assert m.missed() == ["moe-train_remap_warm_driver_within_1pct"], m.met
 
 
 def test_driver_seconds_in_the_first_steps_alone_do_not_miss():
     # 1 s of driver calls in the first steps (20% of PyTorch's mean wall time), none after.
-    results = [run("ckpt-train", "torch", 10.0), run("ckpt-train", "remap+across", 11.0, 1.0, 0, 0.0)]
+    results = [run("moe-train", "torch", 10.0), run("moe-train", "remap+across", 11.0, 1.0, 0, 0.0)]
     summary, m = h200_workloads.summarise(results)
-    assert m.ok and summary["ckpt-train"]["remap+across"]["driver_share"] == 0.1, m.met
+    assert m.ok and summary["moe-train"]["remap+across"]["driver_share"] == 0.1, m.met
 
 
 def test_a_missing_driver_reading_or_no_pytorch_run_misses():
-    _, m = h200_workloads.summarise([run("ckpt-train", "torch", 10.0), run("ckpt-train", "remap+across", 10.0, None)])
-    assert m.missed() == ["ckpt-train_remap_warm_driver_within_1pct"], m.met
-    _, m = h200_workloads.summarise([run("ckpt-train", "remap+across", 10.0, 0.001, 0, 0.0)])
-    assert m.missed() == ["ckpt-train_remap_warm_driver_within_1pct"], m.met
+    _, m = h200_workloads.summarise([run("moe-train", "torch", 10.0), run("moe-train", "remap+across", 10.0, None)])
+    assert m.missed() == ["moe-train_remap_warm_driver_within_1pct"], m.met
+    _, m = h200_workloads.summarise([run("moe-train", "remap+across", 10.0, 0.001, 0, 0.0)])
+    assert m.missed() == ["moe-train_remap_warm_driver_within_1pct"], m.met
 
 
 def test_tightened_mark_misses(monkeypatch):
-    monkeypatch.setattr(marks, "TIGHTEN", {"side-stream_remap_warm_driver_within_1pct"})
-    results = [run("side-stream", "torch", 10.0), run("side-stream", "remap+across", 10.0, 0.001, 0, 0.001)]
+    monkeypatch.setattr(marks, "TIGHTEN", {"moe-train_remap_warm_driver_within_1pct"})
+    results = [run("moe-train", "torch", 10.0), run("moe-train", "remap+across", 10.0, 0.001, 0, 0.001)]
     _, m = h200_workloads.summarise(results)
-    assert m.missed() == ["side-stream_remap_warm_driver_within_1pct"], m.met
+    assert m.missed() == ["moe-train_remap_warm_driver_within_1pct"], m.met
 
 
 def test_a_case_process_that_fails_or_prints_no_result_is_reported(tmp_path):
@@ -94,21 +94,21 @@ def test_a_case_process_that_fails_or_prints_no_result_is_reported(tmp_path):
 
 
 def test_the_share_spent_waiting_for_the_device_is_printed_beside_the_mark():
-    r = run("side-stream", "remap+across", 10.0, 0.5, 0, 0.45)
+    r = run("moe-train", "remap+across", 10.0, 0.5, 0, 0.45)
     r.update(wait_seconds=0.45, waits=12)
-    summary, m = h200_workloads.summarise([run("side-stream", "torch", 10.0), r])
-    row = summary["side-stream"]["remap+across"]
+    summary, m = h200_workloads.summarise([run("moe-train", "torch", 10.0), r])
+    row = summary["moe-train"]["remap+across"]
     assert (row["driver_share"], row["wait_share"], row["waits"]) == (0.05, 0.045, 12)
     # The mark still counts every second in driver calls, waits included.
-    assert m.missed() == ["side-stream_remap_warm_driver_within_1pct"], m.met
+    assert m.missed() == ["moe-train_remap_warm_driver_within_1pct"], m.met
 
 
 def test_a_best_mode_asked_for_that_gave_no_result_misses():
-    results = [run("ckpt-train", "torch", 10.0)]
-    asked = [("ckpt-train", "torch"), ("ckpt-train", "remap+across"), ("ckpt-train", "compact+across")]
+    results = [run("moe-train", "torch", 10.0)]
+    asked = [("moe-train", "torch"), ("moe-train", "remap+across"), ("moe-train", "compact+across")]
     _, m = h200_workloads.summarise(results, asked)
     # Only the best mode has a mark: compact's failure shows in the exit code alone.
-    assert m.missed() == ["ckpt-train_remap_warm_driver_within_1pct"], m.met
+    assert m.missed() == ["moe-train_remap_warm_driver_within_1pct"], m.met
 
 
 def test_step_times_give_warm_medians_and_first_steps_beside_pytorchs():
@@ -128,15 +128,15 @@ def test_step_times_give_warm_medians_and_first_steps_beside_pytorchs():
 
 
 def test_runs_too_short_to_have_warm_steps_give_no_step_figures():
-    r = run("ckpt-train", "remap+across", 5.0, 0.01)
+    r = run("conv-train", "remap+across", 5.0, 0.01)
     r["step_seconds"] = [2.0, 3.0]
     summary, _ = h200_workloads.summarise([r])
-    assert "warm_median_s" not in summary["ckpt-train"]["remap+across"]
+    assert "warm_median_s" not in summary["conv-train"]["remap+across"]
 
 
 def test_warm_steps_add_up_step_by_step_and_driver_seconds_within_them_are_a_share():
     def timed(config, steps, driver=None):
-        r = run("side-stream", config, sum(steps), None if driver is None else sum(driver))
+        r = run("moe-train", config, sum(steps), None if driver is None else sum(driver))
         r["step_seconds"] = steps
         if driver is not None:
             r["step_driver_seconds"] = driver
@@ -146,11 +146,42 @@ def test_warm_steps_add_up_step_by_step_and_driver_seconds_within_them_are_a_sha
     results = [timed("torch", [3.0, 1.0, 0.6, 0.2, 0.6]), timed("torch", [3.0, 1.0, 0.8, 0.2, 0.6]),
                timed("remap+across", [3.5, 1.0, 0.7, 0.3, 0.6], [0.4, 0.1, 0.02, 0.01, 0.0])]
     summary, _ = h200_workloads.summarise(results)
-    row = summary["side-stream"]["remap+across"]
+    row = summary["moe-train"]["remap+across"]
     # Warm sums: PyTorch's mean 1.5 s, this run's 1.6 s; 0.03 s of driver calls within them.
     assert row["warm_sum_over_torch"] == round(1.6 / 1.5, 4)
     assert row["warm_driver_share"] == round(0.03 / 1.5, 5)
     # A run whose steps differ in number from PyTorch's has no sum to set beside it.
     short = timed("remap+across", [3.5, 1.0, 0.7, 0.3], [0.4, 0.1, 0.02, 0.01])
     summary, _ = h200_workloads.summarise(results[:2] + [short])
-    assert "warm_sum_over_torch" not in summary["side-stream"]["remap+across"]
+    assert "warm_sum_over_torch" not in summary["moe-train"]["remap+across"]
+
+
+def test_a_workload_the_readme_reports_over_the_goal_is_printed_not_marked():
+    for workload in h200_workloads.OVER_GOAL:
+        results = [run(workload, "torch", 10.0), run(workload, "remap+across", 10.0, 5.0, 0, 2.5)]
+        summary, m = h200_workloads.summarise(results, [(workload, "torch"), (workload, "remap+across")])
+        row = summary[workload]["remap+across"]
+        assert row["over_goal"] and row["warm_driver_share"] == 0.5
+        assert not any("warm_driver" in name for name in m.met), m.met
+
+
+def test_a_deterministic_workload_reserves_what_the_replay_predicts(monkeypatch):
+    replayed = {"conv-train": 1.0070, "ckpt-train": 1.1012}
+    monkeypatch.setattr(h200_workloads, "replay_ratio", lambda w, c: None if c == "pytorch" else replayed.get(w))
+
+    def best(workload, ratio):
+        r = run(workload, "remap+across", 10.0, 0.01, 0, 0.0)
+        r["ratio"] = ratio
+        return [run(workload, "torch", 10.0), r]
+
+    # ckpt's GPU ratio 0.0003 under the replay's: met (its warm share is not marked: over_goal).
+    _, m = h200_workloads.summarise(best("ckpt-train", 1.1009))
+    assert m.ok and list(m.met) == ["ckpt-train_remap_ratio_as_replayed"], m.met
+    # conv 0.0025 over it: missed, beside its warm-share mark, met.
+    _, m = h200_workloads.summarise(best("conv-train", 1.0095))
+    assert m.missed() == ["conv-train_remap_ratio_as_replayed"], m.met
+    assert m.met["conv-train_remap_warm_driver_within_1pct"]
+    # No replay to compare with: no reading, a miss.
+    monkeypatch.setattr(h200_workloads, "replay_ratio", lambda w, c: None)
+    _, m = h200_workloads.summarise(best("conv-train", 1.0070))
+    assert m.missed() == ["conv-train_remap_ratio_as_replayed"], m.met
