@@ -27,6 +27,9 @@ gives each workload's process S seconds (it is then reported as failed). `--no-f
 no stack frames (replay reads only the events; a trace of millions of events then stays small
 enough to move), and `--max-entries N` sizes the history (5,000,000 by default). A history that
 filled up holds a trace cut short: the workload is then reported as failed, its file kept.
+
+`WORKLOAD_STEPS=N` in the environment runs each training workload for N steps instead of its
+own count (the traces in tests/data were recorded with their own counts).
 """
 
 from __future__ import annotations
@@ -44,6 +47,16 @@ import time
 def autocast(torch, dev, small):
     """bf16 autocast on the GPU (the workloads' own precision), none in the CPU check."""
     return torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16, enabled=not small)
+
+
+def training_steps(default):
+    """A training workload's steps on the GPU: `default` (the recorded traces' count), or
+    `WORKLOAD_STEPS` from the environment, for runs with more warm steps to time (the same
+    seed then draws the same first steps)."""
+    n = int(os.environ.get("WORKLOAD_STEPS") or default)
+    if n < 1:
+        raise ValueError(f"WORKLOAD_STEPS must be at least 1, not {n}")
+    return n
 
 
 def step(opt, loss):
@@ -110,7 +123,7 @@ def ckpt_train(torch, rng, dev, small, tick=no_tick):
         forward = layer.forward
         layer.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(forward)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    steps = 3 if small else 6
+    steps = 3 if small else training_steps(6)
     for _ in range(steps):
         for _ in range(4):
             seq = rng.choice([64, 96, 128]) if small else rng.choice([1024, 1536, 2048])
@@ -156,7 +169,7 @@ def conv_train(torch, rng, dev, small, tick=no_tick):
     m = conv_net(torch, 8 if small else 64, [1, 1, 1, 1] if small else [3, 4, 6, 3]).to(dev)
     m = m.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    steps = 3 if small else 8
+    steps = 3 if small else training_steps(8)
     for _ in range(steps):
         batch = 4 if small else rng.choice([48, 64])
         side = 64 if small else 224
@@ -205,7 +218,7 @@ def moe_train(torch, rng, dev, small, tick=no_tick):
 
     m = nn.Sequential(*[Block() for _ in range(layers)]).to(dev)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-    steps = 3 if small else 8
+    steps = 3 if small else training_steps(8)
     for _ in range(steps):
         batch, seq = (2, rng.choice([16, 32])) if small else (rng.choice([4, 8]), rng.choice([512, 1024, 2048]))
         x = torch.randn(batch, seq, d, device=dev)
@@ -223,7 +236,7 @@ def side_stream(torch, rng, dev, small, tick=no_tick):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     cuda = dev.startswith("cuda")
     copier = torch.cuda.Stream() if cuda else None
-    steps = 3 if small else 12
+    steps = 3 if small else training_steps(12)
     rows = [8, 16] if small else [2048, 4096, 6144]
     host = [torch.randn(r, d, pin_memory=cuda) for r in rows]
     for _ in range(steps):

@@ -4,7 +4,8 @@ fragmentation table replays, and what it reserves there.
 
     python3 tests/python/h200_workloads.py [WORKLOAD:CONFIG ...]
 
-WORKLOAD is one of `scripts/record_workloads.py`'s (seed `WORKLOAD_SEED`, default 0: the seed
+WORKLOAD is one of `scripts/record_workloads.py`'s (`WORKLOAD_STEPS` sets a training workload's
+steps, for more warm steps to time; seed `WORKLOAD_SEED`, default 0: the seed
 of the traces in tests/data); CONFIG is `torch`, a mode, or a mode with
 `cases.options`' options (`remap+across@2M`: `move_across_streams`, 2 MiB pieces). By default:
 serve-dyncache, ckpt-train and side-stream, each under PyTorch's allocator, then compact and
