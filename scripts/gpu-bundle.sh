@@ -298,6 +298,8 @@ step tightened-h200_step_cost tightened train_first_within_1s step_cost_train
 step tightened-h200_engine tightened at_least_99_5 engine_alone
 step tightened-h200_workloads tightened conv-train_remap_warm_driver_within_1pct \
     py h200_workloads conv-train:torch conv-train:remap+across
+step tightened-h200_workloads-ratio tightened conv-train_remap_ratio_as_replayed \
+    py h200_workloads conv-train:torch conv-train:remap+across
 if [ -s "$logs/upstream/torch.json" ]; then
     step tightened-upstream tightened passes_what_torch_passes upstream_saved
 else

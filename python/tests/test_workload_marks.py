@@ -157,7 +157,8 @@ def test_warm_steps_add_up_step_by_step_and_driver_seconds_within_them_are_a_sha
 
 
 def test_a_workload_the_readme_reports_over_the_goal_is_printed_not_marked():
-    for workload in h200_workloads.OVER_GOAL:
+    assert h200_workloads.OVER_GOAL == {"ckpt-train", "side-stream"}
+    for workload in ("ckpt-train", "side-stream"):
         results = [run(workload, "torch", 10.0), run(workload, "remap+across", 10.0, 5.0, 0, 2.5)]
         summary, m = h200_workloads.summarise(results, [(workload, "torch"), (workload, "remap+across")])
         row = summary[workload]["remap+across"]
@@ -185,3 +186,43 @@ def test_a_deterministic_workload_reserves_what_the_replay_predicts(monkeypatch)
     monkeypatch.setattr(h200_workloads, "replay_ratio", lambda w, c: None)
     _, m = h200_workloads.summarise(best("conv-train", 1.0070))
     assert m.missed() == ["conv-train_remap_ratio_as_replayed"], m.met
+
+
+def test_each_steps_driver_seconds_come_from_readings_before_the_first_step_and_after_each():
+    # Read before the first step (0.5 s of set-up), then after each of three steps.
+    assert h200_workloads.step_differences([0.5, 0.75, 0.75, 1.0]) == [0.25, 0.0, 0.25]
+    assert h200_workloads.step_differences([0.5]) == []
+
+
+def test_a_gap_of_exactly_the_tolerance_meets_the_ratio_mark_either_way(monkeypatch):
+    monkeypatch.setattr(h200_workloads, "replay_ratio", lambda w, c: None if c == "pytorch" else 1.007)
+    for ratio in (1.008, 1.006):
+        r = run("conv-train", "remap+across", 10.0, 0.01, 0, 0.0)
+        r["ratio"] = ratio
+        _, m = h200_workloads.summarise([run("conv-train", "torch", 10.0), r])
+        assert m.met["conv-train_remap_ratio_as_replayed"], (ratio, m.met)
+
+
+def test_tightened_marks_miss_even_at_zero(monkeypatch):
+    monkeypatch.setattr(h200_workloads, "replay_ratio", lambda w, c: None if c == "pytorch" else 1.007)
+    monkeypatch.setattr(marks, "TIGHTEN", {"conv-train_remap_ratio_as_replayed", "conv-train_remap_warm_driver_within_1pct"})
+    r = run("conv-train", "remap+across", 10.0, 0.0, 0, 0.0)
+    r["ratio"] = 1.007
+    _, m = h200_workloads.summarise([run("conv-train", "torch", 10.0), r])
+    assert m.missed() == ["conv-train_remap_ratio_as_replayed", "conv-train_remap_warm_driver_within_1pct"], m.met
+
+
+def test_the_worst_run_decides_the_warm_share():
+    # Two runs of the best mode: 0.02 s and 0.2 s of driver calls in warm steps of 5 s.
+    results = [run("moe-train", "torch", 10.0), run("moe-train", "remap+across", 10.0, 0.1, 0, 0.02),
+               run("moe-train", "remap+across", 10.0, 0.3, 0, 0.2)]
+    summary, m = h200_workloads.summarise(results)
+    assert summary["moe-train"]["remap+across"]["warm_driver_share"] == 0.04
+    assert m.missed() == ["moe-train_remap_warm_driver_within_1pct"], m.met
+
+
+def test_a_best_mode_that_gave_no_result_misses_the_marks_its_workload_has():
+    # ckpt is over the goal (no warm-share mark) but reserves what the replay predicts.
+    asked = [("ckpt-train", "torch"), ("ckpt-train", "remap+across")]
+    _, m = h200_workloads.summarise([run("ckpt-train", "torch", 10.0)], asked)
+    assert m.missed() == ["ckpt-train_remap_ratio_as_replayed"], m.met
