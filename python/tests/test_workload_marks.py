@@ -164,6 +164,7 @@ def test_a_workload_the_readme_reports_over_the_goal_is_printed_not_marked():
         row = summary[workload]["remap+across"]
         assert row["over_goal"] and row["warm_driver_share"] == 0.5
         assert not any("warm_driver" in name for name in m.met), m.met
+        assert h200_workloads.open_goals(summary) == {f"{workload}_remap_warm_driver_within_1pct": False}
 
 
 def test_a_deterministic_workload_reserves_what_the_replay_predicts(monkeypatch):

@@ -22,7 +22,7 @@ Marks (`marks.py`; a missing reading misses): for each workload, the mode the RE
 for it spends at most 1% of PyTorch's warm steps in driver calls within its own warm steps, the
 README's cost goal (`WORKLOAD_MODE_warm_driver_within_1pct`, from `warm_driver_share` below;
 tightened to −1, which no run meets), except where the README reports that mode over the goal (`OVER_GOAL`: its row
-says `over_goal`); and where the workload's frees do not follow the device's timing
+says `over_goal`, and the goal is printed under `open_goals`, not failing the run); and where the workload's frees do not follow the device's timing
 (`DETERMINISTIC`), its best mode's ratio within 0.001 of the replay's
 (`WORKLOAD_MODE_ratio_as_replayed`). A run where no mark applies (side-stream alone) checks
 nothing and exits 1. Printed, not marked: the whole run's driver seconds over PyTorch's mean wall
@@ -62,7 +62,7 @@ BEST = {"serve-dyncache": "compact+across", "ckpt-train": "remap+across", "side-
         "conv-train": "remap+across", "moe-train": "remap+across"}
 # Workloads whose best mode the README reports over the cost goal on the GPU (its table's last
 # column: ckpt-train 1.47%, side-stream 99.5%, almost all of it waits; 413166ad). Their share
-# is printed, and listed under "over_goal", not marked: a mark checks what the README claims.
+# is printed, its goal under `open_goals`, not marked: a mark checks what the README claims.
 OVER_GOAL = {"ckpt-train", "side-stream"}
 # Workloads whose best mode reserves on the GPU what `vram-ledger replay` predicts for their
 # trace (the README: ckpt 1.1009 against 1.1012, conv 1.0070 against 1.0070): their frees do
@@ -277,6 +277,14 @@ def summarise(results, asked=()):
     return summary, marks
 
 
+def open_goals(summary):
+    """The cost goal of each best mode the README reports over it, met or not (a missing
+    reading is not met): printed, not failing the run."""
+    return {f"{w}_{cases.mode_of(c)}_warm_driver_within_1pct":
+            row.get("warm_driver_share") is not None and row["warm_driver_share"] <= 0.01
+            for w, rows in summary.items() for c, row in rows.items() if row.get("over_goal")}
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "_case":
         return run_case(sys.argv[2], sys.argv[3])
@@ -295,7 +303,7 @@ def main():
     summary, marks = summarise(results, asked)
     print(json.dumps({"summary": summary}, indent=1), flush=True)
     # On one line, last: what a reader (and a tightened run's check) looks for.
-    print(json.dumps({"marks": marks.met, "missed": marks.missed()}), flush=True)
+    print(json.dumps({"marks": marks.met, "missed": marks.missed(), "open_goals": open_goals(summary)}), flush=True)
     return 1 if failed or not marks.ok else 0
 
 
