@@ -21,20 +21,21 @@ the seconds spent in them (`vram_ledger_driver_seconds_total`, read before and a
 Marks (`marks.py`; a missing reading misses): for each workload, the mode the README names best
 for it spends at most 1% of PyTorch's warm steps in driver calls within its own warm steps, the
 README's cost goal (`WORKLOAD_MODE_warm_driver_within_1pct`, from `warm_driver_share` below;
-tightened to −1, which no run meets), except where the README reports that mode over the goal (`OVER_GOAL`: its row
-says `over_goal`, and the goal is printed under `open_goals`, not failing the run); and where the workload's frees do not follow the device's timing
+tightened to −1, which no run meets), except where the README reports that mode over the goal
+(`OVER_GOAL`: its row says `over_goal`, and the goal is printed under `open_goals`, not
+failing the run); and where the workload's frees do not follow the device's timing
 (`DETERMINISTIC`), its best mode's ratio within 0.001 of the replay's
 (`WORKLOAD_MODE_ratio_as_replayed`). A run where no mark applies (side-stream alone) checks
 nothing and exits 1. Printed, not marked: the whole run's driver seconds over PyTorch's mean wall
-time (`driver_share`), every other mode's figures, how much of the share was spent waiting for the device (`wait_share`: the
-stream, device and event synchronisations, which block while the device works), each run's
-median warm step and first steps (the first `FIRST`) from events recorded on the workload's
-stream at each step's end, beside PyTorch's mean (`warm_over_torch`, `first_steps_extra_s`),
-the warm steps added up beside PyTorch's (`warm_sum_over_torch`: the same steps, one seed), the
-driver seconds within the warm steps over PyTorch's warm seconds (`warm_driver_share`),
-each wall time over PyTorch's mean (identical runs differ by more than 1% here),
-and each ratio beside the one `vram-ledger replay` gives for the trace of the same seed in
-tests/data (when `VRAM_LEDGER_BIN` names the binary and the trace is there). Exit 1 on any
+time (`driver_share`), every other mode's figures, how much of the share was spent waiting for
+the device (`wait_share`: the stream, device and event synchronisations, which block while the
+device works), each run's median warm step and first steps (the first `FIRST`) from events
+recorded on the workload's stream at each step's end, beside PyTorch's mean (`warm_over_torch`,
+`first_steps_extra_s`), the warm steps added up beside PyTorch's (`warm_sum_over_torch`: the
+same steps, one seed), the driver seconds within the warm steps over PyTorch's warm seconds
+(`warm_driver_share`), each wall time over PyTorch's mean (identical runs differ by more than 1%
+here), and each ratio beside the one `vram-ledger replay` gives for the trace of the same seed
+in tests/data (when `VRAM_LEDGER_BIN` names the binary and the trace is there). Exit 1 on any
 missed mark or failed case.
 """
 
@@ -196,6 +197,11 @@ def step_differences(cumulative):
     return [round(b - a, 6) for a, b in zip(cumulative, cumulative[1:])]
 
 
+def mark_name(workload, config, what):
+    """A mark's name: the workload, the configuration's mode and what is checked."""
+    return f"{workload}_{cases.mode_of(config)}_{what}"
+
+
 def step_figures(runs):
     """Each run's median warm step and the sum of its first steps, in seconds (from its step
     times); None when a run has no warm step to time."""
@@ -216,14 +222,15 @@ def summarise(results, asked=()):
         if config != BEST.get(workload) or any(r["workload"] == workload and r["config"] == config for r in results):
             continue
         if workload not in OVER_GOAL:
-            marks.at_most(f"{workload}_{cases.mode_of(config)}_warm_driver_within_1pct", None, 0.01, -1.0)
+            marks.at_most(mark_name(workload, config, "warm_driver_within_1pct"), None, 0.01, -1.0)
         if workload in DETERMINISTIC:
-            marks.at_most(f"{workload}_{cases.mode_of(config)}_ratio_as_replayed", None, RATIO_TOLERANCE, -1.0)
+            marks.at_most(mark_name(workload, config, "ratio_as_replayed"), None, RATIO_TOLERANCE, -1.0)
     for workload in dict.fromkeys(r["workload"] for r in results):
         runs = [r for r in results if r["workload"] == workload]
-        torch_secs = [r["seconds"] for r in runs if r["config"] == "torch"]
+        torch_runs = [r for r in runs if r["config"] == "torch"]
+        torch_secs = [r["seconds"] for r in torch_runs]
         base = sum(torch_secs) / len(torch_secs) if torch_secs else None
-        torch_steps = step_figures([r for r in runs if r["config"] == "torch"])
+        torch_steps = step_figures(torch_runs)
         rows = {}
         for config in dict.fromkeys(r["config"] for r in runs):
             mine = [r for r in runs if r["config"] == config]
@@ -238,9 +245,8 @@ def summarise(results, asked=()):
                     row["first_steps_extra_s"] = round(statistics.mean(steps[1]) - statistics.mean(torch_steps[1]), 3)
                     # The same steps under both allocators (one seed), added up: steps that
                     # differ in length weigh as they take time.
-                    torch_runs = [r for r in runs if r["config"] == "torch"]
-                    same = warm_sums(torch_runs + mine, "step_seconds") is not None
-                    torch_warm = same and warm_sums(torch_runs, "step_seconds")
+                    same_steps = len({len(r["step_seconds"]) for r in torch_runs + mine}) == 1
+                    torch_warm = same_steps and warm_sums(torch_runs, "step_seconds")
                     mine_warm = warm_sums(mine, "step_seconds")
                     # The worst run's, as the whole run's share below takes the worst.
                     mine_driver = warm_sums(mine, "step_driver_seconds", max)
@@ -263,15 +269,16 @@ def summarise(results, asked=()):
                 elif config == BEST.get(workload):
                     # No reading (no PyTorch run beside it, steps that differ in number, no
                     # driver seconds step by step) misses.
-                    marks.at_most(f"{workload}_{cases.mode_of(config)}_warm_driver_within_1pct",
+                    marks.at_most(mark_name(workload, config, "warm_driver_within_1pct"),
                                   row.get("warm_driver_share"), 0.01, -1.0)
             row["replay_ratio"] = replay_ratio(workload, "pytorch" if config == "torch" else config)
             if config == BEST.get(workload) and workload in DETERMINISTIC:
                 # Every run's ratio against the replay's; no replay (no binary or trace) misses.
                 # Rounded as the ratios are (4 digits), so that a gap of 0.001 meets the mark
                 # either way round.
-                off = None if row["replay_ratio"] is None else round(max(abs(x - row["replay_ratio"]) for x in row["ratio"]), 4)
-                marks.at_most(f"{workload}_{cases.mode_of(config)}_ratio_as_replayed", off, RATIO_TOLERANCE, -1.0)
+                replayed = row["replay_ratio"]
+                off = None if replayed is None else round(max(abs(x - replayed) for x in row["ratio"]), 4)
+                marks.at_most(mark_name(workload, config, "ratio_as_replayed"), off, RATIO_TOLERANCE, -1.0)
             rows[config] = row
         summary[workload] = rows
     return summary, marks
@@ -280,9 +287,12 @@ def summarise(results, asked=()):
 def open_goals(summary):
     """The cost goal of each best mode the README reports over it, met or not (a missing
     reading is not met): printed, not failing the run."""
-    return {f"{w}_{cases.mode_of(c)}_warm_driver_within_1pct":
-            row.get("warm_driver_share") is not None and row["warm_driver_share"] <= 0.01
-            for w, rows in summary.items() for c, row in rows.items() if row.get("over_goal")}
+    goals = Marks()
+    for w, rows in summary.items():
+        for c, row in rows.items():
+            if row.get("over_goal"):
+                goals.at_most(mark_name(w, c, "warm_driver_within_1pct"), row.get("warm_driver_share"), 0.01, -1.0)
+    return goals.met
 
 
 def main():
