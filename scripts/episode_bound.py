@@ -40,7 +40,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plan_bound import lifetimes, load, overlaps, peak, plan  # noqa: E402
+from plan_bound import iterations, lifetimes, load, overlaps, peak, plan  # noqa: E402
 
 # An episode ends where the blocks allocated in it are down to this share of their peak bytes.
 LOW = float(os.environ.get("EPISODE_LOW", "0.01"))
@@ -95,49 +95,36 @@ def main(paths):
     for path in paths:
         events, ends = load(path)
         n = len(events)
-        times = [e["time_us"] for e in events]
-        cuts = sorted({0, n, *(bisect.bisect_right(times, t) for t in ends)})
-        which = lambda i: bisect.bisect_right(cuts, i) - 1  # noqa: E731
         blocks = lifetimes(events)
-        by_iteration = {}
-        for b in blocks:
-            if b[1] < n and which(b[0]) == which(b[1]):
-                by_iteration.setdefault(which(b[0]), []).append(b)
+        cuts, by_iteration = iterations(events, ends, blocks)
         seen, replayed, total, worst_pack, carried, count_eps, last_new = {}, 0, 0, 0.0, 0, 0, 0
-        replays = set()
-        # Live bytes of the blocks that are not transient, and each episode's arena over its span.
+        # Each repeated episode's arena over its span, and the live bytes of every other block
+        # (first sightings included: another policy serves them).
         usage = np.zeros(n + 1, dtype=np.int64)
-        transient = set()
+        planned = set()
         for it, mine in sorted(by_iteration.items()):
             eps, crossing = episodes(mine, cuts[it], cuts[it + 1])
             carried += len(crossing)
             count_eps += len(eps)
             for ep in eps:
-                transient.update(ep)
                 sig = signature(ep)
                 total += len(ep)
+                lo, hi = min(b[0] for b in ep), max(b[1] for b in ep)
                 if sig in seen:
                     replayed += len(ep)
-                    arena = seen[sig]
-                else:
-                    offset, arena = plan(ep)
-                    if overlaps(ep, offset):
-                        print(f"episode_bound: {path}: a plan overlaps live blocks", file=sys.stderr)
-                        bad = True
-                    seen[sig] = arena
-                    last_new = it
-                    lo, hi = min(b[0] for b in ep), max(b[1] for b in ep)
-                    worst_pack = max(worst_pack, arena / peak(ep, lo, hi))
-                if sig in replays:
-                    lo, hi = min(b[0] for b in ep), max(b[1] for b in ep)
-                    usage[lo] += arena
-                    usage[hi] -= arena
-                else:
-                    # A first sighting is served by another policy: counted at its live bytes.
-                    transient.difference_update(ep)
-                replays.add(sig)
+                    planned.update(ep)
+                    usage[lo] += seen[sig]
+                    usage[hi] -= seen[sig]
+                    continue
+                offset, arena = plan(ep)
+                if overlaps(ep, offset):
+                    print(f"episode_bound: {path}: a plan overlaps live blocks", file=sys.stderr)
+                    bad = True
+                seen[sig] = arena
+                last_new = it
+                worst_pack = max(worst_pack, arena / peak(ep, lo, hi))
         for s, e, z in blocks:
-            if (s, e, z) not in transient:
+            if (s, e, z) not in planned:
                 usage[s] += z
                 usage[min(e, n)] -= z
         bound = int(np.cumsum(usage).max()) / peak(blocks, 0, n)

@@ -113,6 +113,20 @@ def overlaps(blocks, offset):
     return False
 
 
+def iterations(events, ends, blocks):
+    """The event indices where iterations begin (and the end), and each iteration's transient
+    blocks (allocated and freed inside it) by its index."""
+    n = len(events)
+    times = [e["time_us"] for e in events]
+    cuts = sorted({0, n, *(bisect.bisect_right(times, t) for t in ends)})
+    transient = {}
+    for b in blocks:
+        it = bisect.bisect_right(cuts, b[0]) - 1
+        if b[1] < n and it == bisect.bisect_right(cuts, b[1]) - 1:
+            transient.setdefault(it, []).append(b)
+    return cuts, transient
+
+
 def main(paths):
     bad = False
     print("| trace | iterations | arena / transient peak | static bound | repeats |")
@@ -120,19 +134,13 @@ def main(paths):
     for path in paths:
         events, ends = load(path)
         n = len(events)
-        times = [e["time_us"] for e in events]
-        cuts = sorted({0, n, *(bisect.bisect_right(times, t) for t in ends)})
         blocks = lifetimes(events)
+        cuts, transient = iterations(events, ends, blocks)
         peak_live = peak(blocks, 0, n)
         name = os.path.basename(path).split(".")[0]
         if len(cuts) < 4:
             print(f"| {name} | {len(cuts) - 1} | no repeating iterations ({BOUNDARY} ends {len(ends)} times) | | |")
             continue
-        which = lambda i: bisect.bisect_right(cuts, i) - 1  # noqa: E731
-        transient = {}
-        for b in blocks:
-            if b[1] < n and which(b[0]) == which(b[1]):
-                transient.setdefault(which(b[0]), []).append(b)
         worst_pack, worst_static, sizes = 0.0, 0.0, {}
         for it in range(len(cuts) - 1):
             mine = transient.get(it, [])

@@ -14,18 +14,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import episode_bound as eb  # noqa: E402
 import plan_bound as pb  # noqa: E402
-
-MIB = 1 << 20
-
-
-def trace(*ops):
-    """Events from (action, name, MiB): alloc and free_completed of named blocks."""
-    addr = {}
-    out = []
-    for action, name, mib in ops:
-        addr.setdefault(name, 0x1000 * (len(addr) + 1))
-        out.append({"action": action, "addr": addr[name], "size": mib * MIB, "time_us": len(out)})
-    return out
+from trace_events import MIB, trace  # noqa: E402
 
 
 def step(tag, first, second):

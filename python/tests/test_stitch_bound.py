@@ -13,18 +13,7 @@ if not (SCRIPTS / "stitch_bound.py").exists():
 sys.path.insert(0, str(SCRIPTS))
 
 import stitch_bound as sb  # noqa: E402
-
-MIB = 1 << 20
-
-
-def trace(*ops):
-    """Events from (action, name, MiB): alloc and free_completed of named blocks."""
-    addr = {}
-    out = []
-    for action, name, mib in ops:
-        addr.setdefault(name, 0x1000 * (len(addr) + 1))
-        out.append({"action": action, "addr": addr[name], "size": mib * MIB})
-    return out
+from trace_events import MIB, trace  # noqa: E402
 
 
 def test_a_freed_block_of_the_same_chunk_count_is_reused_without_a_map():
