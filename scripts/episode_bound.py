@@ -5,9 +5,10 @@ behind plans keyed by a micro-batch's shape, from a PyTorch memory snapshot.
 
 Iterations are cut as `plan_bound.py` cuts them (where `Optimizer.zero_grad` ended; a trace
 without such annotations is one iteration). A block is transient in an iteration when it is
-allocated and its free completed inside it. An iteration is cut again wherever none of its
-transient blocks allocated since the last cut is live (at most `EPISODE_LOW`, 1% by default, of
-their peak bytes): each piece is an episode (a micro-batch's forward and backward, the
+allocated and its free completed inside it; one that lives over half the iteration (a gradient
+kept across micro-batches) is left out of what follows. An iteration is cut again wherever the
+transient blocks allocated since the last cut are down to `EPISODE_LOW` (1% by default) of
+their peak bytes: each piece is an episode (a micro-batch's forward and backward, the
 optimiser's step, a serving step). An episode's signature is its exact sequence of
 allocations and frees of its transient blocks (each allocation's size, each free by which of
 the episode's allocations it frees).
@@ -17,10 +18,10 @@ plan made for the first (offsets in one arena) is valid for the second as it sta
 trace:
 
 - `iterations`; `episodes`, `signatures`: how many, and how many distinct;
-- `last new`: the iteration (from 0) where the last signature not seen before appeared; a plan
-  per signature would need no other policy after it;
-- `crossing a cut`: transient blocks live across a cut, which no episode's plan holds (they count
-  with the other blocks below);
+- `last new`: the iteration (from 0) where the last signature not seen before appeared: after
+  it, every episode could follow a plan;
+- `crossing a cut`: transient blocks left out or live across a cut, which no episode's plan
+  holds (they count with the other blocks below);
 - `replayed`: the transient allocations in episodes whose signature an earlier episode had, the
   ones a plan recorded at the first sighting could serve;
 - `arena / peak`: the worst episode's greedy plan (`plan_bound.plan`) over its own peak transient
@@ -48,9 +49,10 @@ LOW = float(os.environ.get("EPISODE_LOW", "0.01"))
 
 def episodes(transient, lo, hi):
     """Cut [lo, hi) into episodes: an episode ends once the live bytes of the blocks allocated
-    in it fall to at most `LOW` of their peak (blocks allocated earlier, such as gradients kept
-    across micro-batches, do not hold it open). Returns the blocks that lie wholly inside one
-    episode, per episode, and the blocks that outlive the episode they were allocated in."""
+    in it fall to at most `LOW` of their peak (blocks allocated before it do not hold it open).
+    Returns the blocks that lie wholly inside one episode, per episode, and the others: those
+    that outlive the episode they were allocated in, and those left out for living over half
+    the span."""
     starts, ends = {}, {}
     # Blocks that live over half the iteration (gradients kept across micro-batches) would hold
     # every episode open: they are not planned, and count with the other blocks.
