@@ -22,16 +22,16 @@ trace:
   it, every episode could follow a plan;
 - `crossing a cut`: transient blocks left out or live across a cut, which no episode's plan
   holds (they count with the other blocks below);
-- `replayed`: the transient allocations in episodes whose signature an earlier episode had, the
-  ones a plan recorded at the first sighting could serve;
-- `arena / peak`: the worst episode's greedy plan (`plan_bound.plan`) over its own peak transient
-  live bytes;
+- `replayed`: of the transient allocations inside episodes, those in episodes whose signature
+  an earlier episode had, the ones a plan recorded at the first sighting could serve;
+- `arena / peak`: the worst first sighting's greedy plan (`plan_bound.plan`) over its own peak
+  transient live bytes;
 - `bound`: the most that the repeated episodes, each holding its plan's arena over its span,
   and every other block packed without loss (first sightings included: they are left to
   another policy) would reserve, over the trace's peak live bytes.
 
-Every plan is checked by `plan_bound.overlaps`, a sweep independent of the planner; a failed
-check exits 1.
+Every plan is checked by `plan_bound.overlaps`, a sweep independent of the planner, on the
+episode it was made for and on each repeat; a failed check exits 1.
 """
 
 import bisect
@@ -113,18 +113,20 @@ def main(paths):
                 total += len(ep)
                 lo, hi = min(b[0] for b in ep), max(b[1] for b in ep)
                 if sig in seen:
+                    offset, arena = seen[sig]
                     replayed += len(ep)
                     planned.update(ep)
-                    usage[lo] += seen[sig]
-                    usage[hi] -= seen[sig]
-                    continue
-                offset, arena = plan(ep)
+                    usage[lo] += arena
+                    usage[hi] -= arena
+                else:
+                    offset, arena = plan(ep)
+                    seen[sig] = offset, arena
+                    last_new = it
+                    worst_pack = max(worst_pack, arena / peak(ep, lo, hi))
+                # The first sighting's plan, checked where it is used: on every repeat too.
                 if overlaps(ep, offset):
                     print(f"episode_bound: {path}: a plan overlaps live blocks", file=sys.stderr)
                     bad = True
-                seen[sig] = arena
-                last_new = it
-                worst_pack = max(worst_pack, arena / peak(ep, lo, hi))
         for s, e, z in blocks:
             if (s, e, z) not in planned:
                 usage[s] += z
