@@ -1,0 +1,311 @@
+//! Policies tried on a trace before they are built into the allocator: a small replayer that
+//! does what `vram-ledger replay` does for one mode, and can serve some blocks differently.
+//!
+//!     cargo run --release --example plan_replay -- TRACE [PLANS.json] [OPTIONS]
+//!
+//! - Without options it is a plain replay, and must print what `vram-ledger replay --mode M`
+//!   prints for the same trace (ratio and estimated driver time): the check that this replayer
+//!   follows the real one.
+//! - `PLANS.json` (`scripts/episode_plans.py`): plans for the episodes that repeat an earlier
+//!   one exactly. Each such episode's blocks are served from one arena at the offsets planned
+//!   at the first sighting; the arena is one allocation of the allocator's, taken at the
+//!   episode's first block and freed when its last block's free completed. `--shared`: one
+//!   arena, the largest plan's size, taken once and kept, for every planned episode.
+//! - `--segregate EVENTS`: blocks that live longer than EVENTS trace events are allocated in a
+//!   pool of their own (a stream identifier of their own), so that they do not pin the pieces
+//!   of short-lived blocks. The lifetime is the trace's own (an oracle), or with `--predict`
+//!   the lifetime of the last block of the same size whose free completed (known from the
+//!   past only, as an allocator would know it).
+//! - `--mode M` (default remap), `--piece BYTES` (remap's piece).
+//!
+//! Prints one JSON line: peak live and peak reserved bytes, their ratio, the estimated driver
+//! time, and how many blocks the plans and the long-lived pool served.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use vram_ledger::driver::cost;
+use vram_ledger::driver::sim::{SimConfig, SimDriver};
+use vram_ledger::replay::engine::H200_CAPACITY;
+use vram_ledger::replay::trace::{read_file, Action, Event};
+use vram_ledger::{Allocator, Config, DevicePtr, SegmentMode, StreamId, Tag};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Streams of their own for blocks whose free completes later than it was asked for, as the
+/// replay engine makes them.
+const HOLD_STREAMS: u64 = 1 << 56;
+/// The long-lived pool of stream `s` is stream `LONG_LIVED + s` (below the simulated driver's
+/// own streams and the allocator's keys).
+const LONG_LIVED: u64 = 1 << 40;
+
+#[derive(Default)]
+struct Options {
+    trace: String,
+    plans: Option<String>,
+    mode: Option<SegmentMode>,
+    piece: Option<u64>,
+    shared: bool,
+    segregate: Option<usize>,
+    predict: bool,
+}
+
+fn options() -> Res<Options> {
+    let mut o = Options::default();
+    let mut files = vec![];
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        match a.as_str() {
+            "--mode" => o.mode = Some(value("--mode")?.parse()?),
+            "--piece" => o.piece = Some(value("--piece")?.parse()?),
+            "--segregate" => o.segregate = Some(value("--segregate")?.parse()?),
+            "--shared" => o.shared = true,
+            "--predict" => o.predict = true,
+            _ if a.starts_with("--") => return Err(format!("unknown option {a}").into()),
+            _ => files.push(a),
+        }
+    }
+    let mut files = files.into_iter();
+    o.trace = files
+        .next()
+        .ok_or("usage: plan_replay TRACE [PLANS.json] [OPTIONS]")?;
+    o.plans = files.next();
+    Ok(o)
+}
+
+/// Planned episodes: each block by its place among the trace's allocations.
+#[derive(Default)]
+struct Plans {
+    /// Allocation ordinal -> episode.
+    block: HashMap<u64, usize>,
+    /// Each episode's arena bytes and number of blocks.
+    episodes: Vec<(u64, usize)>,
+}
+
+fn read_plans(path: &str) -> Res<Plans> {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(path)?)?;
+    let mut p = Plans::default();
+    for (k, ep) in v["episodes"]
+        .as_array()
+        .ok_or("plans: no episodes")?
+        .iter()
+        .enumerate()
+    {
+        let blocks = ep["blocks"]
+            .as_array()
+            .ok_or("plans: an episode without blocks")?;
+        for b in blocks {
+            p.block.insert(
+                b[0].as_u64().ok_or("plans: a block without its ordinal")?,
+                k,
+            );
+        }
+        p.episodes
+            .push((ep["arena"].as_u64().ok_or("plans: no arena")?, blocks.len()));
+    }
+    Ok(p)
+}
+
+/// Each allocation's lifetime in events, to the completion of its free (`usize::MAX`: never).
+fn lifetimes(ev: &[Event]) -> Vec<usize> {
+    let mut out = vec![usize::MAX; ev.len()];
+    let mut open: HashMap<u64, usize> = HashMap::new();
+    for (i, e) in ev.iter().enumerate() {
+        match e.action {
+            Action::Alloc => {
+                open.insert(e.addr, i);
+            }
+            Action::FreeCompleted => {
+                if let Some(a) = open.remove(&e.addr) {
+                    out[a] = i - a;
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+enum Held {
+    /// The allocator's block, and the stream (pool) it was allocated on.
+    Own(DevicePtr, StreamId),
+    /// A block in episode `.0`'s arena.
+    Planned(usize),
+}
+
+struct Arena {
+    ptr: DevicePtr,
+    stream: StreamId,
+    /// Planned blocks whose free has not completed yet.
+    open: usize,
+}
+
+fn main() -> Res<()> {
+    let o = options()?;
+    let trace = read_file(Path::new(&o.trace), None)?;
+    let plans = o
+        .plans
+        .as_deref()
+        .map(read_plans)
+        .transpose()?
+        .unwrap_or_default();
+    let mode = o.mode.unwrap_or(SegmentMode::Remap);
+    let drv = SimDriver::with_config(SimConfig {
+        capacity: H200_CAPACITY,
+        context_overhead: 0,
+        sync_ns: Some(cost::LOADED_SYNC_NS),
+        ..Default::default()
+    });
+    if mode == SegmentMode::Native && trace.expandable != Some(true) {
+        // As the replay engine: native takes the recorded segments' addresses, which PyTorch's
+        // best fit orders blocks of one size by.
+        let segments = trace
+            .events
+            .iter()
+            .filter(|e| e.action == Action::SegmentAlloc);
+        drv.device()
+            .plan_segment_addresses(segments.map(|e| (e.size, e.addr)));
+    }
+    let config = Config {
+        remap_piece: o.piece,
+        move_across_streams: true,
+        exact_best_fit: mode == SegmentMode::Native,
+        ..Config::with_mode(mode)
+    };
+    let alloc = Allocator::new(drv, config)?;
+    // As the replay engine: the driver time from here on, the device idle at the start.
+    let before = alloc.driver().estimated_host_seconds();
+    alloc.driver().forget_queued_work();
+    let ev = &trace.events;
+    let lifetime = lifetimes(ev);
+    let largest = plans.episodes.iter().map(|e| e.0).max().unwrap_or(0);
+    let mut kept: Option<DevicePtr> = None;
+    // Size -> the lifetime of the last block of that size whose free completed (--predict).
+    let mut last_life: HashMap<u64, usize> = HashMap::new();
+    let mut born: HashMap<u64, (usize, u64)> = HashMap::new();
+    let mut ours: HashMap<u64, Held> = HashMap::new();
+    // Trace address -> (size, hold stream, planned episode), between free_requested and
+    // free_completed.
+    let mut completing: HashMap<u64, (u64, Option<StreamId>, Option<usize>)> = HashMap::new();
+    let mut arenas: Vec<Option<Arena>> = (0..plans.episodes.len()).map(|_| None).collect();
+    let (mut ordinal, mut next_hold, mut planned, mut long_lived) = (0u64, 0u64, 0u64, 0u64);
+    let (mut live, mut peak_live, mut peak_reserved) = (0u64, 0u64, 0u64);
+    for (i, e) in ev.iter().enumerate() {
+        let stream = StreamId(e.stream);
+        if matches!(e.action, Action::Alloc | Action::FreeRequested) {
+            alloc.driver().work_queued(stream);
+        }
+        match e.action {
+            Action::Alloc => {
+                let held = if let Some(&k) = plans.block.get(&ordinal) {
+                    if arenas[k].is_none() {
+                        let ptr = match kept {
+                            Some(p) if o.shared => p,
+                            _ => {
+                                let bytes = if o.shared {
+                                    largest
+                                } else {
+                                    plans.episodes[k].0
+                                };
+                                alloc.allocate_tagged(bytes, stream, Tag::Activation)?.ptr
+                            }
+                        };
+                        kept = Some(ptr);
+                        arenas[k] = Some(Arena {
+                            ptr,
+                            stream,
+                            open: plans.episodes[k].1,
+                        });
+                    }
+                    planned += 1;
+                    Held::Planned(k)
+                } else {
+                    let long = match o.segregate {
+                        Some(l) if o.predict => last_life.get(&e.size).is_some_and(|&t| t > l),
+                        Some(l) => lifetime[i] > l,
+                        None => false,
+                    };
+                    born.insert(e.addr, (i, e.size));
+                    let pool = if long {
+                        StreamId(LONG_LIVED + e.stream)
+                    } else {
+                        stream
+                    };
+                    long_lived += u64::from(long);
+                    Held::Own(alloc.allocate_tagged(e.size, pool, e.tag)?.ptr, pool)
+                };
+                ordinal += 1;
+                peak_reserved = peak_reserved.max(alloc.ledger().reserved());
+                ours.insert(e.addr, held);
+                live += e.size;
+                peak_live = peak_live.max(live);
+            }
+            Action::FreeRequested => {
+                let Some(held) = ours.remove(&e.addr) else {
+                    continue;
+                };
+                match held {
+                    Held::Own(ptr, pool) => {
+                        let delayed = !ev
+                            .get(i + 1)
+                            .is_some_and(|n| n.action == Action::FreeCompleted && n.addr == e.addr);
+                        let hold = delayed.then(|| {
+                            next_hold += 1;
+                            StreamId(HOLD_STREAMS + next_hold)
+                        });
+                        if let Some(h) = hold {
+                            alloc.record_stream(ptr, h)?;
+                            alloc.driver().device().submit_external(h);
+                        }
+                        alloc.free_on(ptr, pool)?;
+                        completing.insert(e.addr, (e.size, hold, None));
+                    }
+                    Held::Planned(k) => {
+                        completing.insert(e.addr, (e.size, None, Some(k)));
+                    }
+                }
+            }
+            Action::FreeCompleted => {
+                if let Some((at, size)) = born.remove(&e.addr) {
+                    last_life.insert(size, i - at);
+                }
+                let Some((size, hold, episode)) = completing.remove(&e.addr) else {
+                    continue;
+                };
+                if let Some(h) = hold {
+                    alloc.driver().device().complete(h);
+                }
+                live -= size;
+                if let Some(k) = episode {
+                    let a = arenas[k]
+                        .as_mut()
+                        .ok_or("a planned block without its arena")?;
+                    a.open -= 1;
+                    if a.open == 0 && !o.shared {
+                        alloc.free_on(a.ptr, a.stream)?;
+                    }
+                }
+            }
+            Action::SegmentFree | Action::SegmentUnmap if !e.sleep => {
+                // PyTorch released its cache here (the first of a run of releases).
+                let run =
+                    i > 0 && matches!(ev[i - 1].action, Action::SegmentFree | Action::SegmentUnmap);
+                if !run {
+                    alloc.empty_cache()?;
+                }
+            }
+            _ => {}
+        }
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "mode": mode.to_string(), "piece": o.piece, "planned_episodes": plans.episodes.len(),
+            "planned_blocks": planned, "long_lived_blocks": long_lived, "peak_live": peak_live,
+            "peak_reserved": peak_reserved, "ratio": peak_reserved as f64 / peak_live as f64,
+            "driver_seconds": alloc.driver().estimated_host_seconds() - before,
+        })
+    );
+    Ok(())
+}

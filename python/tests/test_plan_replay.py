@@ -1,0 +1,55 @@
+"""examples/plan_replay.rs, the replayer that policies are tried on, against `vram-ledger replay`:
+without plans or options it must reserve what the real replay reserves, and estimate the same
+driver time, in every mode it is used with. Needs both built (`cargo test --release` builds
+them, as CI does before these tests)."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release"
+REPLAYER, CLI = BUILD / "examples" / "plan_replay", BUILD / "vram-ledger"
+if not (REPLAYER.exists() and CLI.exists() and (ROOT / "tests" / "data").exists()):
+    pytest.skip(f"{REPLAYER} or {CLI} not built, or no tests/data (cargo test --release builds both)",
+                allow_module_level=True)
+
+TRACES = ["streams-train-0", "conv-train-s0", "side-stream-s0"]
+
+
+def real(trace, mode):
+    out = subprocess.run([str(CLI), "replay", str(trace), "--mode", mode, "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    r = next(json.loads(l) for l in out.splitlines() if l.startswith("{"))
+    return r["fragmentation_ratio"], r["driver_seconds"]
+
+
+def small(trace, *args):
+    out = subprocess.run([str(REPLAYER), str(trace), *args], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("mode", ["native", "compact", "remap"])
+@pytest.mark.parametrize("name", TRACES)
+def test_without_plans_it_replays_as_the_replay_does(name, mode):
+    trace = ROOT / "tests" / "data" / f"{name}.pickle.gz"
+    r = small(trace, "--mode", mode)
+    ratio, seconds = real(trace, mode)
+    assert r["ratio"] == pytest.approx(ratio, rel=1e-12)
+    assert r["driver_seconds"] == pytest.approx(seconds, rel=1e-9)
+    assert r["planned_blocks"] == r["long_lived_blocks"] == 0
+
+
+def test_the_long_lived_pool_takes_blocks_and_changes_the_outcome():
+    trace = ROOT / "tests" / "data" / "streams-train-0.pickle.gz"
+    plain, split = small(trace), small(trace, "--segregate", "50")
+    assert split["long_lived_blocks"] > 0
+    assert split["peak_reserved"] != plain["peak_reserved"]
+
+
+def test_a_bad_option_is_refused():
+    r = subprocess.run([str(REPLAYER), "x", "--segregate"], capture_output=True, text=True)
+    assert r.returncode != 0 and "--segregate needs a value" in r.stderr
