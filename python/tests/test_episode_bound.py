@@ -14,13 +14,8 @@ sys.path.insert(0, str(SCRIPTS))
 
 import episode_bound as eb  # noqa: E402
 import plan_bound as pb  # noqa: E402
-from trace_events import MIB, trace  # noqa: E402
+from trace_events import MIB, step, trace  # noqa: E402
 
-
-def step(tag, first, second):
-    """A micro-batch: two blocks, the second freed first."""
-    return [("alloc", f"{tag}a", first), ("alloc", f"{tag}b", second),
-            ("free_completed", f"{tag}b", second), ("free_completed", f"{tag}a", first)]
 
 
 def test_a_repeated_micro_batch_is_one_signature_and_a_new_shape_another():

@@ -12,13 +12,8 @@ if not (SCRIPTS / "episode_plans.py").exists():
 sys.path.insert(0, str(SCRIPTS))
 
 import episode_plans as ep  # noqa: E402
-from trace_events import MIB, trace  # noqa: E402
+from trace_events import MIB, step, trace  # noqa: E402
 
-
-def step(tag, first, second):
-    """A micro-batch: two blocks live at once, the second freed first."""
-    return [("alloc", f"{tag}a", first), ("alloc", f"{tag}b", second),
-            ("free_completed", f"{tag}b", second), ("free_completed", f"{tag}a", first)]
 
 
 def test_only_repeats_are_planned_with_the_first_sightings_offsets_by_allocation_ordinal():

@@ -12,3 +12,9 @@ def trace(*ops):
         addr.setdefault(name, 0x1000 * (len(addr) + 1))
         out.append({"action": action, "addr": addr[name], "size": mib * MIB, "time_us": len(out)})
     return out
+
+
+def step(tag, first, second):
+    """A micro-batch: two blocks live at once, the second freed first."""
+    return [("alloc", f"{tag}a", first), ("alloc", f"{tag}b", second),
+            ("free_completed", f"{tag}b", second), ("free_completed", f"{tag}a", first)]
