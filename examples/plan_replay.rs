@@ -11,10 +11,12 @@
 //!   at the first sighting; the arena is one allocation of the allocator's, taken at the
 //!   episode's first block and freed when its last block's free completed. `--shared`: one
 //!   arena, the largest plan's size, taken once and kept, for every planned episode.
-//! - `--segregate EVENTS`: blocks that live longer than EVENTS trace events are allocated in a
-//!   pool of their own (a stream identifier of their own), so that they do not pin the pieces
-//!   of short-lived blocks. The lifetime is the trace's own (an oracle), or with `--predict`
-//!   the lifetime of the last block of the same size whose free completed (known from the
+//! - `--segregate LIFE`: blocks that live longer than LIFE are allocated in a pool of their own
+//!   (a stream identifier of their own), so that they do not pin the pieces of short-lived
+//!   blocks. A lifetime is counted in trace events, or with `--turnover` in bytes allocated
+//!   while the block lived over the most bytes live so far (how many times the memory turned
+//!   over: a unit without the trace's scale). It is the block's own (an oracle), or with
+//!   `--predict` that of the last block of the same size whose free completed (known from the
 //!   past only, as an allocator would know it).
 //! - `--mode M` (default remap), `--piece BYTES` (remap's piece).
 //!
@@ -46,8 +48,9 @@ struct Options {
     mode: Option<SegmentMode>,
     piece: Option<u64>,
     shared: bool,
-    segregate: Option<usize>,
+    segregate: Option<f64>,
     predict: bool,
+    turnover: bool,
 }
 
 fn options() -> Res<Options> {
@@ -62,6 +65,7 @@ fn options() -> Res<Options> {
             "--segregate" => o.segregate = Some(value("--segregate")?.parse()?),
             "--shared" => o.shared = true,
             "--predict" => o.predict = true,
+            "--turnover" => o.turnover = true,
             _ if a.starts_with("--") => return Err(format!("unknown option {a}").into()),
             _ => files.push(a),
         }
@@ -107,21 +111,55 @@ fn read_plans(path: &str) -> Res<Plans> {
     Ok(p)
 }
 
-/// Each allocation's lifetime in events, to the completion of its free (`usize::MAX`: never).
-fn lifetimes(ev: &[Event]) -> Vec<usize> {
-    let mut out = vec![usize::MAX; ev.len()];
-    let mut open: HashMap<u64, usize> = HashMap::new();
-    for (i, e) in ev.iter().enumerate() {
+/// Lifetimes as `--segregate` counts them, kept as the trace goes (the oracle reads them all
+/// first, `--predict` as frees complete).
+#[derive(Default)]
+struct Clock {
+    turnover: bool,
+    /// Bytes allocated so far, bytes live (to free completion) and the most live so far.
+    allocated: u64,
+    live: u64,
+    peak: u64,
+    /// Trace address -> (event, bytes allocated before it) of its allocation.
+    born: HashMap<u64, (usize, u64)>,
+}
+
+impl Clock {
+    /// Event `i`; the lifetime of the block whose free completed there, if any.
+    fn tick(&mut self, i: usize, e: &Event) -> Option<f64> {
         match e.action {
             Action::Alloc => {
-                open.insert(e.addr, i);
+                self.born.insert(e.addr, (i, self.allocated));
+                self.allocated += e.size;
+                self.live += e.size;
+                self.peak = self.peak.max(self.live);
+                None
             }
             Action::FreeCompleted => {
-                if let Some(a) = open.remove(&e.addr) {
-                    out[a] = i - a;
-                }
+                let (at, before) = self.born.remove(&e.addr)?;
+                self.live -= e.size;
+                Some(if self.turnover {
+                    (self.allocated - before) as f64 / self.peak as f64
+                } else {
+                    (i - at) as f64
+                })
             }
-            _ => {}
+            _ => None,
+        }
+    }
+}
+
+/// Each allocation's lifetime (infinite: never freed), by its event.
+fn lifetimes(ev: &[Event], turnover: bool) -> Vec<f64> {
+    let mut out = vec![f64::INFINITY; ev.len()];
+    let mut clock = Clock {
+        turnover,
+        ..Clock::default()
+    };
+    for (i, e) in ev.iter().enumerate() {
+        let born = clock.born.get(&e.addr).map(|b| b.0);
+        if let (Some(life), Some(a)) = (clock.tick(i, e), born) {
+            out[a] = life;
         }
     }
     out
@@ -178,12 +216,15 @@ fn main() -> Res<()> {
     let before = alloc.driver().estimated_host_seconds();
     alloc.driver().forget_queued_work();
     let ev = &trace.events;
-    let lifetime = lifetimes(ev);
+    let lifetime = lifetimes(ev, o.turnover);
+    let mut clock = Clock {
+        turnover: o.turnover,
+        ..Clock::default()
+    };
     let largest = plans.episodes.iter().map(|e| e.0).max().unwrap_or(0);
     let mut kept: Option<DevicePtr> = None;
     // Size -> the lifetime of the last block of that size whose free completed (--predict).
-    let mut last_life: HashMap<u64, usize> = HashMap::new();
-    let mut born: HashMap<u64, (usize, u64)> = HashMap::new();
+    let mut last_life: HashMap<u64, f64> = HashMap::new();
     let mut ours: HashMap<u64, Held> = HashMap::new();
     // Trace address -> (size, hold stream, planned episode), between free_requested and
     // free_completed.
@@ -193,6 +234,14 @@ fn main() -> Res<()> {
     let (mut live, mut peak_live, mut peak_reserved) = (0u64, 0u64, 0u64);
     for (i, e) in ev.iter().enumerate() {
         let stream = StreamId(e.stream);
+        let long_before = match (o.segregate, e.action) {
+            (Some(l), Action::Alloc) if o.predict => last_life.get(&e.size).is_some_and(|&t| t > l),
+            (Some(l), Action::Alloc) => lifetime[i] > l,
+            _ => false,
+        };
+        if let Some(life) = clock.tick(i, e) {
+            last_life.insert(e.size, life);
+        }
         if matches!(e.action, Action::Alloc | Action::FreeRequested) {
             alloc.driver().work_queued(stream);
         }
@@ -221,12 +270,7 @@ fn main() -> Res<()> {
                     planned += 1;
                     Held::Planned(k)
                 } else {
-                    let long = match o.segregate {
-                        Some(l) if o.predict => last_life.get(&e.size).is_some_and(|&t| t > l),
-                        Some(l) => lifetime[i] > l,
-                        None => false,
-                    };
-                    born.insert(e.addr, (i, e.size));
+                    let long = long_before;
                     let pool = if long {
                         StreamId(LONG_LIVED + e.stream)
                     } else {
@@ -267,9 +311,6 @@ fn main() -> Res<()> {
                 }
             }
             Action::FreeCompleted => {
-                if let Some((at, size)) = born.remove(&e.addr) {
-                    last_life.insert(size, i - at);
-                }
                 let Some((size, hold, episode)) = completing.remove(&e.addr) else {
                     continue;
                 };

@@ -43,11 +43,18 @@ def test_without_plans_it_replays_as_the_replay_does(name, mode):
     assert r["planned_blocks"] == r["long_lived_blocks"] == 0
 
 
-def test_the_long_lived_pool_takes_blocks_and_changes_the_outcome():
+@pytest.mark.parametrize("life", [["--segregate", "50"], ["--turnover", "--segregate", "0.5"],
+                                  ["--turnover", "--predict", "--segregate", "0.5"]])
+def test_the_long_lived_pool_takes_blocks_and_changes_the_outcome(life):
     trace = ROOT / "tests" / "data" / "streams-train-0.pickle.gz"
-    plain, split = small(trace), small(trace, "--segregate", "50")
+    plain, split = small(trace), small(trace, *life)
     assert split["long_lived_blocks"] > 0
     assert split["peak_reserved"] != plain["peak_reserved"]
+
+
+def test_nothing_lives_longer_than_every_turnover_of_the_trace():
+    trace = ROOT / "tests" / "data" / "streams-train-0.pickle.gz"
+    assert small(trace, "--turnover", "--segregate", "1e9")["long_lived_blocks"] == 0
 
 
 def test_a_bad_option_is_refused():
