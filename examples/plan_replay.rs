@@ -6,7 +6,8 @@
 //! - Without options it is a plain replay, and must print what `vram-ledger replay --mode M`
 //!   prints for the same trace (ratio and estimated driver time): the check that this replayer
 //!   follows the real one.
-//! - `PLANS.json` (`scripts/episode_plans.py`): plans for the episodes that repeat an earlier
+//! - `PLANS.json` (`scripts/episode_plans.py`; each block `[ordinal, offset, size]`, the size
+//!   checked against the trace's): plans for the episodes that repeat an earlier
 //!   one exactly. Each such episode's blocks are served from one arena at the offsets planned
 //!   at the first sighting; the arena is one allocation of the allocator's, taken at the
 //!   episode's first block and freed when its last block's free completed. `--shared`: one
@@ -14,8 +15,8 @@
 //! - `--segregate LIFE`: blocks that live longer than LIFE are allocated in a pool of their own
 //!   (a stream identifier of their own), so that they do not pin the pieces of short-lived
 //!   blocks. A lifetime is counted in trace events, or with `--turnover` in bytes allocated
-//!   while the block lived over the most bytes live so far (how many times the memory turned
-//!   over: a unit without the trace's scale). It is the block's own (an oracle), or with
+//!   while the block lived, its own included, over the most bytes live so far (how many times
+//!   the memory turned over: a unit without the trace's scale). It is the block's own (an oracle), or with
 //!   `--predict` that of the last block of the same size whose free completed (known from the
 //!   past only, as an allocator would know it).
 //! - `--mode M` (default remap), `--piece BYTES` (remap's piece).
@@ -30,7 +31,7 @@ use vram_ledger::driver::cost;
 use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::replay::engine::H200_CAPACITY;
 use vram_ledger::replay::trace::{read_file, Action, Event};
-use vram_ledger::{Allocator, Config, DevicePtr, SegmentMode, StreamId, Tag};
+use vram_ledger::{Allocator, Config, DevicePtr, Error, SegmentMode, StreamId, Tag};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -81,8 +82,8 @@ fn options() -> Res<Options> {
 /// Planned episodes: each block by its place among the trace's allocations.
 #[derive(Default)]
 struct Plans {
-    /// Allocation ordinal -> episode.
-    block: HashMap<u64, usize>,
+    /// Allocation ordinal -> (episode, offset, size), the size checked against the trace's.
+    block: HashMap<u64, (usize, u64, u64)>,
     /// Each episode's arena bytes and number of blocks.
     episodes: Vec<(u64, usize)>,
 }
@@ -99,14 +100,19 @@ fn read_plans(path: &str) -> Res<Plans> {
         let blocks = ep["blocks"]
             .as_array()
             .ok_or("plans: an episode without blocks")?;
+        let arena = ep["arena"].as_u64().ok_or("plans: no arena")?;
         for b in blocks {
-            p.block.insert(
-                b[0].as_u64().ok_or("plans: a block without its ordinal")?,
-                k,
-            );
+            let field = |j: usize| {
+                b[j].as_u64()
+                    .ok_or("plans: a block is [ordinal, offset, size]")
+            };
+            let (ordinal, offset, size) = (field(0)?, field(1)?, field(2)?);
+            if offset + size > arena {
+                return Err(format!("plans: block {ordinal} ends past its arena").into());
+            }
+            p.block.insert(ordinal, (k, offset, size));
         }
-        p.episodes
-            .push((ep["arena"].as_u64().ok_or("plans: no arena")?, blocks.len()));
+        p.episodes.push((arena, blocks.len()));
     }
     Ok(p)
 }
@@ -179,6 +185,24 @@ struct Arena {
     open: usize,
 }
 
+/// One of episode `k`'s blocks is gone: the arena goes back to the allocator after the last
+/// (a kept arena stays).
+fn close(
+    alloc: &Allocator<SimDriver>,
+    arenas: &mut [Option<Arena>],
+    k: usize,
+    keep: bool,
+) -> Res<()> {
+    let a = arenas[k]
+        .as_mut()
+        .ok_or("a planned block without its arena")?;
+    a.open -= 1;
+    if a.open == 0 && !keep {
+        alloc.free_on(a.ptr, a.stream)?;
+    }
+    Ok(())
+}
+
 fn main() -> Res<()> {
     let o = options()?;
     let trace = read_file(Path::new(&o.trace), None)?;
@@ -231,7 +255,7 @@ fn main() -> Res<()> {
     let mut completing: HashMap<u64, (u64, Option<StreamId>, Option<usize>)> = HashMap::new();
     let mut arenas: Vec<Option<Arena>> = (0..plans.episodes.len()).map(|_| None).collect();
     let (mut ordinal, mut next_hold, mut planned, mut long_lived) = (0u64, 0u64, 0u64, 0u64);
-    let (mut live, mut peak_live, mut peak_reserved) = (0u64, 0u64, 0u64);
+    let (mut live, mut peak_live, mut ooms) = (0u64, 0u64, 0u64);
     for (i, e) in ev.iter().enumerate() {
         let stream = StreamId(e.stream);
         let long_before = match (o.segregate, e.action) {
@@ -247,8 +271,21 @@ fn main() -> Res<()> {
         }
         match e.action {
             Action::Alloc => {
-                let held = if let Some(&k) = plans.block.get(&ordinal) {
+                let held = if let Some(&(k, _, size)) = plans.block.get(&ordinal) {
+                    if size != e.size {
+                        let msg = format!(
+                            "plans: block {ordinal} is {size} bytes, the trace's {}",
+                            e.size
+                        );
+                        return Err(msg.into());
+                    }
                     if arenas[k].is_none() {
+                        if o.shared && arenas.iter().flatten().any(|a| a.open > 0) {
+                            return Err(
+                                "--shared: an episode began before another's blocks were freed"
+                                    .into(),
+                            );
+                        }
                         let ptr = match kept {
                             Some(p) if o.shared => p,
                             _ => {
@@ -277,11 +314,24 @@ fn main() -> Res<()> {
                         stream
                     };
                     long_lived += u64::from(long);
-                    Held::Own(alloc.allocate_tagged(e.size, pool, e.tag)?.ptr, pool)
+                    match alloc.allocate_tagged(e.size, pool, e.tag) {
+                        Ok(a) => Held::Own(a.ptr, pool),
+                        Err(Error::OutOfMemory(_)) => {
+                            ooms += 1;
+                            ordinal += 1;
+                            continue;
+                        }
+                        Err(err) => return Err(err.into()),
+                    }
                 };
                 ordinal += 1;
-                peak_reserved = peak_reserved.max(alloc.ledger().reserved());
-                ours.insert(e.addr, held);
+                // The trace reused an address still live here: as the replay engine, let the
+                // old block go.
+                match ours.insert(e.addr, held) {
+                    Some(Held::Own(ptr, _)) => alloc.free(ptr)?,
+                    Some(Held::Planned(k)) => close(&alloc, &mut arenas, k, o.shared)?,
+                    None => {}
+                }
                 live += e.size;
                 peak_live = peak_live.max(live);
             }
@@ -319,32 +369,40 @@ fn main() -> Res<()> {
                 }
                 live -= size;
                 if let Some(k) = episode {
-                    let a = arenas[k]
-                        .as_mut()
-                        .ok_or("a planned block without its arena")?;
-                    a.open -= 1;
-                    if a.open == 0 && !o.shared {
-                        alloc.free_on(a.ptr, a.stream)?;
-                    }
+                    close(&alloc, &mut arenas, k, o.shared)?;
                 }
             }
             Action::SegmentFree | Action::SegmentUnmap if !e.sleep => {
-                // PyTorch released its cache here (the first of a run of releases).
+                // PyTorch released its cache here (the first of a run of releases); in
+                // vram-ledger's own compact and remap recordings an unmap is a move instead.
                 let run =
                     i > 0 && matches!(ev[i - 1].action, Action::SegmentFree | Action::SegmentUnmap);
-                if !run {
+                let moved = e.action == Action::SegmentUnmap
+                    && trace
+                        .vram_ledger_mode
+                        .as_deref()
+                        .is_some_and(|m| m != "expandable");
+                if !run && !moved {
                     alloc.empty_cache()?;
                 }
             }
             _ => {}
         }
     }
+    // The ledger's own peak, as the replay engine reports it: it also sees a peak inside one
+    // call (a release and retry after an out-of-memory).
+    let peak_reserved = alloc.snapshot().reserved_bytes.peak;
+    let ratio = if peak_live == 0 {
+        0.0
+    } else {
+        peak_reserved as f64 / peak_live as f64
+    };
     println!(
         "{}",
         serde_json::json!({
             "mode": mode.to_string(), "piece": o.piece, "planned_episodes": plans.episodes.len(),
             "planned_blocks": planned, "long_lived_blocks": long_lived, "peak_live": peak_live,
-            "peak_reserved": peak_reserved, "ratio": peak_reserved as f64 / peak_live as f64,
+            "peak_reserved": peak_reserved, "ratio": ratio, "ooms": ooms,
             "driver_seconds": alloc.driver().estimated_host_seconds() - before,
         })
     );

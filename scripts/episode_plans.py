@@ -6,7 +6,7 @@ serve them from arenas while the allocator serves the rest:
 Episodes and signatures are `episode_bound.py`'s. The plan made at a signature's first sighting
 (`plan_bound.plan`) is written for every later episode with that signature, each block named by
 its place among the trace's allocations (the replayer counts them the same way):
-`{"episodes": [{"arena": BYTES, "blocks": [[ALLOC_ORDINAL, OFFSET], ...]}]}`. Every plan is
+`{"episodes": [{"arena": BYTES, "blocks": [[ALLOC_ORDINAL, OFFSET, SIZE], ...]}]}`. Every plan is
 checked on the episode it is written for by `plan_bound.overlaps`; a failed check exits 1.
 """
 
@@ -36,7 +36,7 @@ def plans(events, ends):
             offset, arena = seen[sig]
             if overlaps(ep, offset):
                 raise ValueError("a plan overlaps live blocks on a repeat of its episode")
-            out.append({"arena": int(arena), "blocks": [[ordinal[b[0]], int(o)] for b, o in zip(ep, offset)]})
+            out.append({"arena": int(arena), "blocks": [[ordinal[b[0]], int(o), int(b[2])] for b, o in zip(ep, offset)]})
     return out, len(seen)
 
 

@@ -177,8 +177,8 @@ torch_bench() { python3 scripts/torch_alloc_bench.py >>"$logs/gpu-bench.jsonl"; 
 profile() { scripts/h200_profile.sh "$logs/profile" >"$logs/profile.txt"; }
 # Each GPU script exits 1 when any of its marks is missed (tests/python/marks.py).
 script() { python3 "tests/python/$1.py" "${@:2}" >"$logs/$1.jsonl"; }
-# script_as STEP SCRIPT ARGS...: one part of a script whose whole run takes longer than one
-# device command may (10 minutes), its output under the step's name.
+# script_as STEP SCRIPT ARGS...: one part of a script whose whole run is long (over 10
+# minutes), so that a run can be split between invocations; its output under the step's name.
 script_as() { python3 "tests/python/$2.py" "${@:3}" >"$logs/$1.jsonl"; }
 step gpu-bench gpu_bench
 step torch-bench torch_bench
@@ -221,10 +221,10 @@ fi
 # The configurations run at once, one process each (the GPU has room for all five), then
 # compared from what they kept; install() uses its C++ extension unless
 # VRAM_LEDGER_TORCH_EXTENSION=0.
-# The whole step takes longer than one device command may run (the shared runs about 430 s
-# on the H100 machine, the retry up to minutes more): UPSTREAM_PHASE=shared runs the
+# The whole step is long (the shared runs about 430 s on the H100 machine, the retry up to
+# minutes more), so it can run in two invocations: UPSTREAM_PHASE=shared runs the
 # configurations and keeps their results (point UPSTREAM_RESULTS outside the logs, somewhere the
-# machine keeps between commands), UPSTREAM_PHASE=retry reruns what starved and compares.
+# machine keeps between invocations), UPSTREAM_PHASE=retry reruns what starved and compares.
 # A subshell: the later steps (the wheel's) keep the environment they had.
 upstream() (
     export UPSTREAM_RESULTS="${UPSTREAM_RESULTS:-$logs/upstream}" VRAM_LEDGER_TORCH_EXTENSION="${VRAM_LEDGER_TORCH_EXTENSION:-1}"

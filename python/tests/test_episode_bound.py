@@ -17,7 +17,6 @@ import plan_bound as pb  # noqa: E402
 from trace_events import MIB, step, trace  # noqa: E402
 
 
-
 def test_a_repeated_micro_batch_is_one_signature_and_a_new_shape_another():
     events = trace(*step("x", 4, 2), *step("y", 4, 2), *step("z", 6, 2))
     blocks = pb.lifetimes(events)

@@ -24,7 +24,7 @@ def test_only_repeats_are_planned_with_the_first_sightings_offsets_by_allocation
     assert signatures == 2
     assert len(out) == 1
     # z's blocks are the 5th and 6th allocations; the plan of x puts the larger first.
-    assert out[0] == {"arena": 6 * MIB, "blocks": [[4, 0], [5, 4 * MIB]]}
+    assert out[0] == {"arena": 6 * MIB, "blocks": [[4, 0, 4 * MIB], [5, 4 * MIB, 2 * MIB]]}
 
 
 def test_a_trace_that_never_repeats_gets_no_plan():

@@ -44,6 +44,17 @@ def test_without_plans_it_replays_as_the_replay_does(name, mode):
     assert r["planned_blocks"] == r["long_lived_blocks"] == 0
 
 
+@pytest.mark.parametrize("piece", ["71303168", "8388608", "2097152"])
+def test_without_plans_remap_replays_ckpt_as_the_replay_does_at_every_piece(piece):
+    trace = ROOT / "tests" / "data" / "ckpt-train-s0.pickle.gz"
+    r = small(trace, "--piece", piece)
+    out = subprocess.run([str(CLI), "replay", str(trace), "--mode", "remap", "--remap-piece", piece, "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    want = next(json.loads(l) for l in out.splitlines() if l.startswith("{"))
+    assert r["ratio"] == pytest.approx(want["fragmentation_ratio"], rel=1e-12)
+    assert r["driver_seconds"] == pytest.approx(want["driver_seconds"], rel=1e-9)
+
+
 @pytest.mark.parametrize("life", [["--segregate", "50"], ["--turnover", "--segregate", "0.5"],
                                   ["--turnover", "--predict", "--segregate", "0.5"]])
 def test_the_long_lived_pool_takes_blocks_and_changes_the_outcome(life):

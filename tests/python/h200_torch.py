@@ -8,7 +8,7 @@ any part misses one, prints nothing or fails: the weights tag holds exactly the 
 parameters and buffers, the KV tag the cache's tensors (and its bookkeeping, under 4 KiB); a
 captured graph replays equal to eager; beside a 70% tenant, the profiled engine's NVML usage
 with its KV budget allocated stays within its request; `torch.empty(1 MiB)` + `del` is no
-slower installed than with PyTorch's allocator, as far as PyTorch's own processes agree; a MemPool routes the KV tensors to the library
+slower installed than with PyTorch's allocator (within 5%, `LATENCY_TOLERANCE`); a MemPool routes the KV tensors to the library
 and torch's statistics work; out of memory raises and the process goes on.
 """
 
@@ -211,19 +211,25 @@ def latency(how):
         timed_empty(torch, how)
 
 
+# How much slower than PyTorch's allocator an installed `torch.empty` + `del` may read and still
+# count as no slower: more than PyTorch's own processes in one command were seen to differ (3.5%
+# between its fastest and slowest of three, H100 machine), so that equal allocators do not miss
+# by chance, and less than the step a real regression would add.
+LATENCY_TOLERANCE = 0.05
+
+
 def latency_compared(ours_runs, native_runs):
-    """Installed, `torch.empty` + `del` is no slower than with PyTorch's allocator, as far as the
-    run can tell: the median of our processes at most the slowest of PyTorch's own in the same
-    command. Two equal allocators' medians fall either way of each other half the time, so a
-    mark on the medians alone would miss by chance; PyTorch's own processes show how far apart
-    equal runs fall. A side with no reading misses. Returns (marks, our median, PyTorch's)."""
+    """Installed, `torch.empty` + `del` is no slower than with PyTorch's allocator: the median
+    of our processes at most `LATENCY_TOLERANCE` over the median of PyTorch's in the same
+    command. A side with no reading misses. Returns (marks, our median, PyTorch's)."""
     def median(runs):
         runs = sorted(runs)
         return runs[len(runs) // 2] if runs else None
 
     ours, native = median(ours_runs), median(native_runs)
     m = Marks()
-    m.at_most("installed_not_slower", ours, max(native_runs) if native_runs else -1, (native or 0) / 100)
+    goal = native * (1 + LATENCY_TOLERANCE) if native is not None else -1
+    m.at_most("installed_not_slower", ours, goal, (native or 0) / 100)
     return m, ours, native
 
 
