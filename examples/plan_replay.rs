@@ -18,7 +18,9 @@
 //!   while the block lived, its own included, over the most bytes live so far (how many times
 //!   the memory turned over: a unit without the trace's scale). It is the block's own (an oracle), or with
 //!   `--predict` that of the last block of the same size whose free completed (known from the
-//!   past only, as an allocator would know it).
+//!   past only, as an allocator would know it). `--regions`: the pool is instead a region of
+//!   the same stream (`Config::separate_tags`, the weights tag's region; every other block
+//!   is tagged activation).
 //! - `--mode M` (default remap), `--piece BYTES` (remap's piece).
 //!
 //! Prints one JSON line: peak live and peak reserved bytes, their ratio, the estimated driver
@@ -52,6 +54,7 @@ struct Options {
     segregate: Option<f64>,
     predict: bool,
     turnover: bool,
+    regions: bool,
 }
 
 fn options() -> Res<Options> {
@@ -67,6 +70,7 @@ fn options() -> Res<Options> {
             "--shared" => o.shared = true,
             "--predict" => o.predict = true,
             "--turnover" => o.turnover = true,
+            "--regions" => o.regions = true,
             _ if a.starts_with("--") => return Err(format!("unknown option {a}").into()),
             _ => files.push(a),
         }
@@ -233,6 +237,7 @@ fn main() -> Res<()> {
         remap_piece: o.piece,
         move_across_streams: true,
         exact_best_fit: mode == SegmentMode::Native,
+        separate_tags: o.regions,
         ..Config::with_mode(mode)
     };
     let alloc = Allocator::new(drv, config)?;
@@ -308,13 +313,16 @@ fn main() -> Res<()> {
                     Held::Planned(k)
                 } else {
                     let long = long_before;
-                    let pool = if long {
-                        StreamId(LONG_LIVED + e.stream)
-                    } else {
-                        stream
+                    // The long-lived pool: a stream of its own, or with --regions a region of the
+                    // same stream (`Config::separate_tags`, the weights tag's).
+                    let (pool, tag) = match (long, o.regions) {
+                        (false, false) => (stream, e.tag),
+                        (false, true) => (stream, Tag::Activation),
+                        (true, false) => (StreamId(LONG_LIVED + e.stream), e.tag),
+                        (true, true) => (stream, Tag::Weights),
                     };
                     long_lived += u64::from(long);
-                    match alloc.allocate_tagged(e.size, pool, e.tag) {
+                    match alloc.allocate_tagged(e.size, pool, tag) {
                         Ok(a) => Held::Own(a.ptr, pool),
                         Err(Error::OutOfMemory(_)) => {
                             ooms += 1;

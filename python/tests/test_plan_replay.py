@@ -54,7 +54,8 @@ def test_without_plans_remap_replays_ckpt_as_the_replay_does_at_every_piece(piec
 
 
 @pytest.mark.parametrize("life", [["--segregate", "50"], ["--turnover", "--segregate", "0.5"],
-                                  ["--turnover", "--predict", "--segregate", "0.5"]])
+                                  ["--turnover", "--predict", "--segregate", "0.5"],
+                                  ["--regions", "--segregate", "50"]])
 def test_the_long_lived_pool_takes_blocks_and_changes_the_outcome(life):
     trace = ROOT / "tests" / "data" / "streams-train-0.pickle.gz"
     plain, split = small(trace), small(trace, *life)
