@@ -7,20 +7,23 @@
 //!   prints for the same trace (ratio and estimated driver time): the check that this replayer
 //!   follows the real one.
 //! - `PLANS.json` (`scripts/episode_plans.py`; each block `[ordinal, offset, size]`, the size
-//!   checked against the trace's): plans for the episodes that repeat an earlier
-//!   one exactly. Each such episode's blocks are served from one arena at the offsets planned
-//!   at the first sighting; the arena is one allocation of the allocator's, taken at the
-//!   episode's first block and freed when its last block's free completed. `--shared`: one
-//!   arena, the largest plan's size, taken once and kept, for every planned episode.
+//!   checked against the trace's): plans for the episodes that repeat an earlier one exactly.
+//!   Each such episode's blocks are served from one arena at the offsets planned at the first
+//!   sighting; the arena is one allocation of the allocator's, taken at the episode's first
+//!   block and freed when its last block's free completed. `--shared`: one arena, the largest
+//!   plan's size, taken once and kept, for every planned episode.
 //! - `--segregate LIFE`: blocks that live longer than LIFE are allocated in a pool of their own
 //!   (a stream identifier of their own), so that they do not pin the pieces of short-lived
 //!   blocks. A lifetime is counted in trace events, or with `--turnover` in bytes allocated
 //!   while the block lived, its own included, over the most bytes live so far (how many times
-//!   the memory turned over: a unit without the trace's scale). It is the block's own (an oracle), or with
-//!   `--predict` that of the last block of the same size whose free completed (known from the
-//!   past only, as an allocator would know it). `--regions`: the pool is instead a region of
-//!   the same stream (`Config::separate_tags`, the weights tag's region; every other block
-//!   is tagged activation).
+//!   the memory turned over: a unit without the trace's scale). It is the block's own (an
+//!   oracle), or with `--predict` that of the last block of the same size whose free completed
+//!   (known from the past only, as an allocator would know it). `--regions`: the pool is
+//!   instead a region of the same stream (`Config::separate_tags`, the weights tag's region;
+//!   every other block is tagged activation).
+//!
+//! The allocator and simulated device are set up as `replay::engine`'s private `fresh` sets
+//! them up; `python/tests/test_plan_replay.py` holds the two to the same figures.
 //! - `--mode M` (default remap), `--piece BYTES` (remap's piece).
 //!
 //! Prints one JSON line: peak live and peak reserved bytes, their ratio, the estimated driver
@@ -245,7 +248,11 @@ fn main() -> Res<()> {
     let before = alloc.driver().estimated_host_seconds();
     alloc.driver().forget_queued_work();
     let ev = &trace.events;
-    let lifetime = lifetimes(ev, o.turnover);
+    // The oracle's lifetimes, read ahead; --predict learns them as frees complete instead.
+    let lifetime = match o.segregate {
+        Some(_) if !o.predict => lifetimes(ev, o.turnover),
+        _ => vec![],
+    };
     let mut clock = Clock {
         turnover: o.turnover,
         ..Clock::default()
@@ -263,7 +270,9 @@ fn main() -> Res<()> {
     let (mut live, mut peak_live, mut ooms) = (0u64, 0u64, 0u64);
     for (i, e) in ev.iter().enumerate() {
         let stream = StreamId(e.stream);
-        let long_before = match (o.segregate, e.action) {
+        // Whether an allocation here goes to the long-lived pool: decided before this event's
+        // own free (if any) teaches --predict anything.
+        let long = match (o.segregate, e.action) {
             (Some(l), Action::Alloc) if o.predict => last_life.get(&e.size).is_some_and(|&t| t > l),
             (Some(l), Action::Alloc) => lifetime[i] > l,
             _ => false,
@@ -302,7 +311,9 @@ fn main() -> Res<()> {
                                 alloc.allocate_tagged(bytes, stream, Tag::Activation)?.ptr
                             }
                         };
-                        kept = Some(ptr);
+                        if o.shared {
+                            kept = Some(ptr);
+                        }
                         arenas[k] = Some(Arena {
                             ptr,
                             stream,
@@ -312,7 +323,6 @@ fn main() -> Res<()> {
                     planned += 1;
                     Held::Planned(k)
                 } else {
-                    let long = long_before;
                     // The long-lived pool: a stream of its own, or with --regions a region of the
                     // same stream (`Config::separate_tags`, the weights tag's).
                     let (pool, tag) = match (long, o.regions) {

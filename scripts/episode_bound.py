@@ -90,6 +90,18 @@ def signature(blocks):
     return tuple((z, k) if opens else (-1, k) for _, opens, k, z in sorted(steps))
 
 
+def plan_for(seen, ep):
+    """The plan of `ep`'s signature, made now if this is its first sighting (`seen`: signature ->
+    offsets and arena), checked on `ep` by the independent sweep: (offsets, arena, whether `ep`
+    repeats an earlier episode, whether the plan holds on it)."""
+    sig = signature(ep)
+    repeat = sig in seen
+    if not repeat:
+        seen[sig] = plan(ep)
+    offset, arena = seen[sig]
+    return offset, arena, repeat, not overlaps(ep, offset)
+
+
 def main(paths):
     bad = False
     print("| trace | iterations | episodes | signatures | last new | replayed | crossing a cut | arena / peak | bound |")
@@ -109,22 +121,18 @@ def main(paths):
             carried += len(crossing)
             count_eps += len(eps)
             for ep in eps:
-                sig = signature(ep)
                 total += len(ep)
                 lo, hi = min(b[0] for b in ep), max(b[1] for b in ep)
-                if sig in seen:
-                    offset, arena = seen[sig]
+                _, arena, repeat, holds = plan_for(seen, ep)
+                if repeat:
                     replayed += len(ep)
                     planned.update(ep)
                     usage[lo] += arena
                     usage[hi] -= arena
                 else:
-                    offset, arena = plan(ep)
-                    seen[sig] = offset, arena
                     last_new = it
                     worst_pack = max(worst_pack, arena / peak(ep, lo, hi))
-                # The first sighting's plan, checked where it is used: on every repeat too.
-                if overlaps(ep, offset):
+                if not holds:
                     print(f"episode_bound: {path}: a plan overlaps live blocks", file=sys.stderr)
                     bad = True
         for s, e, z in blocks:

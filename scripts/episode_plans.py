@@ -7,7 +7,8 @@ Episodes and signatures are `episode_bound.py`'s. The plan made at a signature's
 (`plan_bound.plan`) is written for every later episode with that signature, each block named by
 its place among the trace's allocations (the replayer counts them the same way):
 `{"episodes": [{"arena": BYTES, "blocks": [[ALLOC_ORDINAL, OFFSET, SIZE], ...]}]}`. Every plan is
-checked on the episode it is written for by `plan_bound.overlaps`; a failed check exits 1.
+checked by `plan_bound.overlaps` on each episode it is used for, its first sighting included; a
+failed check exits 1.
 """
 
 import json
@@ -15,8 +16,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from episode_bound import episodes, signature  # noqa: E402
-from plan_bound import iterations, lifetimes, load, overlaps, plan  # noqa: E402
+from episode_bound import episodes, plan_for  # noqa: E402
+from plan_bound import iterations, lifetimes, load  # noqa: E402
 
 
 def plans(events, ends):
@@ -29,14 +30,12 @@ def plans(events, ends):
     seen, out = {}, []
     for it, mine in sorted(by_iteration.items()):
         for ep in episodes(mine, cuts[it], cuts[it + 1])[0]:
-            sig = signature(ep)
-            if sig not in seen:
-                seen[sig] = plan(ep)
-                continue
-            offset, arena = seen[sig]
-            if overlaps(ep, offset):
-                raise ValueError("a plan overlaps live blocks on a repeat of its episode")
-            out.append({"arena": int(arena), "blocks": [[ordinal[b[0]], int(o), int(b[2])] for b, o in zip(ep, offset)]})
+            offset, arena, repeat, holds = plan_for(seen, ep)
+            if not holds:
+                raise ValueError("a plan overlaps live blocks on an episode it is used for")
+            if repeat:
+                blocks = [[ordinal[b[0]], int(o), int(b[2])] for b, o in zip(ep, offset)]
+                out.append({"arena": int(arena), "blocks": blocks})
     return out, len(seen)
 
 

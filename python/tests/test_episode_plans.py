@@ -15,7 +15,6 @@ import episode_plans as ep  # noqa: E402
 from trace_events import MIB, step, trace  # noqa: E402
 
 
-
 def test_only_repeats_are_planned_with_the_first_sightings_offsets_by_allocation_ordinal():
     # x and z share a shape, y is another; a segment event between them is not an allocation.
     events = trace(*step("x", 4, 2), *step("y", 6, 2), *step("z", 4, 2))
@@ -32,8 +31,12 @@ def test_a_trace_that_never_repeats_gets_no_plan():
     assert out == [] and signatures == 3
 
 
-def test_a_plan_that_would_overlap_on_its_repeat_is_refused(monkeypatch):
-    # A planner that puts both blocks at offset 0: the check on the repeat must catch it.
-    monkeypatch.setattr(ep, "plan", lambda blocks: ([0] * len(blocks), 4 * MIB))
+@pytest.mark.parametrize("shapes", [[4, 4], [4, 6]])
+def test_a_plan_that_overlaps_live_blocks_is_refused(monkeypatch, shapes):
+    # A planner that puts both blocks at offset 0: the check must catch it where the plan is
+    # used: on a repeat, and on first sightings that nothing repeats.
+    import episode_bound
+
+    monkeypatch.setattr(episode_bound, "plan", lambda blocks: ([0] * len(blocks), 4 * MIB))
     with pytest.raises(ValueError, match="overlaps"):
-        ep.plans(trace(*step("x", 4, 2), *step("z", 4, 2)), [])
+        ep.plans(trace(*(e for k, s in enumerate(shapes) for e in step(f"m{k}", s, 2))), [])

@@ -8,8 +8,9 @@ any part misses one, prints nothing or fails: the weights tag holds exactly the 
 parameters and buffers, the KV tag the cache's tensors (and its bookkeeping, under 4 KiB); a
 captured graph replays equal to eager; beside a 70% tenant, the profiled engine's NVML usage
 with its KV budget allocated stays within its request; `torch.empty(1 MiB)` + `del` is no
-slower installed than with PyTorch's allocator (within 5%, `LATENCY_TOLERANCE`); a MemPool routes the KV tensors to the library
-and torch's statistics work; out of memory raises and the process goes on.
+slower installed than with PyTorch's allocator (within 5%, `LATENCY_TOLERANCE`); a MemPool
+routes the KV tensors to the library and torch's statistics work; out of memory raises and the
+process goes on.
 """
 
 import json
