@@ -92,10 +92,13 @@ int vram_ledger_device_count(void);
 
 /* ---- src/ffi/ledger.rs ------------------------------------------------------
  * Configuration, tags, statistics, history and metrics. Functions returning int give 0 or -1.
+ * The configuration (`vram_ledger_configure` and the settings beside it) is for allocators not
+ * yet created: once any device is in use, a call that would change it is refused (-1), since
+ * the allocators in use keep theirs.
  */
 
 /* Choose the segment mode ("native", "expandable", "compact" or "remap") of allocators not yet
- * created.
+ * created (refused once a device is in use, unless it is the mode set already).
  *
  * Safety:
  * `mode` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
@@ -317,18 +320,22 @@ int vram_ledger_kv_release(int device);
 /* ---- src/ffi/sleep.rs -------------------------------------------------------
  * Sleep and wake by tag (see `Allocator::sleep`). Tags are given as bit masks: bit `i` is
  * `Tag::ALL[i]` (1 weights, 2 activation, 4 kv_cache, 8 untracked; `vram_ledger_abi_json` gives
- * them to hosts). A negative device means every device in use, one after the other.
+ * them to hosts). A negative device means every device in use, one after the other; for the
+ * settings (`set_retain_host`, `set_sleep_file`, `set_zero_discarded`), also every device used
+ * later.
  */
 
 /* Keep each tag's memory apart (`Config::separate_tags`), which sleep needs, in allocators
- * created from now on (call before the first use of a device, as `vram_ledger_configure`).
+ * created from now on (before the first use of any device: refused after, as
+ * `vram_ledger_configure`).
  */
 int vram_ledger_separate_tags(int enabled);
 
 /* Put the `offload` tags (copied to host memory) and the `discard` tags to sleep.
  * Returns a JSON report per device (free it with `vram_ledger_string_free`), NULL on error.
  * On an error, every tag this call put to sleep is woken again, on every device, so that an
- * error means nothing was left asleep by it (a discarded tag comes back as fresh memory).
+ * error means nothing was left asleep by it (a discarded tag comes back as fresh memory),
+ * unless the message says which tags could not be woken again.
  */
 char *vram_ledger_sleep(int device, int offload, int discard);
 
@@ -408,7 +415,10 @@ char *vram_ledger_pool_restore(int device, uint64_t pool_a, uint64_t pool_b, con
  * `createOrIncrefPool`, as a `torch.cuda.MemPool` is made); `vram_ledger_graph_release` drops
  * it. With `alloc` and `free` (both or neither), the pool's segments come from them, in every
  * mode: they must behave as PyTorch's pluggable-allocator functions, may be called from any
- * thread until the pool's last segment is given back, and must not unwind. `flags` is a sum
+ * thread until the pool's last segment is given back, and must not unwind. They run with the
+ * allocator's lock held, as PyTorch calls them under its own: they must not call this
+ * library, nor take a lock that a thread calling it may hold (the call would wait forever).
+ * `flags` is a sum
  * of: 1 (PyTorch's `use_on_oom`), the pool's free blocks serve an allocation that would
  * otherwise run out of memory; 2 (`no_split`), the pool's blocks are never split, so each
  * allocation has a segment of its own (or reuses a whole free block). Other bits are refused

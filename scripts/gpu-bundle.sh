@@ -194,7 +194,7 @@ done
 # The longer scripts in parts, each part well inside one command; together, every case of
 # the script's default run.
 step h200_sleep-bench-model script_as h200_sleep-bench-model h200_sleep bench model
-step h200_sleep-graphs-two-disk script_as h200_sleep-graphs-two-disk h200_sleep graphs two disk
+step h200_sleep-graphs-two-disk-kv script_as h200_sleep-graphs-two-disk-kv h200_sleep graphs two disk kvregion
 # One step a group: side-stream's figures are printed beside conv's marks (the README reports
 # side-stream over the cost goal, so it has no mark of its own).
 for group in serve-dyncache ckpt-train conv-train,side-stream moe-train; do

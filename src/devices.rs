@@ -78,10 +78,57 @@ pub fn configure(config: Config) {
 }
 
 /// Change one setting of the configuration of allocators created from now on, under one lock
-/// (two settings changed at once from two threads both stay).
-pub fn configure_with(change: impl FnOnce(&mut Config)) {
+/// (two settings changed at once from two threads both stay). Refused once a device is in use,
+/// unless nothing changes: that device's allocator keeps the configuration it was made with,
+/// and a setting that reaches only devices used later would pass silently for the one in use.
+pub fn configure_with(change: impl FnOnce(&mut Config)) -> std::result::Result<(), String> {
     let mut config = CONFIG.lock();
-    change(config.get_or_insert_with(Config::default));
+    let mut next = config.clone().unwrap_or_default();
+    change(&mut next);
+    if next == config.clone().unwrap_or_default() {
+        return Ok(());
+    }
+    if let Some((ordinal, _)) = created_ordinals().next() {
+        return Err(format!(
+            "device {ordinal} is in use already with the configuration it was created with: \
+             configure before the first use of any device"
+        ));
+    }
+    *config = Some(next);
+    Ok(())
+}
+
+/// Sleep settings given for every device (a negative device through the C ABI): kept, so that
+/// devices first used later get them too, as those in use did.
+#[derive(Clone, Debug, Default)]
+pub struct SleepDefaults {
+    pub retain_host: Option<bool>,
+    pub file: Option<Option<std::path::PathBuf>>,
+    pub zero_discarded: Option<bool>,
+}
+
+static SLEEP_DEFAULTS: Mutex<SleepDefaults> = Mutex::new(SleepDefaults {
+    retain_host: None,
+    file: None,
+    zero_discarded: None,
+});
+
+/// Change the sleep settings of devices used from now on (the caller sets those in use).
+pub fn sleep_defaults_with(change: impl FnOnce(&mut SleepDefaults)) {
+    change(&mut SLEEP_DEFAULTS.lock());
+}
+
+fn apply_sleep_defaults<D: Driver>(a: &Allocator<D>) {
+    let d = SLEEP_DEFAULTS.lock().clone();
+    if let Some(retain) = d.retain_host {
+        a.set_retain_host(retain);
+    }
+    if let Some(file) = d.file {
+        a.set_sleep_file(file);
+    }
+    if let Some(zero) = d.zero_discarded {
+        a.set_zero_discarded(zero);
+    }
 }
 
 /// The configuration set by [`configure`] (the default if none).
@@ -101,6 +148,7 @@ impl<D: Driver> PerDevice<D> {
     fn new(driver: D) -> Result<PerDevice<D>> {
         let alloc: &'static Arc<Allocator<D>> =
             Box::leak(Box::new(Arc::new(Allocator::new(driver, configured())?)));
+        apply_sleep_defaults(alloc);
         // A failed baseline is reported when profiling starts: allocating does not need it.
         let profiler = Profiler::new(alloc).map_err(|e| e.to_string());
         if let Err(e) = &profiler {

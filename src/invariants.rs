@@ -12,6 +12,7 @@
 //!   segments map, every peak ≥ its current;
 //! - reserved + lost (mappings whose undo failed) = what the driver says the allocator holds,
 //!   when the driver can tell;
+//! - the KV cache's usable bytes are mapped (usable ≤ mapped);
 //! - the shards' own structures are consistent (`problems` collected while dumping).
 
 pub use crate::allocator::dump::{BlockDump, DumpState, SegmentDump, StateDump};
@@ -125,6 +126,13 @@ pub fn check(d: &StateDump) -> Result<(), Violation> {
     }
 
     let l = &d.ledger;
+    let kv = &l.kv_cache;
+    ensure(kv.usable <= kv.mapped.current, || {
+        format!(
+            "the KV cache counts {} bytes usable, {} mapped",
+            kv.usable, kv.mapped.current
+        )
+    })?;
     for t in Tag::ALL {
         let s = &l.per_tag[t];
         let (bytes, req, n) = per_tag[t.index()];

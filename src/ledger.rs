@@ -191,6 +191,9 @@ pub struct Ledger {
     kv_reserved: AtomicU64,
     pub(crate) kv_mapped: Gauge,
     kv_usable: AtomicU64,
+    /// The KV cache's bytes given back while the KV tag sleeps (still one allocation, as an
+    /// asleep tag's allocations stay allocated).
+    kv_asleep: AtomicU64,
     /// Bytes the driver may still hold for mappings whose undo failed (`allocator/stranded.rs`).
     pub(crate) lost: AtomicU64,
 }
@@ -219,12 +222,17 @@ impl Ledger {
             kv_reserved: AtomicU64::new(0),
             kv_mapped: Gauge::default(),
             kv_usable: AtomicU64::new(0),
+            kv_asleep: AtomicU64::new(0),
             lost: AtomicU64::new(0),
         }
     }
 
     pub(crate) fn kv_reserved(&self, bytes: u64) {
         self.kv_reserved.store(bytes, Relaxed);
+    }
+
+    pub(crate) fn kv_asleep(&self, bytes: u64) {
+        self.kv_asleep.store(bytes, Relaxed);
     }
 
     pub(crate) fn kv_usable(&self, bytes: u64) {
@@ -324,11 +332,15 @@ impl Ledger {
         // the shards' peaks: an upper bound, exact while the KV cache does not change.
         let kv = self.kv_mapped.read();
         if kv.peak > 0 {
+            let held = Counter {
+                current: kv.current + self.kv_asleep.load(Relaxed),
+                ..kv
+            };
             let region = TagStats {
-                allocated_bytes: kv,
-                requested_bytes: kv,
+                allocated_bytes: held,
+                requested_bytes: held,
                 allocations: Counter {
-                    current: u64::from(kv.current > 0),
+                    current: u64::from(held.current > 0),
                     peak: 1,
                 },
                 total_allocations: 0,
@@ -338,7 +350,7 @@ impl Ledger {
             };
             per_tag[Tag::KvCache] = per_tag[Tag::KvCache].plus(region);
             all = all.plus(region);
-            active = active.plus(kv);
+            active = active.plus(held);
         }
         let reserved = self.reserved.read();
         let sleeping = PerTag(std::array::from_fn(|i| self.sleeping[i].load(Relaxed)));

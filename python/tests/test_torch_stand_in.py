@@ -164,6 +164,54 @@ def test_mempool_allocates_under_its_tag():
     assert r["calls"][1] == ["use_mem_pool", ["pool"]] and r["tag"] == "kv", r
 
 
+def test_one_mempool_entered_nested_and_from_two_threads_keeps_each_blocks_tag():
+    r = run_on_sim(
+        STAND_IN
+        + textwrap.dedent(
+            """
+        import threading
+        pool = vl.mempool("kv")
+        seen = {}
+        with pool:
+            with pool:
+                pass
+            seen["outer_after_inner"] = vl.current_tag()
+        seen["after"] = vl.current_tag()
+        # A enters first and leaves while B is still inside: A's exit must not end B's block.
+        a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+        def a():
+            try:
+                with pool:
+                    a_in.set()
+                    b_in.wait()
+            except Exception as e:
+                seen["a_error"] = repr(e)
+            a_out.set()
+        def b():
+            a_in.wait()
+            try:
+                with pool:
+                    b_in.set()
+                    a_out.wait()
+                    seen["b_inside_after_a_left"] = vl.current_tag()
+                seen["b_after"] = vl.current_tag()
+            except Exception as e:
+                seen["b_error"] = repr(e)
+        ts = [threading.Thread(target=a), threading.Thread(target=b)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        print(json.dumps(seen))
+        """
+        )
+    )
+    assert r == {
+        "outer_after_inner": "kv_cache",
+        "after": "untracked",
+        "b_inside_after_a_left": "kv_cache",
+        "b_after": "untracked",
+    }, r
+
+
 def installed(code: str) -> dict:
     """`code` run on the simulated device after install(mode="remap"), against the stand-in."""
     return run_on_sim(STAND_IN + 'vl.install(mode="remap")\n' + textwrap.dedent(code))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from torch.cuda.memory import _CUDAAllocator
 
 _INSTALLED: Dict[str, Any] = {}
+_INSTALL_LOCK = threading.Lock()
 
 
 def _address(fn: Any) -> Optional[int]:
@@ -87,73 +89,76 @@ def install(
     extension or TorchScript) and the compile contexts that
     `_record_memory_history(compile_context=True)` records on allocation entries (see
     docs/python.md). Returns PyTorch's current allocator."""
-    if "allocator" in _INSTALLED:
-        return _INSTALLED["allocator"]
-    mode = _args.mode(mode)
-    if mode is None:
-        mode = DEFAULT_MODE
-    if sleep and (mode is None or mode not in abi().virtual_modes):
-        first, *others = [m for m in abi().modes if m in abi().virtual_modes]
-        raise ValueError(f"sleep=True needs a virtual-memory mode: install(mode={first!r}, sleep=True), or {', or '.join(others)}")
-    if not isinstance(unmap_later, bool):
-        raise TypeError(f"unmap_later must be True or False, not {unmap_later!r}")
-    if unmap_later and mode != "remap":
-        raise ValueError(f"unmap_later=True applies to remap mode only, not {mode!r}")
-    remap_piece = _args.optional_integer(remap_piece, "remap_piece", minimum=1, maximum=2**64 - 1, c_type="uint64_t")
-    if remap_piece is not None and mode != "remap":
-        raise ValueError(f"remap_piece applies to remap mode only, not {mode!r}")
-    across = _args.flag(move_across_streams, "move_across_streams")
-    if across and mode not in ("compact", "remap"):
-        raise ValueError(f"move_across_streams=True applies to compact and remap modes only, not {mode!r}")
-    with_extension = _extension.wanted(extension)
-    if cudagraph_trees is None:
-        cudagraph_trees = with_extension
-    elif cudagraph_trees and not with_extension:
-        raise ValueError(
-            "cudagraph_trees=True needs install(extension=True): inductor's CUDA-graph trees "
-            "checkpoint graph pools through C++ calls that PyTorch's plain pluggable allocator refuses"
-        )
-    import torch
+    # One install at a time: two threads must not both configure the library and hand
+    # PyTorch an allocator each.
+    with _INSTALL_LOCK:
+        if "allocator" in _INSTALLED:
+            return _INSTALLED["allocator"]
+        mode = _args.mode(mode)
+        if mode is None:
+            mode = DEFAULT_MODE
+        if sleep and (mode is None or mode not in abi().virtual_modes):
+            first, *others = [m for m in abi().modes if m in abi().virtual_modes]
+            raise ValueError(f"sleep=True needs a virtual-memory mode: install(mode={first!r}, sleep=True), or {', or '.join(others)}")
+        if not isinstance(unmap_later, bool):
+            raise TypeError(f"unmap_later must be True or False, not {unmap_later!r}")
+        if unmap_later and mode != "remap":
+            raise ValueError(f"unmap_later=True applies to remap mode only, not {mode!r}")
+        remap_piece = _args.optional_integer(remap_piece, "remap_piece", minimum=1, maximum=2**64 - 1, c_type="uint64_t")
+        if remap_piece is not None and mode != "remap":
+            raise ValueError(f"remap_piece applies to remap mode only, not {mode!r}")
+        across = _args.flag(move_across_streams, "move_across_streams")
+        if across and mode not in ("compact", "remap"):
+            raise ValueError(f"move_across_streams=True applies to compact and remap modes only, not {mode!r}")
+        with_extension = _extension.wanted(extension)
+        if cudagraph_trees is None:
+            cudagraph_trees = with_extension
+        elif cudagraph_trees and not with_extension:
+            raise ValueError(
+                "cudagraph_trees=True needs install(extension=True): inductor's CUDA-graph trees "
+                "checkpoint graph pools through C++ calls that PyTorch's plain pluggable allocator refuses"
+            )
+        import torch
 
-    # Checked before anything is configured: a refused install leaves the library as it was.
-    if torch.cuda.is_initialized():
-        raise VramLedgerError("install() must run before any CUDA use (CUDA is already initialised in this process)")
-    lib = load()
-    if with_extension:
-        # Built before anything is configured: a failed build leaves the library as it was.
-        _extension.module()
-    if mode is not None:
-        _check(lib.vram_ledger_configure(mode.encode()))
-    if sleep:
-        _check(lib.vram_ledger_separate_tags(1))
-    if unmap_later:
-        _check(lib.vram_ledger_unmap_later(1))
-    if remap_piece is not None:
-        _check(lib.vram_ledger_remap_piece(remap_piece))
-    if across:
-        _check(lib.vram_ledger_move_across_streams(1))
-    if with_extension:
-        _extension.install(lib, _address, _torch_stats.record_from_cpp, _torch_stats.raw_snapshot)
-        alloc = torch.cuda.memory._get_current_allocator()
-    else:
-        # The throwing hook: PyTorch does not check for NULL, so out of memory is an exception
-        # ("CUDA out of memory. ..."), not a tensor at address 0.
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc_or_throw", "vram_ledger_free")
-        raw = alloc.allocator()
-        raw.set_init_fn(_address(lib.vram_ledger_init))
-        raw.set_reset_fn(_address(lib.vram_ledger_reset))
-        raw.set_memory_fraction_fn(_address(lib.vram_ledger_memory_fraction))
-        raw.set_record_stream_fn(_address(lib.vram_ledger_record_stream))
-        torch.cuda.memory.change_current_allocator(alloc)
-    _patch_graphs(torch)
-    _mempool.patch(torch)
-    _report_to_profiler(torch)
-    if torch_stats:
-        _torch_stats.patch(torch)
-    if not cudagraph_trees:
-        _plain_inductor_graphs()
-    _INSTALLED["allocator"] = alloc
-    return alloc
+        # Checked before anything is configured: a refused install leaves the library as it was.
+        if torch.cuda.is_initialized():
+            raise VramLedgerError("install() must run before any CUDA use (CUDA is already initialised in this process)")
+        lib = load()
+        if with_extension:
+            # Built before anything is configured: a failed build leaves the library as it was.
+            _extension.module()
+        if mode is not None:
+            _check(lib.vram_ledger_configure(mode.encode()))
+        if sleep:
+            _check(lib.vram_ledger_separate_tags(1))
+        if unmap_later:
+            _check(lib.vram_ledger_unmap_later(1))
+        if remap_piece is not None:
+            _check(lib.vram_ledger_remap_piece(remap_piece))
+        if across:
+            _check(lib.vram_ledger_move_across_streams(1))
+        if with_extension:
+            _extension.install(lib, _address, _torch_stats.record_from_cpp, _torch_stats.raw_snapshot)
+            alloc = torch.cuda.memory._get_current_allocator()
+        else:
+            # The throwing hook: PyTorch does not check for NULL, so out of memory is an exception
+            # ("CUDA out of memory. ..."), not a tensor at address 0.
+            alloc = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc_or_throw", "vram_ledger_free")
+            raw = alloc.allocator()
+            raw.set_init_fn(_address(lib.vram_ledger_init))
+            raw.set_reset_fn(_address(lib.vram_ledger_reset))
+            raw.set_memory_fraction_fn(_address(lib.vram_ledger_memory_fraction))
+            raw.set_record_stream_fn(_address(lib.vram_ledger_record_stream))
+            torch.cuda.memory.change_current_allocator(alloc)
+        _patch_graphs(torch)
+        _mempool.patch(torch)
+        _report_to_profiler(torch)
+        if torch_stats:
+            _torch_stats.patch(torch)
+        if not cudagraph_trees:
+            _plain_inductor_graphs()
+        _INSTALLED["allocator"] = alloc
+        return alloc
 
 
 # c10's profiler entry points, as libc10 exports them (the report's totals are size_t in some
@@ -279,18 +284,30 @@ class TaggedPool:
                 self._plug = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "vram_ledger_malloc", "vram_ledger_free")
                 _INSTALLED["pool_allocator"] = self._plug
             self.pool = torch.cuda.MemPool(self._plug.allocator())
-        self._stack = contextlib.ExitStack()
+        # One context stack per `with` block and thread: the same pool may be entered nested,
+        # or from several threads at once, and each exit must close only its own block's route
+        # and tag (both are per thread in the library and in PyTorch).
+        self._blocks = threading.local()
 
     def __enter__(self) -> TaggedPool:
         import torch
 
-        self._stack.enter_context(torch.cuda.use_mem_pool(self.pool))
-        if self.tag is not None:
-            self._stack.enter_context(tag(self.tag))
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(torch.cuda.use_mem_pool(self.pool))
+            if self.tag is not None:
+                stack.enter_context(tag(self.tag))
+        except BaseException:
+            stack.close()
+            raise
+        blocks = getattr(self._blocks, "open", None)
+        if blocks is None:
+            blocks = self._blocks.open = []
+        blocks.append(stack)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        self._blocks.open.pop().close()
 
 
 def mempool(tag_name: Optional[str] = None) -> TaggedPool:

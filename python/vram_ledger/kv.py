@@ -23,6 +23,14 @@ from ._lib import VramLedgerError, _check, _json, load
 
 _UINT64_MAX = (1 << 64) - 1
 
+# The library holds one KV cache per device and its calls name only the device, so a handle
+# checks that the cache it was made for is still the device's before each call. One lock for
+# every handle: the check and the call must not be split by another thread's release and
+# reserve. Each reserve or release through this module counts a new generation of the device,
+# which tells apart a new cache that landed at the old one's address.
+_LOCK = threading.Lock()
+_GENERATION: Dict[int, int] = {}
+
 
 class KvCache:
     """A KV cache of `reserved_blocks` blocks of `block_bytes` at `base`, `usable_blocks` of
@@ -30,8 +38,21 @@ class KvCache:
 
     def __init__(self, device: int, figures: Dict[str, Any]) -> None:
         self.device = device
-        self._lock = threading.Lock()
+        self._generation = _GENERATION.get(device, 0)
+        self._released = False
         self._update(figures)
+
+    def _check_current(self) -> None:
+        """Raise unless this handle's cache is still the device's (call under `_LOCK`)."""
+        if self._released:
+            raise VramLedgerError(f"this KV cache on device {self.device} was released")
+        f = _json(load().vram_ledger_kv_info(self.device))
+        same = (f is not None and _GENERATION.get(self.device, 0) == self._generation
+                and int(f["base"]) == self.base and int(f["block_bytes"]) == self.block_bytes)
+        if not same:
+            self._released = True
+            raise VramLedgerError(f"the KV cache at {self.base:#x} on device {self.device} was released; "
+                                  "kv_cache() gives the device's current one")
 
     def _update(self, f: Dict[str, Any]) -> None:
         self.base = int(f["base"])
@@ -48,6 +69,8 @@ class KvCache:
         Keep this KvCache alive while the tensor is used."""
         import torch
 
+        with _LOCK:
+            self._check_current()
         itemsize = torch.empty((), dtype=dtype).element_size()
         per_block = itemsize
         for n in block_shape:
@@ -61,12 +84,13 @@ class KvCache:
         """Map the KV cache up to what the budget contract leaves now (call it once the CUDA
         graphs are captured, instantiated and replayed): returns `kv`, `room` (what was
         measured: cap, eager work now and the transient kept for it, serving's largest rise,
-        graph pools, outside the allocator, margin, room) and `blocks_before`. Called again
+        graph pools, outside the allocator, tags asleep, margin, room) and `blocks_before`. Called again
         once the engine has served its largest batches, it keeps serving's largest rise
         instead of the profiled pass's (once serving has taken at least what that pass takes
         in fresh memory), so memory the profile kept for cuts serving did not make goes to
         the KV cache."""
-        with self._lock:
+        with _LOCK:
+            self._check_current()
             r = _json(load().vram_ledger_kv_commit(self.device))
             self._update(r["kv"])
             return r
@@ -77,14 +101,19 @@ class KvCache:
         budget contract leaves. On an error the KV cache is as it was."""
         n = _args.integer(blocks, "blocks", maximum=_UINT64_MAX, c_type="uint64_t")
         free = n if free_from is None else _args.integer(free_from, "free_from", maximum=_UINT64_MAX, c_type="uint64_t")
-        with self._lock:
+        with _LOCK:
+            self._check_current()
             self._update(_json(load().vram_ledger_kv_resize(self.device, n, free)))
         return self
 
     def release(self) -> None:
-        """Give the KV cache back; tensors over it must not be used again."""
-        with self._lock:
+        """Give the KV cache back; tensors over it must not be used again, nor this handle (or
+        any other for the same cache): their calls raise."""
+        with _LOCK:
+            self._check_current()
             _check(load().vram_ledger_kv_release(self.device))
+            _GENERATION[self.device] = _GENERATION.get(self.device, 0) + 1
+            self._released = True
             self.usable_blocks = 0
             self.mapped_bytes = 0
 
@@ -109,14 +138,18 @@ def kv_reserve(block_bytes: int, max_bytes: Optional[int] = None, initial_blocks
     m = _args.optional_integer(max_bytes, "max_bytes", minimum=1)
     n = _args.integer(initial_blocks, "initial_blocks", maximum=_UINT64_MAX, c_type="uint64_t")
     d = _args.device(device)
-    return KvCache(d, _json(load().vram_ledger_kv_reserve(d, b, -1 if m is None else m, n)))
+    with _LOCK:
+        f = _json(load().vram_ledger_kv_reserve(d, b, -1 if m is None else m, n))
+        _GENERATION[d] = _GENERATION.get(d, 0) + 1
+        return KvCache(d, f)
 
 
 def kv_cache(device: Optional[int] = None) -> Optional[KvCache]:
     """The KV cache reserved on `device`, or None."""
     d = _args.device(device)
-    f = _json(load().vram_ledger_kv_info(d))
-    return None if f is None else KvCache(d, f)
+    with _LOCK:
+        f = _json(load().vram_ledger_kv_info(d))
+        return None if f is None else KvCache(d, f)
 
 
 __all__ = ["KvCache", "kv_reserve", "kv_cache", "VramLedgerError"]

@@ -104,12 +104,12 @@ impl FromStr for SegmentMode {
 #[serde(rename_all = "snake_case")]
 pub enum Limit {
     Bytes(u64),
-    /// A fraction of the device's total memory, in (0, 1].
+    /// A fraction of the device's total memory, in [0, 1] (0: none may be held).
     Fraction(f64),
 }
 
 /// Allocator settings. The defaults are PyTorch's.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Config {
     pub mode: SegmentMode,
     pub limit: Option<Limit>,

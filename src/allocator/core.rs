@@ -67,6 +67,10 @@ pub(crate) struct Core<D> {
     pub(crate) cap: AtomicU64,
     /// Memory outside the allocator assumed when the driver cannot report this process's usage.
     pub(crate) outside_floor: AtomicU64,
+    /// Bytes a wake has mapped (and committed) that are not yet counted as reserved: the
+    /// driver reports them in this process's usage while the tag's contents are put back, and
+    /// they are not memory outside the allocator.
+    pub(crate) waking: AtomicU64,
     /// What profiling measured, for sizing the KV cache against the cap later
     /// ([`super::Allocator::commit_kv`]).
     pub(crate) measured: Measured,
@@ -120,6 +124,7 @@ impl<D: Driver> Core<D> {
             limit: AtomicU64::new(NONE),
             cap: AtomicU64::new(NONE),
             outside_floor: AtomicU64::new(0),
+            waking: AtomicU64::new(0),
             measured: Measured::default(),
             stranded: Stranded::default(),
             history: Default::default(),
@@ -184,9 +189,12 @@ impl<D: Driver> Core<D> {
     /// the reads makes the figure high, never low: the cap errs on the safe side. When the
     /// driver cannot tell, the figure given when the cap was set stands in.
     pub(crate) fn outside_now(&self) -> u64 {
-        let before = self.ledger.reserved();
+        // A wake moves its bytes from `waking` to reserved, in that order, so the sum read here
+        // is never more than the memory held (the figure errs high).
+        let held = || self.ledger.reserved() + self.waking.load(Relaxed);
+        let before = held();
         let usage = self.driver.process_usage();
-        let reserved = before.min(self.ledger.reserved());
+        let reserved = before.min(held());
         match usage {
             Ok(Some(usage)) => usage.saturating_sub(reserved),
             Ok(None) => self.outside_floor.load(Relaxed),

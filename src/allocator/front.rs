@@ -114,13 +114,13 @@ impl<D: Driver> Allocator<D> {
             None => NONE,
             Some(Limit::Bytes(b)) => b,
             // Rounded, not truncated: a fraction computed as bytes / total comes back as those
-            // bytes, where truncating the product can lose one.
-            Some(Limit::Fraction(f)) if f > 0.0 && f <= 1.0 => {
+            // bytes, where truncating the product can lose one. 0 is PyTorch's too: no memory.
+            Some(Limit::Fraction(f)) if (0.0..=1.0).contains(&f) => {
                 (self.core.device_total as f64 * f).round() as u64
             }
             Some(Limit::Fraction(f)) => {
                 return Err(Error::InvalidLimit(format!(
-                    "fraction {f} is not in (0, 1]"
+                    "fraction {f} is not in [0, 1]"
                 )))
             }
         };

@@ -36,6 +36,7 @@ use super::front::Allocator;
 use super::kvregion::KvRegion;
 use crate::driver::{DevicePtr, Driver};
 use crate::error::{Error, OomCause, Result};
+use crate::tag::Tag;
 
 /// The KV cache's shape and state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -68,9 +69,11 @@ pub struct KvRoom {
     pub graph_pools: u64,
     /// This process's memory outside the allocator now.
     pub outside: u64,
+    /// The memory of tags asleep now, which their wake takes back within the cap.
+    pub asleep: u64,
     pub margin: u64,
     /// What is left for the KV cache: cap − (eager now + transient + graph pools + outside +
-    /// margin).
+    /// asleep + margin).
     pub room: u64,
 }
 
@@ -124,6 +127,7 @@ impl<D: Driver> Allocator<D> {
                 "a KV cache is reserved already on this device: release it first".into(),
             ));
         }
+        self.check_kv_awake(None)?;
         if block_bytes == 0 || block_bytes >= super::rules::ABSURD_SIZE {
             return Err(Error::InvalidArgument(format!(
                 "the KV cache's block size must be between 1 byte and 1 EiB, not {block_bytes}"
@@ -188,6 +192,7 @@ impl<D: Driver> Allocator<D> {
         let mut kv = self.kv.lock();
         let region = kv.as_mut().ok_or(Error::NoKvCache)?;
         self.check_not_capturing("commit the KV cache")?;
+        self.check_kv_awake(Some(region))?;
         self.close_window(region);
         self.empty_cache()?;
         let before = region.usable;
@@ -233,6 +238,7 @@ impl<D: Driver> Allocator<D> {
         let mut kv = self.kv.lock();
         let region = kv.as_mut().ok_or(Error::NoKvCache)?;
         self.check_not_capturing("resize the KV cache")?;
+        self.check_kv_awake(Some(region))?;
         if blocks > region.reserved_blocks() {
             return Err(Error::InvalidArgument(format!(
                 "{blocks} blocks do not fit in the {} the KV cache's reservation holds",
@@ -251,7 +257,9 @@ impl<D: Driver> Allocator<D> {
             let room = self.kv_room(region)?;
             let g = self.core.granularity;
             let want = (blocks * region.unit).div_ceil(g) * g;
-            if want > room.room {
+            // Blocks within memory the cache keeps mapped (a shrink keeps a partly used
+            // piece) need nothing new.
+            if want > region.mapped() && want > room.room {
                 return Err(Error::KvShort(Box::new(OomCause::Cap {
                     wanted: want - region.mapped(),
                     held: self.core.ledger.reserved(),
@@ -305,6 +313,14 @@ impl<D: Driver> Allocator<D> {
         region.served.since = Some(eager);
     }
 
+    /// Refuse to map KV cache memory while the KV tag sleeps: its wake maps what it had.
+    fn check_kv_awake(&self, region: Option<&KvRegion>) -> Result<()> {
+        if region.is_some_and(KvRegion::is_asleep) || self.asleep_tags().contains(&Tag::KvCache) {
+            return Err(Error::Asleep(Tag::KvCache));
+        }
+        Ok(())
+    }
+
     /// What the budget contract leaves the KV cache now.
     fn kv_room(&self, region: &KvRegion) -> Result<KvRoom> {
         let cap = self.cap().ok_or_else(|| {
@@ -319,7 +335,11 @@ impl<D: Driver> Allocator<D> {
         let served_rise = region.served.rise;
         let transient = self.transient_to_keep(served_rise);
         let margin = self.core.measured.margin.load(Relaxed);
-        let non_kv = eager_now + transient + graph_pools + outside + margin;
+        let asleep = Tag::ALL
+            .iter()
+            .map(|&t| self.core.ledger.sleeping(t))
+            .sum::<u64>();
+        let non_kv = eager_now + transient + graph_pools + outside + asleep + margin;
         Ok(KvRoom {
             cap,
             eager_now,
@@ -327,6 +347,7 @@ impl<D: Driver> Allocator<D> {
             served_rise,
             graph_pools,
             outside,
+            asleep,
             margin,
             room: cap.saturating_sub(non_kv),
         })

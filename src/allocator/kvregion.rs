@@ -13,6 +13,9 @@
 //! - Mapped bytes are counted in the ledger's reserved bytes and committed against the limit and
 //!   the cap exactly while the driver holds them, and in its KV figures; the KV cache counts as
 //!   one allocation of the KV tag while anything is mapped.
+//! - While the KV tag sleeps (`asleep` is the bytes it gave back), nothing is mapped, the
+//!   ledger counts those bytes as sleeping and no block as usable, and `usable` keeps the
+//!   engine's count for the wake, which maps that many bytes again at the same addresses.
 //! - A growth or shrink either completes or leaves the region as it was: a growth that fails
 //!   gives back what it mapped (a piece whose undo fails goes to the stranded list, counted as
 //!   lost and not as the region's); a shrink gives its handles back first (a released handle
@@ -56,6 +59,8 @@ pub(crate) struct KvRegion {
     pieces: Vec<Piece>,
     /// How high eager work's memory rose while serving (read when the cache is sized again).
     pub(crate) served: Served,
+    /// While the KV tag sleeps: the bytes mapped when it fell asleep.
+    asleep: Option<u64>,
 }
 
 impl KvRegion {
@@ -72,11 +77,45 @@ impl KvRegion {
             mapped: 0,
             pieces: Vec::new(),
             served: Served::default(),
+            asleep: None,
         })
     }
 
     pub(crate) fn mapped(&self) -> u64 {
         self.mapped
+    }
+
+    /// Whether the KV tag sleeps with this region's memory given back.
+    pub(crate) fn is_asleep(&self) -> bool {
+        self.asleep.is_some()
+    }
+
+    /// Sleep with the KV tag (its contents discarded): give every piece back, keeping the
+    /// address space and the engine's usable count. On an error the region is as it was.
+    pub(crate) fn sleep<D: Driver>(&mut self, core: &Core<D>) -> Result<u64> {
+        let bytes = self.mapped;
+        self.shrink(core, 0)?;
+        core.ledger.kv_usable(0);
+        core.ledger.sleeping_add(Tag::KvCache, bytes);
+        core.ledger.kv_asleep(bytes);
+        self.asleep = Some(bytes);
+        Ok(bytes)
+    }
+
+    /// Wake with the KV tag: map what it gave back at the same addresses (committed against
+    /// the limit and the cap), its contents left to the caller. On an error it stays asleep.
+    pub(crate) fn wake<D: Driver>(&mut self, core: &Core<D>) -> Result<u64> {
+        let Some(bytes) = self.asleep else {
+            return Ok(0);
+        };
+        if bytes > 0 {
+            self.grow(core, bytes)?;
+        }
+        core.ledger.kv_asleep(0);
+        core.ledger.sleeping_sub(Tag::KvCache, bytes);
+        core.ledger.kv_usable(self.usable * self.unit);
+        self.asleep = None;
+        Ok(bytes)
     }
 
     /// Blocks the reservation holds.
@@ -247,9 +286,15 @@ impl KvRegion {
     pub(crate) fn release<D: Driver>(&mut self, core: &Core<D>) -> Result<()> {
         core.driver.sync_device()?;
         self.shrink(core, 0)?;
-        core.driver.release_va(self.base, self.reserved)?;
+        // Nothing is mapped from here on, so no block is usable, whether or not the address
+        // space can be given back; memory asleep is given up.
         self.usable = 0;
         core.ledger.kv_usable(0);
+        if let Some(bytes) = self.asleep.take() {
+            core.ledger.kv_asleep(0);
+            core.ledger.sleeping_sub(Tag::KvCache, bytes);
+        }
+        core.driver.release_va(self.base, self.reserved)?;
         core.ledger.kv_reserved(0);
         Ok(())
     }
@@ -257,19 +302,21 @@ impl KvRegion {
     /// The region as a segment of the state dump: one block of the KV tag over what is mapped.
     pub(crate) fn dump(&self) -> SegmentDump {
         let mut blocks = Vec::new();
-        if self.mapped > 0 {
+        // Asleep, the cache is still one allocation, over the range it gave back.
+        let held = self.asleep.unwrap_or(self.mapped);
+        if held > 0 {
             blocks.push(BlockDump {
                 addr: self.base,
-                size: self.mapped,
-                requested: self.mapped,
+                size: held,
+                requested: held,
                 state: DumpState::Allocated,
                 tag: Tag::KvCache,
             });
         }
-        if self.mapped < self.reserved {
+        if held < self.reserved {
             blocks.push(BlockDump {
-                addr: self.base + self.mapped,
-                size: self.reserved - self.mapped,
+                addr: self.base + held,
+                size: self.reserved - held,
                 requested: 0,
                 state: DumpState::Unmapped,
                 tag: Tag::Untracked,
@@ -289,7 +336,10 @@ impl KvRegion {
             } else {
                 Vec::new()
             },
-            asleep: Vec::new(),
+            asleep: match self.asleep {
+                Some(bytes) if bytes > 0 => vec![(self.base, bytes)],
+                _ => Vec::new(),
+            },
             blocks,
             graph_pool: None,
             pool_key: None,

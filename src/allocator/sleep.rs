@@ -148,7 +148,9 @@ impl<D: Driver> Allocator<D> {
         }
         let d = &self.core.driver;
         let mut phases = Phases::start();
-        let (plan, maps) = {
+        let (plan, maps, kv_given) = {
+            // The KV cache's lock before the shards', as everywhere.
+            let mut kv = self.kv.lock();
             let mut shards = self.lock_all()?;
             self.check_sleepable(&shards, "sleep")?;
             d.sync_device()?;
@@ -166,6 +168,20 @@ impl<D: Driver> Allocator<D> {
                     plan.push((t, offload.contains(&t)));
                 }
             }
+            // The KV cache of `reserve_kv` sleeps with the KV tag: discarded, its pieces are
+            // given back here, before anything is marked, so that a failure leaves every tag
+            // awake. Its contents are never copied: an engine's KV cache is rebuilt, not kept.
+            let kv_given = match (kv.as_mut(), plan.iter().find(|&&(t, _)| t == Tag::KvCache)) {
+                (Some(r), Some(&(_, true))) if r.mapped() > 0 => {
+                    return Err(Error::InvalidArgument(
+                        "the KV cache reserved with reserve_kv cannot be offloaded: discard it \
+                         (its blocks read as zeros after wake)"
+                            .into(),
+                    ))
+                }
+                (Some(r), Some(&(_, false))) if !r.is_asleep() => r.sleep(&self.core)?,
+                _ => 0,
+            };
             let maps: Vec<Vec<Vec<TagMapping>>> = plan
                 .iter()
                 .map(|&(t, _)| shards.iter().map(|sh| sh.tag_mappings(t)).collect())
@@ -173,7 +189,7 @@ impl<D: Driver> Allocator<D> {
             for &(t, _) in &plan {
                 shards.iter_mut().for_each(|sh| sh.mark_asleep(t));
             }
-            (plan, maps)
+            (plan, maps, kv_given)
         };
         // The pinning and the copies take no shard lock: other tags' allocations and frees go
         // on, except while the discarded tags' memory is given back, on a thread of its own
@@ -183,7 +199,11 @@ impl<D: Driver> Allocator<D> {
         // deferred, their cache given back above).
         // The copies are all queued and waited for once: until they are complete none of the
         // offloaded tags' memory is given back, and a failure wakes those tags again.
-        let mut report = SleepReport::default();
+        let mut report = SleepReport {
+            discarded_bytes: kv_given,
+            given_back_bytes: kv_given,
+            ..SleepReport::default()
+        };
         phases.mark("cache given back");
         let t_copy = Instant::now();
         let discards = plan.iter().any(|&(_, keep)| !keep);

@@ -63,12 +63,21 @@ impl<D: Driver> Allocator<D> {
         let t0 = Instant::now();
         let mut st = self.sleep.lock();
         let mut phases = Phases::start();
+        let mut report = WakeReport::default();
+        let wanted = |t: Tag| tags.is_empty() || tags.contains(&t);
+        // The KV cache of `reserve_kv` first, under its own lock (taken before the shards'):
+        // the largest piece of the KV tag. If it cannot wake, the KV tag stays asleep.
+        let kv_failed = if wanted(Tag::KvCache) {
+            self.wake_kv_region(&mut st, &mut report).err()
+        } else {
+            None
+        };
         let mut shards = self.lock_all()?;
         self.check_sleepable(&shards, "wake")?;
-        let mut report = WakeReport::default();
         let mut left: Vec<Tag> = Tag::ALL
             .into_iter()
-            .filter(|&t| (tags.is_empty() || tags.contains(&t)) && shards[0].tag_asleep(t))
+            .filter(|&t| wanted(t) && shards[0].tag_asleep(t))
+            .filter(|&t| !(t == Tag::KvCache && kv_failed.is_some()))
             .collect();
         let failed = loop {
             let before = left.len();
@@ -115,12 +124,43 @@ impl<D: Driver> Allocator<D> {
         st.drop_ring(&self.core.driver);
         phases.mark("ring freed");
         phases.log("wake");
-        if let Some(e) = failed {
+        let kv_failed = kv_failed.map(|e| Error::Wake {
+            tag: Tag::KvCache,
+            source: Box::new(e),
+        });
+        if let Some(e) = failed.or(kv_failed) {
             return Err(e);
         }
         report.host_bytes_after = st.host_bytes();
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
+    }
+
+    /// Map the asleep KV cache of `reserve_kv` again at its addresses and fill it with zeros
+    /// (unless told to leave discarded memory as it comes); on an error it is given back
+    /// again and stays asleep.
+    fn wake_kv_region(&self, st: &mut SleepState, report: &mut WakeReport) -> Result<()> {
+        let mut kv = self.kv.lock();
+        let Some(region) = kv.as_mut().filter(|r| r.is_asleep()) else {
+            return Ok(());
+        };
+        let bytes = region.wake(&self.core)?;
+        if bytes > 0 && !st.leave_discarded {
+            let d = &self.core.driver;
+            let zeroed = st
+                .stream(d)
+                .and_then(|s| d.fill_zero(region.base, bytes, s).map(|()| s))
+                .and_then(|s| d.sync_stream(s));
+            if let Err(e) = zeroed {
+                if let Err(e2) = region.sleep(&self.core) {
+                    tracing::warn!(error = %e2, "the KV cache could not be given back after its wake failed; it stays mapped, not zeroed");
+                }
+                return Err(e.into());
+            }
+            report.zeroed_bytes += bytes;
+        }
+        report.mapped_bytes += bytes;
+        Ok(())
     }
 
     /// Wake `tags` in order, each one's outcome in the same order. Each tag is mapped with every
@@ -158,9 +198,9 @@ impl<D: Driver> Allocator<D> {
             };
             shards.clear();
             let (put_back, upcoming) = std::thread::scope(|s| {
-                // No retry there: this tag's memory is mapped but not yet counted as reserved,
-                // so a cap sees it twice, and its deferred frees are not applied yet. A tag
-                // that found no room ahead is mapped again once this one is awake.
+                // No retry there: this tag's deferred frees are not applied yet, so the cache
+                // it would release is not all there is. A tag that found no room ahead is
+                // mapped again once this one is awake.
                 let ahead = after.and_then(|u| {
                     std::thread::Builder::new()
                         .spawn_scoped(s, move || {

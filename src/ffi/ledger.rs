@@ -1,4 +1,7 @@
 //! Configuration, tags, statistics, history and metrics. Functions returning int give 0 or -1.
+//! The configuration (`vram_ledger_configure` and the settings beside it) is for allocators not
+//! yet created: once any device is in use, a call that would change it is refused (-1), since
+//! the allocators in use keep theirs.
 
 use std::ffi::{c_char, c_int};
 
@@ -7,7 +10,7 @@ use crate::devices::{self, Device};
 use crate::{SegmentMode, Tag};
 
 /// Choose the segment mode ("native", "expandable", "compact" or "remap") of allocators not yet
-/// created.
+/// created (refused once a device is in use, unless it is the mode set already).
 ///
 /// # Safety
 /// `mode` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
@@ -19,7 +22,7 @@ pub unsafe extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
         let mode: SegmentMode = unsafe { c_str(mode, "mode") }?
             .parse()
             .map_err(|e| format!("{e}"))?;
-        devices::configure_with(|c| c.mode = mode);
+        devices::configure_with(|c| c.mode = mode)?;
         Ok(0)
     })
 }
@@ -30,7 +33,7 @@ pub unsafe extern "C" fn vram_ledger_configure(mode: *const c_char) -> c_int {
 #[no_mangle]
 pub extern "C" fn vram_ledger_unmap_later(enabled: c_int) -> c_int {
     guard(-1, || {
-        devices::configure_with(|c| c.unmap_later = enabled != 0);
+        devices::configure_with(|c| c.unmap_later = enabled != 0)?;
         Ok(0)
     })
 }
@@ -41,7 +44,7 @@ pub extern "C" fn vram_ledger_unmap_later(enabled: c_int) -> c_int {
 #[no_mangle]
 pub extern "C" fn vram_ledger_remap_piece(bytes: u64) -> c_int {
     guard(-1, || {
-        devices::configure_with(|c| c.remap_piece = (bytes != 0).then_some(bytes));
+        devices::configure_with(|c| c.remap_piece = (bytes != 0).then_some(bytes))?;
         Ok(0)
     })
 }
@@ -52,7 +55,7 @@ pub extern "C" fn vram_ledger_remap_piece(bytes: u64) -> c_int {
 #[no_mangle]
 pub extern "C" fn vram_ledger_move_across_streams(enabled: c_int) -> c_int {
     guard(-1, || {
-        devices::configure_with(|c| c.move_across_streams = enabled != 0);
+        devices::configure_with(|c| c.move_across_streams = enabled != 0)?;
         Ok(0)
     })
 }

@@ -30,7 +30,10 @@ const POOL_NO_SPLIT: c_int = 2;
 /// `createOrIncrefPool`, as a `torch.cuda.MemPool` is made); `vram_ledger_graph_release` drops
 /// it. With `alloc` and `free` (both or neither), the pool's segments come from them, in every
 /// mode: they must behave as PyTorch's pluggable-allocator functions, may be called from any
-/// thread until the pool's last segment is given back, and must not unwind. `flags` is a sum
+/// thread until the pool's last segment is given back, and must not unwind. They run with the
+/// allocator's lock held, as PyTorch calls them under its own: they must not call this
+/// library, nor take a lock that a thread calling it may hold (the call would wait forever).
+/// `flags` is a sum
 /// of: 1 (PyTorch's `use_on_oom`), the pool's free blocks serve an allocation that would
 /// otherwise run out of memory; 2 (`no_split`), the pool's blocks are never split, so each
 /// allocation has a segment of its own (or reuses a whole free block). Other bits are refused

@@ -39,6 +39,13 @@ pub extern "C" fn vram_ledger_profile_begin(
             ..Default::default()
         };
         let no_baseline = |e: &str| format!("device {d} has no profiling baseline: {e}");
+        // Held across the begin: two scopes of one device never both begin.
+        let mut scopes = SCOPES.get_or_init(Default::default).lock();
+        if scopes.contains_key(&d) {
+            return Err(format!(
+                "a profiling scope is open already on device {d}: end it first (scopes do not nest)"
+            ));
+        }
         let scope = match state(device)? {
             Device::Cuda(dev) => Scope::Cuda(
                 dev.profiler()
@@ -53,13 +60,7 @@ pub extern "C" fn vram_ledger_profile_begin(
                     .map_err(|e| e.to_string())?,
             ),
         };
-        let scopes = SCOPES.get_or_init(Default::default);
-        if scopes.lock().insert(d, scope).is_some() {
-            tracing::warn!(
-                device = d,
-                "a profiling scope was open already; it was replaced"
-            );
-        }
+        scopes.insert(d, scope);
         Ok(0)
     })
 }

@@ -1,11 +1,14 @@
 //! Sleep and wake by tag (see `Allocator::sleep`). Tags are given as bit masks: bit `i` is
 //! `Tag::ALL[i]` (1 weights, 2 activation, 4 kv_cache, 8 untracked; `vram_ledger_abi_json` gives
-//! them to hosts). A negative device means every device in use, one after the other.
+//! them to hosts). A negative device means every device in use, one after the other; for the
+//! settings (`set_retain_host`, `set_sleep_file`, `set_zero_discarded`), also every device used
+//! later.
 
 use std::ffi::{c_char, c_int};
 
 use super::boundary::*;
 use crate::devices::{self, Device};
+use crate::driver::Driver;
 use crate::Tag;
 
 /// The bit of `tag` in the masks of sleep and wake.
@@ -52,11 +55,12 @@ fn reports<R: serde::Serialize>(
 }
 
 /// Keep each tag's memory apart (`Config::separate_tags`), which sleep needs, in allocators
-/// created from now on (call before the first use of a device, as `vram_ledger_configure`).
+/// created from now on (before the first use of any device: refused after, as
+/// `vram_ledger_configure`).
 #[no_mangle]
 pub extern "C" fn vram_ledger_separate_tags(enabled: c_int) -> c_int {
     guard(-1, || {
-        devices::configure_with(|c| c.separate_tags = enabled != 0);
+        devices::configure_with(|c| c.separate_tags = enabled != 0)?;
         Ok(0)
     })
 }
@@ -64,7 +68,8 @@ pub extern "C" fn vram_ledger_separate_tags(enabled: c_int) -> c_int {
 /// Put the `offload` tags (copied to host memory) and the `discard` tags to sleep.
 /// Returns a JSON report per device (free it with `vram_ledger_string_free`), NULL on error.
 /// On an error, every tag this call put to sleep is woken again, on every device, so that an
-/// error means nothing was left asleep by it (a discarded tag comes back as fresh memory).
+/// error means nothing was left asleep by it (a discarded tag comes back as fresh memory),
+/// unless the message says which tags could not be woken again.
 #[no_mangle]
 pub extern "C" fn vram_ledger_sleep(device: c_int, offload: c_int, discard: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {
@@ -77,14 +82,21 @@ pub extern "C" fn vram_ledger_sleep(device: c_int, offload: c_int, discard: c_in
             slept.push((d, left));
             r.map_err(|e| e.to_string())
         });
-        if r.is_err() {
-            for (d, tags) in slept.into_iter().filter(|(_, t)| !t.is_empty()) {
-                if let Err(e) = on_device!(d, d => d.allocator().wake(&tags)) {
-                    tracing::warn!(error = %e, "waking a device after another failed to sleep also failed");
-                }
+        let Err(mut message) = r else { return r };
+        // What could not be woken again is part of the error: the caller must know that
+        // memory is still asleep (and which), or it would use it.
+        for (d, tags) in slept.into_iter().filter(|(_, t)| !t.is_empty()) {
+            if let Err(e) = on_device!(d, d => d.allocator().wake(&tags)) {
+                tracing::warn!(error = %e, "waking a device after another failed to sleep also failed");
+                let names: Vec<&str> = tags.iter().map(|t| t.name()).collect();
+                message.push_str(&format!(
+                    "; waking device {} again also failed, its tags {} may still be asleep: {e}",
+                    on_device!(d, d => d.allocator().driver().ordinal()),
+                    names.join(", ")
+                ));
             }
         }
-        r
+        Err(message)
     })
 }
 
@@ -104,6 +116,9 @@ pub extern "C" fn vram_ledger_wake(device: c_int, mask: c_int) -> *mut c_char {
 #[no_mangle]
 pub extern "C" fn vram_ledger_set_retain_host(device: c_int, retain: c_int) -> c_int {
     guard(-1, || {
+        if device < 0 {
+            devices::sleep_defaults_with(|s| s.retain_host = Some(retain != 0));
+        }
         for (_, d) in devices_of(device)? {
             on_device!(d, d => d.allocator().set_retain_host(retain != 0));
         }
@@ -132,6 +147,9 @@ pub unsafe extern "C" fn vram_ledger_set_sleep_file(device: c_int, path: *const 
             }
             Some(std::path::PathBuf::from(p))
         };
+        if device < 0 {
+            devices::sleep_defaults_with(|s| s.file = Some(path.clone()));
+        }
         for (_, d) in devices_of(device)? {
             on_device!(d, d => d.allocator().set_sleep_file(path.clone()));
         }
@@ -144,6 +162,9 @@ pub unsafe extern "C" fn vram_ledger_set_sleep_file(device: c_int, path: *const 
 #[no_mangle]
 pub extern "C" fn vram_ledger_set_zero_discarded(device: c_int, zero: c_int) -> c_int {
     guard(-1, || {
+        if device < 0 {
+            devices::sleep_defaults_with(|s| s.zero_discarded = Some(zero != 0));
+        }
         for (_, d) in devices_of(device)? {
             on_device!(d, d => d.allocator().set_zero_discarded(zero != 0));
         }

@@ -20,6 +20,10 @@ per case and exits 1 if any case failed.
 - two: the model's process sleeps; a second process allocates most of the memory it gave
   back, fills and checks it, and exits; the first wakes and its outputs are bit-identical.
 - devices (two GPUs): 4 GiB of weights on each; sleep() and wake() act on both devices.
+- kvregion: the KV cache of `kv_reserve` (8 GiB usable) discarded with the kv tag beside 2 GiB
+  of weights offloaded: NVML's usage falls by both, nothing of the cache is mapped asleep and a
+  resize is refused, and after wake the cache is at the same base with the same blocks, reading
+  zeros, the weights intact.
 - disk: 4 GiB of weights offloaded to a sleep file (`set_sleep_file`, in SLEEP_FILE_DIR, default
   /var/tmp) and back: contents intact, the file removed at once while its space is held, host
   memory back to 0 after wake, and a name already taken refused.
@@ -361,10 +365,50 @@ def case_disk(mode):
          offloaded=s["offloaded_bytes"], disk_used_asleep=used_asleep, copy_s=[s["copy_seconds"], w["copy_seconds"]], refused=refused)
 
 
+def case_kvregion(mode):
+    """The KV cache of kv_reserve (8 GiB usable) discarded with the kv tag beside 2 GiB of
+    weights offloaded, then woken."""
+    import torch
+    import vram_ledger as vl
+
+    vl.install(mode=mode, sleep=True)
+    with vl.tag("weights"):
+        weights = [torch.randint(-2**31, 2**31 - 1, (G // 4,), dtype=torch.int32, device="cuda") for _ in range(2)]
+    block = 2 << 20
+    kv = vl.kv_reserve(block, max_bytes=16 * G, initial_blocks=4096)
+    cache = kv.tensor(torch.uint8, (block,))
+    cache[: kv.usable_blocks].fill_(7)
+    torch.cuda.synchronize()
+    sums = checksum(weights)
+    usage_full = nvml_usage()
+    s = vl.sleep(offload="weights", discard="kv")[0]
+    usage_asleep = nvml_usage()
+    asleep = vl.kv_cache()
+    try:
+        kv.resize(8)
+        refused = None
+    except vl.VramLedgerError as e:
+        refused = str(e)
+    w = vl.wake()[0]
+    back = vl.kv_cache()
+    zeros = bool((cache[: back.usable_blocks] == 0).all())
+    m = Marks()
+    given_back = None if None in (usage_full, usage_asleep) else usage_full - usage_asleep
+    # The cache's 8 GiB and the weights' 2 GiB leave the device.
+    m.at_least("usage_fell_by_the_cache", given_back, kv.mapped_bytes + 2 * G - (64 << 20), usage_full or 0)
+    m.true("nothing_mapped_asleep", asleep is not None and asleep.mapped_bytes == 0)
+    m.true("resize_refused_asleep", refused is not None and "asleep" in refused)
+    m.true("same_place_after_wake", back is not None and (back.base, back.usable_blocks, back.mapped_bytes) == (kv.base, kv.usable_blocks, kv.mapped_bytes))
+    m.true("cache_reads_zeros", zeros)
+    m.true("weights_intact", checksum(weights) == sums)
+    emit(case="kvregion", mode=mode, ok=m.ok, marks=m.met, missed=m.missed(), usage_full=usage_full, usage_asleep=usage_asleep,
+         kv_mapped=kv.mapped_bytes, sleep=s, wake=w, refused=refused)
+
+
 def run_case(name, mode):
     return {"bench": case_bench, "model": case_model, "graphs": case_graphs, "two": lambda m: case_model(m, True), "devices": case_devices,
-            "disk": case_disk}[name](mode)
+            "disk": case_disk, "kvregion": case_kvregion}[name](mode)
 
 
 if __name__ == "__main__":
-    cases.main(__file__, run_case, ["bench", "model", "graphs", "two", "disk"], MODES, timeout=600)
+    cases.main(__file__, run_case, ["bench", "model", "graphs", "two", "disk", "kvregion"], MODES, timeout=600)

@@ -21,6 +21,7 @@ use crate::allocator::segment::{Mapping, Slept, DISCARDED};
 use crate::allocator::shard::{tag_bit, Shard};
 use crate::driver::{DevicePtr, Driver, DriverError, PhysHandle};
 use crate::tag::Tag;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// One mapping of an asleep tag: its segment, address and size.
 #[derive(Clone, Copy, Debug)]
@@ -138,6 +139,7 @@ impl Shard {
                 continue;
             }
             let h = map_one(core, m.va, m.bytes)?;
+            core.waking.fetch_add(m.bytes, Relaxed);
             core.history
                 .record_sleep(Action::SegmentMap, m.va, m.bytes, tag);
             // A graph pool's region counts as graph memory again as soon as it is mapped (its
@@ -160,6 +162,7 @@ impl Shard {
     /// stays mapped (and held, counted in reserved). Returns whether it was given back.
     pub(crate) fn unmake<D: Driver>(&mut self, core: &Core<D>, tag: Tag, m: &TagMapping) -> bool {
         let ok = self.give_back(core, m);
+        core.waking.fetch_sub(m.bytes, Relaxed);
         if ok {
             core.history
                 .record_sleep(Action::SegmentUnmap, m.va, m.bytes, tag);
@@ -206,6 +209,9 @@ impl Shard {
         for m in self.tag_mappings(tag) {
             self.mapping_mut(&m).sleep = None;
         }
+        // Out of `waking` before into reserved: a reader in between sees less memory held,
+        // never more (`Core::outside_now`).
+        core.waking.fetch_sub(remade, Relaxed);
         core.ledger.on_reserve(remade, false);
         core.ledger.sleeping_sub(tag, remade);
         self.asleep &= !tag_bit(tag);
