@@ -54,7 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .nth(2)
         .map_or(Ok(SegmentMode::Remap), |a| a.parse())
         .map_err(|e| format!("MODE: {e}"))?;
-    devices::configure(Config::with_mode(mode));
+    devices::configure(Config::with_mode(mode))?;
     let ctx = CudaContext::new(0)?;
     let stream = ctx.new_stream()?;
     let sid = stream_id(&stream);

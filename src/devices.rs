@@ -70,32 +70,58 @@ fn sim_device_count() -> usize {
         .unwrap_or(1)
 }
 
-static CONFIG: Mutex<Option<Config>> = Mutex::new(None);
+/// The configuration of allocators not yet created, and whether one has been: once a device's
+/// allocator has read it (under this lock), no change is taken.
+struct Configuration {
+    config: Option<Config>,
+    read: bool,
+}
 
-/// Set the configuration of allocators created from now on (call before a device's first use).
-pub fn configure(config: Config) {
-    *CONFIG.lock() = Some(config);
+static CONFIG: Mutex<Configuration> = Mutex::new(Configuration {
+    config: None,
+    read: false,
+});
+
+/// Set the configuration of allocators created from now on: refused once a device is in use
+/// (or being created), unless it changes nothing, as [`configure_with`].
+pub fn configure(config: Config) -> std::result::Result<(), String> {
+    configure_with(|c| *c = config)
 }
 
 /// Change one setting of the configuration of allocators created from now on, under one lock
 /// (two settings changed at once from two threads both stay). Refused once a device is in use,
-/// unless nothing changes: that device's allocator keeps the configuration it was made with,
-/// and a setting that reaches only devices used later would pass silently for the one in use.
+/// or being created, unless nothing changes: that device's allocator keeps the configuration it
+/// was made with, and a setting that reached only devices used later would pass silently for
+/// the one in use.
 pub fn configure_with(change: impl FnOnce(&mut Config)) -> std::result::Result<(), String> {
-    let mut config = CONFIG.lock();
-    let mut next = config.clone().unwrap_or_default();
+    let mut c = CONFIG.lock();
+    let now = c.config.clone().unwrap_or_default();
+    let mut next = now.clone();
     change(&mut next);
-    if next == config.clone().unwrap_or_default() {
+    if next == now {
         return Ok(());
     }
-    if let Some((ordinal, _)) = created_ordinals().next() {
-        return Err(format!(
-            "device {ordinal} is in use already with the configuration it was created with: \
+    if c.read {
+        return Err(
+            "a device is in use already with the configuration it was created with: \
              configure before the first use of any device"
-        ));
+                .into(),
+        );
     }
-    *config = Some(next);
+    c.config = Some(next);
     Ok(())
+}
+
+/// The configuration set by [`configure`] (the default if none).
+pub fn configured() -> Config {
+    CONFIG.lock().config.clone().unwrap_or_default()
+}
+
+/// The configuration for a device's allocator being created: from here on it is fixed.
+fn configuration_for_a_device() -> Config {
+    let mut c = CONFIG.lock();
+    c.read = true;
+    c.config.clone().unwrap_or_default()
 }
 
 /// Sleep settings given for every device (a negative device through the C ABI): kept, so that
@@ -113,27 +139,38 @@ static SLEEP_DEFAULTS: Mutex<SleepDefaults> = Mutex::new(SleepDefaults {
     zero_discarded: None,
 });
 
-/// Change the sleep settings of devices used from now on (the caller sets those in use).
-pub fn sleep_defaults_with(change: impl FnOnce(&mut SleepDefaults)) {
-    change(&mut SLEEP_DEFAULTS.lock());
-}
-
-fn apply_sleep_defaults<D: Driver>(a: &Allocator<D>) {
-    let d = SLEEP_DEFAULTS.lock().clone();
-    if let Some(retain) = d.retain_host {
-        a.set_retain_host(retain);
-    }
-    if let Some(file) = d.file {
-        a.set_sleep_file(file);
-    }
-    if let Some(zero) = d.zero_discarded {
-        a.set_zero_discarded(zero);
+/// Change the sleep settings of every device, those in use (`apply`, for each) and those used
+/// later. Under one lock with the defaults a device is given once it is in use, so that no
+/// device created meanwhile misses the change.
+pub fn set_sleep_defaults(
+    change: impl FnOnce(&mut SleepDefaults),
+    apply: impl Fn(&'static Device),
+) {
+    let mut d = SLEEP_DEFAULTS.lock();
+    change(&mut d);
+    for dev in created() {
+        apply(dev);
     }
 }
 
-/// The configuration set by [`configure`] (the default if none).
-pub fn configured() -> Config {
-    CONFIG.lock().clone().unwrap_or_default()
+/// Give a device in use the sleep settings given for every device.
+fn apply_sleep_defaults(dev: &'static Device) {
+    let d = SLEEP_DEFAULTS.lock();
+    fn set<D: Driver>(a: &Allocator<D>, d: &SleepDefaults) {
+        if let Some(retain) = d.retain_host {
+            a.set_retain_host(retain);
+        }
+        if let Some(file) = &d.file {
+            a.set_sleep_file(file.clone());
+        }
+        if let Some(zero) = d.zero_discarded {
+            a.set_zero_discarded(zero);
+        }
+    }
+    match dev {
+        Device::Cuda(p) => set(p.allocator(), &d),
+        Device::Sim(p) => set(p.allocator(), &d),
+    }
 }
 
 /// One device's state: its allocator and the profiling baseline taken when it was created.
@@ -146,9 +183,10 @@ pub struct PerDevice<D: Driver> {
 
 impl<D: Driver> PerDevice<D> {
     fn new(driver: D) -> Result<PerDevice<D>> {
-        let alloc: &'static Arc<Allocator<D>> =
-            Box::leak(Box::new(Arc::new(Allocator::new(driver, configured())?)));
-        apply_sleep_defaults(alloc);
+        let alloc: &'static Arc<Allocator<D>> = Box::leak(Box::new(Arc::new(Allocator::new(
+            driver,
+            configuration_for_a_device(),
+        )?)));
         // A failed baseline is reported when profiling starts: allocating does not need it.
         let profiler = Profiler::new(alloc).map_err(|e| e.to_string());
         if let Err(e) = &profiler {
@@ -250,7 +288,9 @@ fn make_device(ordinal: usize) -> Result<&'static Device> {
         Backend::Cuda => Device::Cuda(PerDevice::new(CudaDriver::new(ordinal)?)?),
         Backend::Sim { .. } => Device::Sim(PerDevice::new(SimDriver::new())?),
     };
-    Ok(slot.get_or_init(|| Box::leak(Box::new(made))))
+    let dev: &'static Device = slot.get_or_init(|| Box::leak(Box::new(made)));
+    apply_sleep_defaults(dev);
+    Ok(dev)
 }
 
 /// The devices used so far, in ordinal order.

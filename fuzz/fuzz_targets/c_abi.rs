@@ -296,9 +296,17 @@ fuzz_target!(|calls: Vec<Call>| {
                 across,
                 later,
             } => {
-                assert_eq!(vram_ledger_remap_piece(piece), 0);
-                assert_eq!(vram_ledger_move_across_streams(across), 0);
-                assert_eq!(vram_ledger_unmap_later(later), 0);
+                // Accepted, or refused because a device is in use with its configuration.
+                let settled = |rc: i32| {
+                    // SAFETY: the library's message for this thread, read before the next call.
+                    rc == 0
+                        || unsafe { std::ffi::CStr::from_ptr(vram_ledger_last_error()) }
+                            .to_string_lossy()
+                            .contains("in use already")
+                };
+                assert!(settled(vram_ledger_remap_piece(piece)));
+                assert!(settled(vram_ledger_move_across_streams(across)));
+                assert!(settled(vram_ledger_unmap_later(later)));
             }
             // Native devices here: argument checks and the refusal, across the boundary.
             Call::Sleep {

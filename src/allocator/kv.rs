@@ -91,7 +91,8 @@ fn info(r: &KvRegion) -> KvCache {
         base: r.base,
         block_bytes: r.unit,
         reserved_blocks: r.reserved_blocks(),
-        usable_blocks: r.usable,
+        // Asleep, no block may be used: the count comes back with the wake.
+        usable_blocks: if r.is_asleep() { 0 } else { r.usable },
         reserved_bytes: r.reserved,
         mapped_bytes: r.mapped(),
     }

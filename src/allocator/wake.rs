@@ -66,14 +66,29 @@ impl<D: Driver> Allocator<D> {
         let mut report = WakeReport::default();
         let wanted = |t: Tag| tags.is_empty() || tags.contains(&t);
         // The KV cache of `reserve_kv` first, under its own lock (taken before the shards'):
-        // the largest piece of the KV tag. If it cannot wake, the KV tag stays asleep.
-        let kv_failed = if wanted(Tag::KvCache) {
-            self.wake_kv_region(&mut st, &mut report).err()
+        // the largest piece of the KV tag. If it cannot wake, the KV tag stays asleep; if the
+        // rest of the tag cannot, it is given back again below.
+        let (kv_woke, kv_failed) = if wanted(Tag::KvCache) {
+            match self.wake_kv_region(&mut st, &mut report) {
+                Ok(woke) => (woke, None),
+                Err(
+                    e @ (Error::Capturing(_)
+                    | Error::SleepNeedsVirtualMemory(_)
+                    | Error::SleepNeedsSeparateTags),
+                ) => return Err(e),
+                Err(e) => (false, Some(e)),
+            }
         } else {
-            None
+            (false, None)
         };
         let mut shards = self.lock_all()?;
-        self.check_sleepable(&shards, "wake")?;
+        if let Err(e) = self.check_sleepable(&shards, "wake") {
+            drop(shards);
+            if kv_woke {
+                self.kv_region_back_to_sleep();
+            }
+            return Err(e);
+        }
         let mut left: Vec<Tag> = Tag::ALL
             .into_iter()
             .filter(|&t| wanted(t) && shards[0].tag_asleep(t))
@@ -112,6 +127,10 @@ impl<D: Driver> Allocator<D> {
             None => Vec::new(),
         };
         drop(shards);
+        if kv_woke && !awake.contains(&Tag::KvCache) {
+            // The KV cache woke but the rest of its tag did not: asleep again, with its tag.
+            self.kv_region_back_to_sleep();
+        }
         phases.mark("marked awake");
         // Host memory an earlier sleep kept because its copies could not be waited for is
         // freed only once they can be.
@@ -139,11 +158,14 @@ impl<D: Driver> Allocator<D> {
     /// Map the asleep KV cache of `reserve_kv` again at its addresses and fill it with zeros
     /// (unless told to leave discarded memory as it comes); on an error it is given back
     /// again and stays asleep.
-    fn wake_kv_region(&self, st: &mut SleepState, report: &mut WakeReport) -> Result<()> {
+    fn wake_kv_region(&self, st: &mut SleepState, report: &mut WakeReport) -> Result<bool> {
         let mut kv = self.kv.lock();
         let Some(region) = kv.as_mut().filter(|r| r.is_asleep()) else {
-            return Ok(());
+            return Ok(false);
         };
+        // Nothing is mapped or filled during a capture (the fill's synchronisation would spoil
+        // it), nor where the allocator cannot sleep.
+        self.check_sleepable(&self.lock_all()?, "wake")?;
         let bytes = region.wake(&self.core)?;
         if bytes > 0 && !st.leave_discarded {
             let d = &self.core.driver;
@@ -160,7 +182,18 @@ impl<D: Driver> Allocator<D> {
             report.zeroed_bytes += bytes;
         }
         report.mapped_bytes += bytes;
-        Ok(())
+        Ok(true)
+    }
+
+    /// Give the KV cache of `reserve_kv` back again after its tag failed to wake (with no
+    /// shard locked: the cache's lock comes first).
+    fn kv_region_back_to_sleep(&self) {
+        let mut kv = self.kv.lock();
+        if let Some(region) = kv.as_mut().filter(|r| !r.is_asleep()) {
+            if let Err(e) = region.sleep(&self.core) {
+                tracing::warn!(error = %e, "the KV cache woke but its tag did not, and it could not be given back; it stays mapped, its tag asleep");
+            }
+        }
     }
 
     /// Wake `tags` in order, each one's outcome in the same order. Each tag is mapped with every

@@ -117,7 +117,11 @@ pub extern "C" fn vram_ledger_wake(device: c_int, mask: c_int) -> *mut c_char {
 pub extern "C" fn vram_ledger_set_retain_host(device: c_int, retain: c_int) -> c_int {
     guard(-1, || {
         if device < 0 {
-            devices::sleep_defaults_with(|s| s.retain_host = Some(retain != 0));
+            devices::set_sleep_defaults(
+                |s| s.retain_host = Some(retain != 0),
+                |d| on_device!(d, d => d.allocator().set_retain_host(retain != 0)),
+            );
+            return Ok(0);
         }
         for (_, d) in devices_of(device)? {
             on_device!(d, d => d.allocator().set_retain_host(retain != 0));
@@ -148,7 +152,11 @@ pub unsafe extern "C" fn vram_ledger_set_sleep_file(device: c_int, path: *const 
             Some(std::path::PathBuf::from(p))
         };
         if device < 0 {
-            devices::sleep_defaults_with(|s| s.file = Some(path.clone()));
+            devices::set_sleep_defaults(
+                |s| s.file = Some(path.clone()),
+                |d| on_device!(d, d => d.allocator().set_sleep_file(path.clone())),
+            );
+            return Ok(0);
         }
         for (_, d) in devices_of(device)? {
             on_device!(d, d => d.allocator().set_sleep_file(path.clone()));
@@ -163,7 +171,11 @@ pub unsafe extern "C" fn vram_ledger_set_sleep_file(device: c_int, path: *const 
 pub extern "C" fn vram_ledger_set_zero_discarded(device: c_int, zero: c_int) -> c_int {
     guard(-1, || {
         if device < 0 {
-            devices::sleep_defaults_with(|s| s.zero_discarded = Some(zero != 0));
+            devices::set_sleep_defaults(
+                |s| s.zero_discarded = Some(zero != 0),
+                |d| on_device!(d, d => d.allocator().set_zero_discarded(zero != 0)),
+            );
+            return Ok(0);
         }
         for (_, d) in devices_of(device)? {
             on_device!(d, d => d.allocator().set_zero_discarded(zero != 0));
