@@ -331,10 +331,13 @@ impl Ledger {
         // The KV cache is one allocation of the KV tag, of its mapped bytes. Its peak adds to
         // the shards' peaks: an upper bound, exact while the KV cache does not change.
         let kv = self.kv_mapped.read();
-        if kv.peak > 0 {
+        let asleep = self.kv_asleep.load(Relaxed);
+        // Asleep it still counts, even where a reset of the peaks came after it fell asleep.
+        if kv.peak > 0 || asleep > 0 {
+            let current = kv.current + asleep;
             let held = Counter {
-                current: kv.current + self.kv_asleep.load(Relaxed),
-                ..kv
+                current,
+                peak: kv.peak.max(current),
             };
             let region = TagStats {
                 allocated_bytes: held,

@@ -340,3 +340,24 @@ fn the_kv_cache_goes_back_to_sleep_when_the_rest_of_its_tag_cannot_wake() {
         check(&a);
     }
 }
+
+/// Asleep, the KV cache stays one allocation of its tag, also after the peaks are reset (its
+/// mapped bytes' peak then reads 0).
+#[test]
+fn the_asleep_kv_cache_is_counted_after_a_reset_of_the_peaks() {
+    for mode in VIRTUAL {
+        let a = tags_apart(mode, 80 * GIB);
+        let kv = a.reserve_kv(BLOCK, Some(GIB), 20).unwrap();
+        a.sleep(&[], &[Tag::KvCache]).unwrap();
+        a.ledger().reset_peaks();
+        let s = a.snapshot();
+        assert_eq!(
+            s.per_tag[Tag::KvCache].allocated_bytes.current,
+            kv.mapped_bytes,
+            "{mode}"
+        );
+        check(&a);
+        a.wake(&[]).unwrap();
+        check(&a);
+    }
+}
