@@ -24,6 +24,25 @@ fn readable(a: &Allocator<SimDriver>, va: u64) -> bool {
     a.driver().read_word(va).is_ok()
 }
 
+/// A wake with the `n`th call of `call` from now failing fails on the KV tag, which stays asleep.
+fn wake_fails_leaving_kv_asleep(a: &Allocator<SimDriver>, call: DriverCall, n: u64, what: &str) {
+    let d = a.driver();
+    d.fail_nth(call, n);
+    let e = a.wake(&[]).unwrap_err();
+    d.clear_faults();
+    assert!(
+        matches!(
+            e,
+            Error::Wake {
+                tag: Tag::KvCache,
+                ..
+            }
+        ),
+        "{what}: {e}"
+    );
+    assert_eq!(a.asleep_tags(), vec![Tag::KvCache], "{what}");
+}
+
 #[test]
 fn the_kv_cache_is_discarded_with_its_tag_and_mapped_again_at_its_addresses() {
     for mode in VIRTUAL {
@@ -140,26 +159,12 @@ fn a_failed_wake_of_the_kv_cache_leaves_it_asleep_and_can_be_retried() {
         let a = tags_apart(mode, 80 * GIB);
         let kv = a.reserve_kv(BLOCK, Some(4 * GIB), 100).unwrap();
         a.sleep(&[], &[Tag::KvCache]).unwrap();
-        let d = a.driver();
         for call in [
             DriverCall::CreatePhysical,
             DriverCall::Map,
             DriverCall::FillZero,
         ] {
-            d.fail_nth(call, 1);
-            let e = a.wake(&[]).unwrap_err();
-            d.clear_faults();
-            assert!(
-                matches!(
-                    e,
-                    Error::Wake {
-                        tag: Tag::KvCache,
-                        ..
-                    }
-                ),
-                "{mode} {call:?}: {e}"
-            );
-            assert_eq!(a.asleep_tags(), vec![Tag::KvCache], "{mode} {call:?}");
+            wake_fails_leaving_kv_asleep(&a, call, 1, &format!("{mode} {call:?}"));
             assert!(!readable(&a, kv.base), "{mode} {call:?}");
             check(&a);
         }
@@ -312,23 +317,9 @@ fn the_kv_cache_goes_back_to_sleep_when_the_rest_of_its_tag_cannot_wake() {
         let kv = a.reserve_kv(BLOCK, Some(4 * GIB), 100).unwrap();
         let x = a.allocate_tagged(64 * MIB, S, Tag::KvCache).unwrap();
         a.sleep(&[], &[Tag::KvCache]).unwrap();
-        let d = a.driver();
         // The cache's own pieces map first; fail the first map after them.
         let pieces = kv.mapped_bytes.div_ceil(32 * MIB);
-        d.fail_nth(DriverCall::Map, pieces + 1);
-        let e = a.wake(&[]).unwrap_err();
-        d.clear_faults();
-        assert!(
-            matches!(
-                e,
-                Error::Wake {
-                    tag: Tag::KvCache,
-                    ..
-                }
-            ),
-            "{mode}: {e}"
-        );
-        assert_eq!(a.asleep_tags(), vec![Tag::KvCache], "{mode}");
+        wake_fails_leaving_kv_asleep(&a, DriverCall::Map, pieces + 1, &mode.to_string());
         assert!(
             !readable(&a, kv.base) && !readable(&a, x.ptr),
             "{mode}: half awake"
