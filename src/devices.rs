@@ -10,7 +10,9 @@
 //! - The registry has one slot per device of that backend, counted once. When the backend
 //!   cannot count its devices, every use of a device reports the driver's cause.
 //! - A device's state is created once, at the device's first use (whichever API uses it
-//!   first), with the configuration set before it, and lives for the rest of the process:
+//!   first), with the configuration set before it (from then on a change of configuration is
+//!   refused, and the sleep settings given for every device reach it as it is registered),
+//!   and lives for the rest of the process:
 //!   device memory outlives any one engine object, and the C ABI's hot path borrows the state
 //!   without reference counting. Its profiling baseline is taken then: PyTorch has created the
 //!   CUDA context by that time, and nothing has been allocated through us yet.

@@ -6,6 +6,8 @@
 //!   awake, and let go of across the copies back (the next tag's memory is mapped meanwhile).
 //! - A wake that fails gives back what it mapped (or keeps it, counted, where that fails too);
 //!   the tag stays asleep with its host copy, and wake can be retried.
+//! - The KV cache of `reserve_kv` wakes first, under its own lock with no shard locked, after
+//!   the same checks; if the rest of the KV tag then stays asleep, it is given back again.
 
 use std::time::Instant;
 
