@@ -25,10 +25,10 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 from marks import Marks
 from nvml import NvmlUsage, Poller
+import tenants
 
 MODES = ["native", "expandable", "compact", "remap"]
 
@@ -207,27 +207,6 @@ def case_serve(mode, utilization="0.2", name="llama"):
              cap=vl.cap(), kv=int(kv.numel()), report=p.report, last_failure=locals().get("last"))
 
 
-def tenant(kind):
-    """Another process on the GPU, without vram-ledger: `hold` keeps 70% of the device; `churn`
-    allocates and frees 10 GiB every 30 ms."""
-    import torch
-
-    if kind == "hold":
-        x = torch.empty(int(torch.cuda.get_device_properties(0).total_memory * 0.7), dtype=torch.uint8, device="cuda")
-        x.fill_(1)
-        print("READY", flush=True)
-        time.sleep(600)
-    else:
-        print("READY", flush=True)
-        while True:
-            x = torch.empty(10 << 30, dtype=torch.uint8, device="cuda")
-            x.fill_(1)
-            torch.cuda.synchronize()
-            del x
-            torch.cuda.empty_cache()
-            time.sleep(0.03)
-
-
 # The last result `run` printed (the capture case's reference comes from it).
 last_result = {}
 
@@ -261,8 +240,6 @@ def main():
     if len(sys.argv) > 2 and sys.argv[1] == "_case":
         name, args = sys.argv[2], sys.argv[3:]
         return {"capture": case_capture, "oom": case_oom, "serve": case_serve}[name](*args)
-    if len(sys.argv) > 2 and sys.argv[1] == "_tenant":
-        return tenant(sys.argv[2])
     cases = sys.argv[1:] or ["capture", "oom", "serve"]
     models = os.environ.get("SERVE_MODELS", "llama,qwen2").split(",")
     failed = 0
@@ -279,13 +256,10 @@ def main():
                 for m in MODES:
                     failed += run(c, [m, "0.2", name])
         elif c in ("serve_hold", "serve_churn"):
-            t = subprocess.Popen([sys.executable, __file__, "_tenant", c.split("_")[1]], stdout=subprocess.PIPE, text=True)
-            assert t.stdout.readline().strip() == "READY"
-            for name in models:
-                for m in MODES:
-                    failed += run("serve", [m, "0.2", name])
-            t.kill()
-            t.wait()
+            with tenants.beside(c.split("_")[1]):
+                for name in models:
+                    for m in MODES:
+                        failed += run("serve", [m, "0.2", name])
         elif c == "serve_together":
             # Three different engines, started at the same instant.
             for m in MODES:

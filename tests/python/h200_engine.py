@@ -26,6 +26,7 @@ engines share the GPU, one exits, the other's cap is raised and its KV cache gro
 Every mode runs the same flow (the KV cache's range is reserved in native mode too).
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ import time
 
 from marks import Marks
 from nvml import Poller
+import tenants
 
 MODES = ["native", "expandable", "compact", "remap"]
 BATCHES = [1, 2, 4, 8]
@@ -283,27 +285,6 @@ def case_engine(mode, utilization, name, reference, grow_to=None):
          seconds_profile_to_commit=round(t_commit - t_profile, 2), marks=marks.met, missed=marks.missed(), ok=marks.ok)
 
 
-def tenant(kind):
-    """Another process on the GPU, without vram-ledger: `hold` keeps 70% of the device; `churn`
-    allocates and frees 10 GiB every 30 ms."""
-    import torch
-
-    if kind == "hold":
-        x = torch.empty(int(torch.cuda.get_device_properties(0).total_memory * 0.7), dtype=torch.uint8, device="cuda")
-        x.fill_(1)
-        print("READY", flush=True)
-        time.sleep(900)
-    else:
-        print("READY", flush=True)
-        while True:
-            x = torch.empty(10 << 30, dtype=torch.uint8, device="cuda")
-            x.fill_(1)
-            torch.cuda.synchronize()
-            del x
-            torch.cuda.empty_cache()
-            time.sleep(0.03)
-
-
 def launch(args, env=None):
     return subprocess.Popen([sys.executable, __file__, "_case", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
@@ -330,8 +311,6 @@ def main():
     if len(sys.argv) > 2 and sys.argv[1] == "_case":
         kind, args = sys.argv[2], sys.argv[3:]
         return {"torch": case_torch, "engine": case_engine}[kind](*args)
-    if len(sys.argv) > 2 and sys.argv[1] == "_tenant":
-        return tenant(sys.argv[2])
     scenarios = sys.argv[1:] or ["torch", "alone", "hold", "churn", "together", "resize"]
     modes = os.environ.get("ENGINE_MODES", ",".join(MODES)).split(",")
     models = os.environ.get("ENGINE_MODELS", "llama,qwen2").split(",")
@@ -343,11 +322,7 @@ def main():
                 reference[name] = str(results[-1]["max_abs_diff"]) if results and results[-1].get("model") == name else "none"
             continue
         ref = lambda name: reference.get(name, "none")  # noqa: E731
-        tenant_proc = None
-        if scenario in ("hold", "churn"):
-            tenant_proc = subprocess.Popen([sys.executable, __file__, "_tenant", scenario], stdout=subprocess.PIPE, text=True)
-            assert tenant_proc.stdout.readline().strip() == "READY"
-        try:
+        with tenants.beside(scenario) if scenario in tenants.KINDS else contextlib.nullcontext():
             if scenario in ("alone", "hold", "churn"):
                 for name in models:
                     for m in modes:
@@ -373,10 +348,6 @@ def main():
                 failed += collect([(grower, g)], scenario, results)
             else:
                 unknown.append(scenario)
-        finally:
-            if tenant_proc is not None:
-                tenant_proc.kill()
-                tenant_proc.wait()
     engines = len([r for r in results if r.get("case") == "engine"])
     # Every engine launched must have reported, and every scenario named must exist.
     failed += bool(unknown) + (engines != asked)
