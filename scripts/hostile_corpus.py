@@ -133,6 +133,15 @@ def files():
         k = r.randint(60, 200)
         mixed.add(r.choice([float(2**k) * r.random(), 2**k + r.randint(0, 5), -(2**k), -float(2**k) * r.random()]))
     yield "set-of-floats-and-integers.pickle", pickle.dumps(mixed, protocol=4)
+    # The end state (`segments`), read to put back what was live before the recording.
+    yield "segments-a-dict.pickle", pickle.dumps(
+        {"segments": {"0": []}, "device_traces": [[event()]]}, protocol=4)
+    seg = {"device": 0, "address": 0x7F00_0000_0000, "total_size": 2 << 20, "stream": 0,
+           "blocks": [{"address": -1, "size": 512, "requested_size": 512, "state": "active_allocated"}]}
+    yield "segment-block-negative.pickle", pickle.dumps(
+        {"segments": [seg], "device_traces": [[event()]]}, protocol=4)
+    yield "segment-size-2-62.pickle", pickle.dumps(
+        {"segments": [dict(seg, total_size=1 << 62, blocks=[])], "device_traces": [[event()]]}, protocol=4)
     yield "pointer-stream.pickle", on_streams([0x7F12_3456_7000])
     yield "high-bit-streams.pickle", on_streams(
         [0, 1 << 59, (1 << 63) | 0x10, (1 << 64) - 1, -8, 0x7000_0000_0000, 0x7F12_3456_7000])

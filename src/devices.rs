@@ -6,7 +6,8 @@
 //! Invariants:
 //! - The backend is chosen once per process, at the registry's first use: the CUDA driver, or
 //!   with `VRAM_LEDGER_DRIVER=sim` simulated devices (`VRAM_LEDGER_SIM_DEVICES` of them,
-//!   default 1), so that the C ABI runs on machines without a GPU.
+//!   default 1), so that the C ABI runs on machines without a GPU. A value that names neither
+//!   is refused at every device's use, never read as the CUDA driver.
 //! - The registry has one slot per device of that backend, counted once. When the backend
 //!   cannot count its devices, every use of a device reports the driver's cause.
 //! - A device's state is created once, at the device's first use (whichever API uses it
@@ -30,7 +31,7 @@ use parking_lot::Mutex;
 
 use crate::driver::cuda::{self, CudaDriver};
 use crate::driver::sim::SimDriver;
-use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
+use crate::driver::{DevicePtr, Driver, DriverCall, DriverError, DriverErrorKind, StreamId};
 use crate::profile::Profiler;
 use crate::{Allocator, Config, Error, Result, Tag};
 
@@ -50,26 +51,49 @@ impl Backend {
     }
 }
 
-/// This process's backend, read from the environment at the first call.
-pub fn backend() -> Backend {
-    static BACKEND: OnceLock<Backend> = OnceLock::new();
-    *BACKEND.get_or_init(|| {
-        if std::env::var("VRAM_LEDGER_DRIVER").is_ok_and(|v| v == "sim") {
-            Backend::Sim {
-                devices: sim_device_count(),
-            }
-        } else {
-            Backend::Cuda
+/// This process's backend, read from the environment at the first call: `VRAM_LEDGER_DRIVER`
+/// unset, empty or `cuda`, the CUDA driver; `sim`, simulated devices. Any other value, or a
+/// `VRAM_LEDGER_SIM_DEVICES` that is no count, is refused: every device call then fails and
+/// says why, rather than run on a backend the user did not name.
+fn chosen() -> &'static std::result::Result<Backend, String> {
+    static BACKEND: OnceLock<std::result::Result<Backend, String>> = OnceLock::new();
+    BACKEND.get_or_init(|| match std::env::var("VRAM_LEDGER_DRIVER").as_deref() {
+        Err(std::env::VarError::NotPresent) | Ok("" | "cuda") => Ok(Backend::Cuda),
+        Ok("sim") => sim_device_count().map(|devices| Backend::Sim { devices }),
+        Ok(v) => Err(format!(
+            "VRAM_LEDGER_DRIVER={v:?} names no backend (cuda, or sim for simulated devices)"
+        )),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err("VRAM_LEDGER_DRIVER is not text: it names no backend (cuda or sim)".into())
         }
     })
 }
 
+/// This process's backend ([`chosen`]; the CUDA driver when the environment names none that
+/// exists, for naming only: no device is made then).
+pub fn backend() -> Backend {
+    chosen().clone().unwrap_or(Backend::Cuda)
+}
+
+/// The most simulated devices a process may ask for.
+const MAX_SIM_DEVICES: usize = 1024;
+
 /// The number of devices of the simulated backend: `VRAM_LEDGER_SIM_DEVICES`, default 1.
-fn sim_device_count() -> usize {
-    std::env::var("VRAM_LEDGER_SIM_DEVICES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1)
+fn sim_device_count() -> std::result::Result<usize, String> {
+    match std::env::var("VRAM_LEDGER_SIM_DEVICES") {
+        Err(std::env::VarError::NotPresent) => Ok(1),
+        Ok(v) => v
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&n| n <= MAX_SIM_DEVICES)
+            .ok_or_else(|| {
+                format!("VRAM_LEDGER_SIM_DEVICES={v:?} is not a count of devices (0 to {MAX_SIM_DEVICES})")
+            }),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err("VRAM_LEDGER_SIM_DEVICES is not text: it is no count of devices".into())
+        }
+    }
 }
 
 /// The configuration of allocators not yet created, and whether one has been: once a device's
@@ -241,7 +265,10 @@ static REGISTRY: OnceLock<std::result::Result<Slots, DriverError>> = OnceLock::n
 fn slots() -> Result<&'static Slots> {
     REGISTRY
         .get_or_init(|| {
-            let n = match backend() {
+            let chosen = chosen().clone().map_err(|why| {
+                DriverError::new(DriverCall::Init, DriverErrorKind::InvalidValue, why)
+            })?;
+            let n = match chosen {
                 Backend::Sim { devices } => devices,
                 Backend::Cuda => cuda::device_count()?,
             };

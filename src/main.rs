@@ -56,7 +56,7 @@ struct ReplayArgs {
     /// Print one JSON object per mode instead of a table.
     #[arg(long)]
     json: bool,
-    /// Draw a timeline picture (SVG) of the first mode replayed.
+    /// Draw a timeline picture (SVG) of the mode marked best (of the one asked for with --mode).
     #[arg(long, value_name = "OUT")]
     svg: Option<std::path::PathBuf>,
     /// List the modes and exit.
@@ -220,10 +220,25 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
             .map_err(|e| format!("{e}, or all"))?]
     };
     let capacity = match &args.capacity {
-        Some(c) => parse_size(c)?,
+        // Less than one page of device memory holds nothing: every figure would read 0.
+        Some(c) => match parse_size(c)? {
+            n if n < 2 * MIB => {
+                return Err(format!(
+                    "--capacity: {c} is less than the 2 MiB a simulated device needs"
+                ))
+            }
+            n => n,
+        },
         None => vram_ledger::replay::engine::H200_CAPACITY,
     };
-    let remap_piece = args.remap_piece.as_deref().map(parse_size).transpose()?;
+    let remap_piece =
+        match args.remap_piece.as_deref().map(parse_size).transpose()? {
+            Some(0) => return Err(
+                "--remap-piece: 0 is no piece (1 or more bytes, rounded up to whole 2 MiB pages)"
+                    .into(),
+            ),
+            p => p,
+        };
     let sync_ns = match args.sync_us {
         // Below an idle stream's price a wait would cost less than it does with nothing to drain.
         Some(us) if us.is_finite() && (0.2..=1e9).contains(&us) => Some((us * 1e3).round() as u64),
@@ -260,6 +275,17 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
                 )
             }
         );
+        let b = trace.before;
+        if !b.is_empty() {
+            println!(
+                "  the recording began with memory live: {} in {}, {} in {}; replayed as \
+                 allocated before its first event",
+                Bytes(b.block_bytes),
+                count(b.blocks, "block"),
+                Bytes(b.segment_bytes),
+                count(b.segments, "segment")
+            );
+        }
     }
     let mut first = None;
     let mut all = Vec::new();
@@ -301,7 +327,11 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
     if !json && !detail {
         print!("{}", compare_table(&all));
     }
-    if let (Some(out), Some(r)) = (&args.svg, first) {
+    // The picture is of the best mode when every mode ran (of the one asked for otherwise).
+    let pictured = best_mode(&all)
+        .and_then(|m| all.iter().find(|r| r.mode == m).cloned())
+        .or(first);
+    if let (Some(out), Some(r)) = (&args.svg, pictured) {
         let title = format!(
             "{name}: {} mode, fragmentation {:.4} (PyTorch {:.4})",
             r.mode.name(),
@@ -314,24 +344,42 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// Every mode in one table, beside what PyTorch recorded; the best mode is marked: the lowest
-/// fragmentation among the modes within twice PyTorch's estimated driver time (or overall, if
-/// none is).
+/// `n` and `what`, plural unless one.
+fn count(n: u64, what: &str) -> String {
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
+}
+
+/// The mode marked best: the lowest fragmentation among the modes within twice PyTorch's
+/// estimated driver time (or among all, if none is), leaving out any that ran out of memory
+/// (its figures leave allocations out).
+fn best_mode(rs: &[replay::ReplayResult]) -> Option<SegmentMode> {
+    let torch_s = rs.first()?.torch_driver_seconds;
+    let by_ratio = |a: &&replay::ReplayResult, b: &&replay::ReplayResult| {
+        a.fragmentation_ratio.total_cmp(&b.fragmentation_ratio)
+    };
+    let fit = || rs.iter().filter(|r| r.ooms == 0);
+    fit()
+        .filter(|r| r.driver_seconds <= 2.0 * torch_s)
+        .min_by(by_ratio)
+        .or_else(|| fit().min_by(by_ratio))
+        .map(|r| r.mode)
+}
+
+/// Every mode in one table, beside what PyTorch recorded, the best mode ([`best_mode`]) marked.
 fn compare_table(rs: &[replay::ReplayResult]) -> String {
     let Some(r0) = rs.first() else {
         return String::new();
     };
     let torch_s = r0.torch_driver_seconds;
-    let within = |r: &&replay::ReplayResult| r.driver_seconds <= 2.0 * torch_s;
-    let by_ratio = |a: &&replay::ReplayResult, b: &&replay::ReplayResult| {
-        a.fragmentation_ratio.total_cmp(&b.fragmentation_ratio)
+    let best = best_mode(rs);
+    // PyTorch's estimate is 0 when its segments were all made before the recording.
+    let vs_torch = |secs: f64| {
+        if torch_s > 0.0 {
+            format!("{:.2}x", secs / torch_s)
+        } else {
+            "-".into()
+        }
     };
-    let best = rs
-        .iter()
-        .filter(within)
-        .min_by(by_ratio)
-        .or_else(|| rs.iter().min_by(by_ratio))
-        .map(|r| r.mode);
     let mut s = format!(
         "\npeak live {} (until free_completed)\n  {:<20} {:>14} {:>10} {:>12} {:>16} {:>10}\n",
         Bytes(r0.peak_live),
@@ -342,14 +390,23 @@ fn compare_table(rs: &[replay::ReplayResult]) -> String {
         "est. driver time",
         "vs PyTorch"
     );
+    // A trace with no segment events and no end state says nothing of PyTorch's reserved bytes.
+    let (torch_reserved, torch_ratio) = if r0.torch_peak_reserved > 0 {
+        (
+            Bytes(r0.torch_peak_reserved).to_string(),
+            format!("{:.4}", r0.torch_fragmentation_ratio),
+        )
+    } else {
+        ("-".into(), "-".into())
+    };
     s += &format!(
-        "  {:<20} {:>14} {:>10.4} {:>12} {:>13.2} ms {:>10}\n",
+        "  {:<20} {:>14} {:>10} {:>12} {:>13.2} ms {:>10}\n",
         "PyTorch (recorded)",
-        Bytes(r0.torch_peak_reserved),
-        r0.torch_fragmentation_ratio,
+        torch_reserved,
+        torch_ratio,
         r0.torch_driver_calls.total(),
         torch_s * 1e3,
-        "1.00x"
+        vs_torch(torch_s)
     );
     let mut at_best = String::new();
     for r in rs {
@@ -362,13 +419,21 @@ fn compare_table(rs: &[replay::ReplayResult]) -> String {
             r.mode.name().to_string()
         };
         s += &format!(
-            "  {:<20} {:>14} {:>10.4} {:>12} {:>13.2} ms {:>9.2}x\n",
+            "  {:<20} {:>14} {:>10.4} {:>12} {:>13.2} ms {:>10}\n",
             name,
             Bytes(r.peak_reserved),
             r.fragmentation_ratio,
             r.driver_calls.total(),
             r.driver_seconds * 1e3,
-            r.driver_seconds / torch_s.max(1e-12)
+            vs_torch(r.driver_seconds)
+        );
+    }
+    for r in rs.iter().filter(|r| r.ooms > 0) {
+        s += &format!(
+            "  {}: {} allocations did not fit in {} (--capacity); its figures leave them out\n",
+            r.mode.name(),
+            r.ooms,
+            Bytes(r.capacity)
         );
     }
     s += &match r0.sync_us {

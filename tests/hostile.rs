@@ -45,6 +45,12 @@ const REFUSED: &[(&str, &str)] = &[
     ("traces-not-a-list.pickle", "no 'device_traces' list"),
     ("no-devices.pickle", "'device_traces' is empty"),
     ("top-not-a-dict.pickle", "the pickle holds no dict"),
+    ("segments-a-dict.pickle", "'segments' is a dict, not a list"),
+    ("segment-block-negative.pickle", "segments[0]: 'address' is -1, outside 0 to 2^63 - 1"),
+    (
+        "segment-size-2-62.pickle",
+        "segments[0]: 'total_size' is 4611686018427387904, outside 0 to 2^60 - 1",
+    ),
     ("empty.pickle", "not a pickle: it does not start with a pickle protocol header"),
     ("truncated.pickle", "not a pickle: eval error at offset 97: EOF while parsing"),
     ("truncated.pickle.gz", "the gzip stream is corrupt"),

@@ -505,7 +505,7 @@ def test_install_sleep_needs_a_virtual_memory_mode():
     with pytest.raises(ValueError, match="needs a virtual-memory mode"):
         vl.install(mode="native", sleep=True)
     # The default mode is one: sleep=True alone passes the check.
-    assert vl._torch.DEFAULT_MODE in vl._lib.abi().virtual_modes
+    assert vl._configure.DEFAULT_MODE in vl._lib.abi().virtual_modes
 
 
 def test_install_unmap_later_is_remap_only_and_a_bool():

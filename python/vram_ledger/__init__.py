@@ -27,6 +27,7 @@ Every public function, with its errors, is described in docs/python.md in the re
 from __future__ import annotations
 
 from . import _lib
+from ._configure import configure
 from ._lib import VramLedgerError, library_path
 from ._torch import TaggedPool, install, mempool
 from .kv import KvCache, kv_cache, kv_reserve
@@ -41,6 +42,7 @@ __all__ = [
     "TAGS",
     "MODES",
     "install",
+    "configure",
     "mempool",
     "TaggedPool",
     "tag",

@@ -211,7 +211,11 @@ def _loaded() -> Tuple[ctypes.CDLL, Abi]:
     with _LOCK:
         if _LIB is None or _ABI is None:
             path = library_path()
-            lib = ctypes.CDLL(path)
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError as e:
+                # A file that is no shared library for this machine (or a broken build).
+                raise VramLedgerError(f"cannot load {path}: {e}") from e
             described = _bind(lib, path, _read_abi(lib, path))
             if not os.environ.get("VRAM_LEDGER_LOG"):
                 # Failures inside the library reach `logging` (logger "vram_ledger"); an

@@ -11,7 +11,8 @@ import weakref
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from . import _args, _extension, _mempool, _torch_stats
-from ._lib import _LOG, VramLedgerError, _check, _clean_up_after, _last_error, abi, library_path, load
+from ._configure import _apply, _validated
+from ._lib import _LOG, VramLedgerError, _check, _clean_up_after, _last_error, library_path, load
 from .tags import tag
 
 if TYPE_CHECKING:
@@ -25,13 +26,6 @@ def _address(fn: Any) -> Optional[int]:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-# The mode install() uses when none is named. Measured on an H200 in the order engines work
-# (weights, profile, KV cache, CUDA graphs, serve; tests/python/h200_engine.py): remap,
-# expandable and compact met every mark in every scenario (peak usage 99.71-99.89% of the
-# request, no forward refused, graph replays equal to eager; docs/results.md section 3), while
-# native left up to 0.9% of its request unused on one model. Of those, remap fragments least on
-# replayed workloads and, like every virtual-memory mode, can sleep.
-DEFAULT_MODE = "remap"
 
 
 def install(
@@ -64,7 +58,7 @@ def install(
     compiled graph with torch.cuda.graph, into a graph pool of vram-ledger's like any other
     capture); False turns them off; True without the extension is a ValueError.
 
-    `mode` defaults to remap (`DEFAULT_MODE`, chosen by measurement: see its comment).
+    `mode` defaults to remap (`_configure.DEFAULT_MODE`, chosen by measurement: see its comment).
     `sleep=True` keeps each tag's memory apart so that `sleep()` can give a tag's memory back
     and `wake()` restore it at the same addresses; it needs a virtual-memory mode
     (expandable, compact or remap).
@@ -94,22 +88,7 @@ def install(
     with _INSTALL_LOCK:
         if "allocator" in _INSTALLED:
             return _INSTALLED["allocator"]
-        mode = _args.mode(mode)
-        if mode is None:
-            mode = DEFAULT_MODE
-        if sleep and (mode is None or mode not in abi().virtual_modes):
-            first, *others = [m for m in abi().modes if m in abi().virtual_modes]
-            raise ValueError(f"sleep=True needs a virtual-memory mode: install(mode={first!r}, sleep=True), or {', or '.join(others)}")
-        if not isinstance(unmap_later, bool):
-            raise TypeError(f"unmap_later must be True or False, not {unmap_later!r}")
-        if unmap_later and mode != "remap":
-            raise ValueError(f"unmap_later=True applies to remap mode only, not {mode!r}")
-        remap_piece = _args.optional_integer(remap_piece, "remap_piece", minimum=1, maximum=2**64 - 1, c_type="uint64_t")
-        if remap_piece is not None and mode != "remap":
-            raise ValueError(f"remap_piece applies to remap mode only, not {mode!r}")
-        across = _args.flag(move_across_streams, "move_across_streams")
-        if across and mode not in ("compact", "remap"):
-            raise ValueError(f"move_across_streams=True applies to compact and remap modes only, not {mode!r}")
+        settings = _validated(mode, sleep, unmap_later, remap_piece, move_across_streams)
         with_extension = _extension.wanted(extension)
         if cudagraph_trees is None:
             cudagraph_trees = with_extension
@@ -127,16 +106,7 @@ def install(
         if with_extension:
             # Built before anything is configured: a failed build leaves the library as it was.
             _extension.module()
-        if mode is not None:
-            _check(lib.vram_ledger_configure(mode.encode()))
-        if sleep:
-            _check(lib.vram_ledger_separate_tags(1))
-        if unmap_later:
-            _check(lib.vram_ledger_unmap_later(1))
-        if remap_piece is not None:
-            _check(lib.vram_ledger_remap_piece(remap_piece))
-        if across:
-            _check(lib.vram_ledger_move_across_streams(1))
+        _apply(settings)
         if with_extension:
             _extension.install(lib, _address, _torch_stats.record_from_cpp, _torch_stats.raw_snapshot)
             alloc = torch.cuda.memory._get_current_allocator()

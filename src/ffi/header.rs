@@ -48,7 +48,9 @@ const PREAMBLE: &str = "\
  * (cudaStream_t, CUstream) passed as `void *`; NULL is the legacy default stream. No function
  * unwinds into the caller but vram_ledger_malloc_or_throw, which throws a C++ exception.
  * With VRAM_LEDGER_DRIVER=sim in the environment at the first call, every function runs on
- * simulated devices (VRAM_LEDGER_SIM_DEVICES of them, default 1), with no GPU.
+ * simulated devices (VRAM_LEDGER_SIM_DEVICES of them, default 1), with no GPU; unset, empty or
+ * `cuda`, on the CUDA driver. Any other value (or a device count that is no number from 0 to
+ * 1024) fails every call that needs a device, saying so.
  */
 #ifndef VRAM_LEDGER_H
 #define VRAM_LEDGER_H

@@ -25,6 +25,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::addr_hash::AddrHash;
+use super::before::Before;
 use super::peak::{self, PeakBreakdown};
 use super::trace::{Action, Event, Trace};
 use crate::driver::counting::DriverCalls;
@@ -93,7 +94,10 @@ pub struct ReplayResult {
     pub events: usize,
     pub allocations: u64,
     pub frees: u64,
-    /// Frees of addresses the trace never allocated (it started mid-run).
+    /// Memory the recording found live, replayed as allocated first ([`Trace::before`]).
+    pub before: Before,
+    /// Frees of addresses the trace never allocated, after what was live before it was put
+    /// back (0 on a consistent trace).
     pub unmatched_frees: u64,
     /// Peak of the bytes live until their `free_completed`: the floor no allocator can go
     /// below (memory awaiting another stream's work cannot be reused by anyone).
@@ -136,7 +140,10 @@ pub struct ReplayResult {
     pub driver_seconds_by_tenth: [f64; TENTHS],
     /// `torch_driver_seconds` split the same way, by where the trace's segment events fall.
     pub torch_driver_seconds_by_tenth: [f64; TENTHS],
+    /// Allocations that did not fit in `capacity`: the figures leave them out.
     pub ooms: u64,
+    /// The simulated device's memory ([`ReplayOptions::capacity`]).
+    pub capacity: u64,
     pub per_tag: PerTag<TagPeak>,
     pub unknown_tags: std::collections::BTreeMap<String, u64>,
     pub seconds: f64,
@@ -629,6 +636,8 @@ impl<'a> Replayer<'a> {
         let events = self.trace.events.len();
         ReplayResult {
             mode: opts.mode,
+            before: self.trace.before,
+            capacity: opts.capacity,
             events,
             allocations: self.allocations,
             frees: self.frees,

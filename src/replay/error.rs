@@ -42,6 +42,13 @@ pub enum TraceError {
          default stream among them)"
     )]
     TooManyStreams { entry: usize, max: usize },
+    #[error("segments[{index}]: '{field}' {problem}")]
+    Segment {
+        index: usize,
+        field: &'static str,
+        #[source]
+        problem: FieldError,
+    },
     #[error("device {asked} has no trace; the snapshot has {available} device(s)")]
     NoSuchDevice { asked: usize, available: usize },
 }
@@ -55,6 +62,12 @@ pub enum FieldError {
     NotAnInteger(&'static str),
     #[error("is {0}, not a string")]
     NotAString(&'static str),
+    #[error("is {0}, not a dict")]
+    NotADict(&'static str),
+    #[error("is {0}, not a list")]
+    NotAList(&'static str),
+    #[error("names a stream past the {0} a trace may name")]
+    TooManyStreams(usize),
     #[error("is an integer of more than 128 bits")]
     Huge,
     #[error("is {value}, outside {range}")]

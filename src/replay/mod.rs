@@ -2,6 +2,7 @@
 //! workload fit, and how fragmented does it get, compared with what PyTorch recorded.
 
 mod addr_hash;
+mod before;
 pub mod engine;
 mod error;
 pub mod input;
@@ -12,6 +13,7 @@ pub mod snapshot;
 pub mod svg;
 pub mod trace;
 
+pub use before::Before;
 pub use engine::{at_peak, replay, ReplayOptions, ReplayResult};
 pub use input::{Limits, MAX_INPUT_BYTES};
 pub use peak::PeakBreakdown;

@@ -3,8 +3,9 @@
 //! is either read or refused with a [`TraceError`], whose message is one line.
 //!
 //! Invariants:
-//! - A [`Trace`] holds only the events the replay acts on, in file order; anything else in the
-//!   file is counted, never silently dropped (see `skipped`, `unknown_tags`).
+//! - A [`Trace`] holds only the events the replay acts on, in file order, after the events
+//!   that put back what the recording found live ([`Trace::before`], `before.rs`); anything
+//!   else in the file is counted, never silently dropped (see `skipped`, `unknown_tags`).
 //! - An event's fields are within bounds: addresses below 2^63 (PyTorch writes them as
 //!   int64), sizes below 2^60 ([`ABSURD_SIZE`], what the allocator refuses), except an `oom`
 //!   event's, which records what was asked and is not replayed.
@@ -21,6 +22,8 @@ use std::path::Path;
 
 use serde_pickle::{HashableValue, Value};
 
+use super::before;
+pub use super::before::Before;
 pub use super::error::{FieldError, TraceError};
 use super::input::{self, Limits};
 use crate::allocator::history::{SLEEP, WAKE};
@@ -63,6 +66,8 @@ pub struct Trace {
     pub expandable: Option<bool>,
     /// The mode, when vram-ledger recorded the trace (its snapshots say so).
     pub vram_ledger_mode: Option<String>,
+    /// Memory the recording found live, put back as the first events (`before.rs`).
+    pub before: Before,
 }
 
 /// Read a snapshot file (gzipped or not).
@@ -93,12 +98,12 @@ pub fn read_bytes_with(
     parse_snapshot(&input::decode(bytes, limits)?, device)
 }
 
-fn get<'a>(d: &'a BTreeMap<HashableValue, Value>, key: &str) -> Option<&'a Value> {
+pub(super) fn get<'a>(d: &'a BTreeMap<HashableValue, Value>, key: &str) -> Option<&'a Value> {
     d.get(&HashableValue::String(key.to_owned()))
 }
 
 /// What kind of value `v` is, for messages.
-fn kind(v: &Value) -> &'static str {
+pub(super) fn kind(v: &Value) -> &'static str {
     match v {
         Value::None => "None",
         Value::Bool(_) => "a bool",
@@ -122,7 +127,12 @@ fn integer(v: &Value) -> Result<i128, FieldError> {
 }
 
 /// An integer in `lo..hi`.
-fn bounded(v: &Value, lo: i128, hi: i128, range: &'static str) -> Result<u64, FieldError> {
+pub(super) fn bounded(
+    v: &Value,
+    lo: i128,
+    hi: i128,
+    range: &'static str,
+) -> Result<u64, FieldError> {
     let i = integer(v)?;
     if !(lo..hi).contains(&i) {
         return Err(FieldError::OutOfRange { value: i, range });
@@ -206,7 +216,7 @@ impl Entry<'_> {
 }
 
 /// The trace's numbers for recorded stream handles (see the invariants above).
-struct Streams {
+pub(super) struct Streams {
     ids: HashMap<u64, u64>,
     handles: Vec<u64>,
 }
@@ -221,19 +231,52 @@ impl Streams {
 
     /// The number for `handle`, a new one on its first appearance (in trace entry `entry`).
     fn id(&mut self, handle: u64, entry: usize) -> Result<u64, TraceError> {
+        self.number(handle).ok_or(TraceError::TooManyStreams {
+            entry,
+            max: MAX_STREAMS,
+        })
+    }
+
+    /// The number for `handle`; `None` past [`MAX_STREAMS`].
+    pub(super) fn number(&mut self, handle: u64) -> Option<u64> {
         if let Some(&id) = self.ids.get(&handle) {
-            return Ok(id);
+            return Some(id);
         }
         if self.handles.len() == MAX_STREAMS {
-            return Err(TraceError::TooManyStreams {
-                entry,
-                max: MAX_STREAMS,
-            });
+            return None;
         }
         let id = self.handles.len() as u64;
         self.ids.insert(handle, id);
         self.handles.push(handle);
-        Ok(id)
+        Some(id)
+    }
+
+    /// Number the streams again in order of first appearance in `events` (the default stream
+    /// staying 0), after events were put before the first.
+    fn renumber(&mut self, events: &mut [Event]) {
+        let mut new: HashMap<u64, u64> = HashMap::from([(0, 0)]);
+        let mut handles = vec![0];
+        for e in events.iter_mut() {
+            let next = new.len() as u64;
+            let id = *new.entry(e.stream).or_insert_with(|| {
+                handles.push(self.handles[e.stream as usize]);
+                next
+            });
+            e.stream = id;
+        }
+        // Streams only the end state names, after those the events name.
+        for (old, &h) in self.handles.iter().enumerate() {
+            if let std::collections::hash_map::Entry::Vacant(v) = new.entry(old as u64) {
+                v.insert(handles.len() as u64);
+                handles.push(h);
+            }
+        }
+        self.ids = handles
+            .iter()
+            .enumerate()
+            .map(|(i, &h)| (h, i as u64))
+            .collect();
+        self.handles = handles;
     }
 }
 
@@ -311,6 +354,18 @@ fn parse_snapshot(value: &Value, device: Option<usize>) -> Result<Trace, TraceEr
             sleep,
         });
     }
+    let end = before::end_segments(top, idx, &mut streams)?;
+    let (mut events, live) = before::live_before(
+        &trace.events,
+        end.as_deref(),
+        trace.expandable == Some(true),
+    );
+    if !live.is_empty() {
+        events.append(&mut trace.events);
+        trace.events = events;
+        streams.renumber(&mut trace.events);
+    }
+    trace.before = live;
     trace.streams = streams.handles;
     Ok(trace)
 }

@@ -1,0 +1,62 @@
+"""What the environment chooses, read once per process (so each case runs in a child): a
+backend the variables do not name, or a library file that is none, is an error that says so,
+never a silent fall-back to the CUDA driver or a bare OSError."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vram_ledger as vl
+
+
+def child(code: str, **env) -> subprocess.CompletedProcess:
+    package = str(Path(vl.__file__).resolve().parent.parent)
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")])),
+            "VRAM_LEDGER_LIB": vl.library_path()}
+    for k in ("VRAM_LEDGER_DRIVER", "VRAM_LEDGER_SIM_DEVICES", "VRAM_LEDGER_LOG"):
+        full.pop(k, None)
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True)
+
+
+STATS = """
+import vram_ledger as vl
+try:
+    vl.stats()
+    print("ok")
+except vl.VramLedgerError as e:
+    print("error:", e)
+"""
+
+
+@pytest.mark.parametrize("driver, sim_devices, says", [
+    ("SIM", None, 'VRAM_LEDGER_DRIVER="SIM" names no backend'),
+    ("bogus", None, 'VRAM_LEDGER_DRIVER="bogus" names no backend'),
+    ("sim", "abc", 'VRAM_LEDGER_SIM_DEVICES="abc" is not a count of devices'),
+    ("sim", "-1", 'VRAM_LEDGER_SIM_DEVICES="-1" is not a count of devices'),
+])
+def test_a_backend_the_environment_does_not_name_is_refused(driver, sim_devices, says):
+    env = {"VRAM_LEDGER_DRIVER": driver, **({"VRAM_LEDGER_SIM_DEVICES": sim_devices} if sim_devices else {})}
+    out = child(STATS, **env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("error:") and says in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("sim_devices", [None, "1", " 2 "])
+def test_the_simulated_backend_runs_with_a_count_or_none(sim_devices):
+    env = {"VRAM_LEDGER_DRIVER": "sim", **({"VRAM_LEDGER_SIM_DEVICES": sim_devices} if sim_devices else {})}
+    out = child(STATS, **env)
+    assert out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("not_a_library", ["/etc/hostname", "__file__"])
+def test_a_file_that_is_no_library_raises_the_packages_error(not_a_library, tmp_path):
+    path = str(Path(vl.__file__)) if not_a_library == "__file__" else not_a_library
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not on this machine")
+    out = child(STATS, VRAM_LEDGER_DRIVER="sim", VRAM_LEDGER_LIB=path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"error: cannot load {path}:"), out.stdout
