@@ -125,6 +125,11 @@ fn rules_cmd(sizes: &[String]) -> Result<(), String> {
         "request", "rounded", "pool", "new segment", "expandable page"
     );
     for n in sizes {
+        if n == 0 {
+            // As PyTorch's allocator: 0 bytes is a null pointer, no block.
+            println!("{:>16} {:>16}", 0, "none (null)");
+            continue;
+        }
         let r = rules::round_size(n);
         let pool = rules::pool_for(r);
         println!(
@@ -536,12 +541,17 @@ fn replay_table(r: &replay::ReplayResult) -> String {
         tenths(&r.torch_driver_seconds_by_tenth)
     );
     s += &format!("  {:<28} {:>14}\n", "out of memory", r.ooms);
+    // Per tag the two columns are not the same measure: ours is the blocks handed out (sizes
+    // rounded), the trace's what was asked for.
+    if Tag::ALL.iter().any(|&t| r.per_tag[t].peak_live > 0) {
+        s += "  per tag: the blocks handed out (rounded) | the bytes the trace asked for\n";
+    }
     for t in Tag::ALL {
         let p = r.per_tag[t];
         if p.peak_live > 0 {
             s += &format!(
                 "  {:<28} {:>14} {:>14}\n",
-                format!("peak live {}", t.name()),
+                format!("peak {}", t.name()),
                 g(p.peak_allocated),
                 g(p.peak_live)
             );

@@ -274,3 +274,17 @@ def test_the_helpers_refuse_every_value_out_of_range():
         _args.device(-1)
     with pytest.raises(OverflowError):
         _args.devices(2**32)
+
+
+def test_the_budget_read_inside_the_profile_block_is_an_error_not_a_key_error():
+    r = run_on_sim("""
+        with vl.profile(0.5) as p:
+            try:
+                p.kv_budget
+                inside = None
+            except vl.VramLedgerError as e:
+                inside = str(e)
+        print(json.dumps({"inside": inside, "after": p.kv_budget}))
+    """)
+    assert "once the profile() block has ended" in r["inside"], r
+    assert r["after"] > 0, r

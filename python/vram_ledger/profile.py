@@ -18,6 +18,9 @@ class Profile:
 
     @property
     def kv_budget(self) -> int:
+        if "kv_budget" not in self.result:
+            # Read inside the block: there is no budget yet.
+            raise VramLedgerError("kv_budget is known once the profile() block has ended")
         return int(self.result["kv_budget"])
 
 

@@ -18,7 +18,7 @@ pub enum TraceError {
     TooLarge { reading: Reading, limit: u64 },
     #[error("the gzip stream is corrupt: {0}")]
     Gzip(#[source] std::io::Error),
-    #[error("not a pickle: it does not start with a pickle protocol header")]
+    #[error("not a pickle: it does not start with a pickle protocol header (protocol 2 or later, as PyTorch writes)")]
     NoPickleHeader,
     #[error("refused: {0}")]
     Refused(#[from] Refusal),
