@@ -69,8 +69,8 @@ fn chosen() -> &'static std::result::Result<Backend, String> {
     })
 }
 
-/// This process's backend ([`chosen`]; the CUDA driver when the environment names none that
-/// exists, for naming only: no device is made then).
+/// This process's backend, as the environment chose it (the CUDA driver when the environment
+/// names none that exists, for naming only: no device is made then).
 pub fn backend() -> Backend {
     chosen().clone().unwrap_or(Backend::Cuda)
 }
