@@ -248,10 +248,16 @@ fn replay_cmd(args: &ReplayArgs) -> Result<(), String> {
         // Below an idle stream's price a wait would cost less than it does with nothing to drain.
         Some(us) if us.is_finite() && (0.2..=1e9).contains(&us) => Some((us * 1e3).round() as u64),
         Some(us) => {
+            // `{:e}` keeps 1e300 one short word instead of 301 digits.
             return Err(format!(
-                "--sync-us: {us} is not a number of microseconds from 0.2 (an idle stream's \
-                 synchronisation) to 10⁹"
-            ))
+                "--sync-us: {} is not a number of microseconds from 0.2 (an idle stream's \
+                 synchronisation) to 10⁹",
+                if us.abs() >= 1e9 {
+                    format!("{us:e}")
+                } else {
+                    us.to_string()
+                }
+            ));
         }
         None => replay::ReplayOptions::default().sync_ns,
     };

@@ -37,7 +37,7 @@ pub fn ledger_table(s: &Snapshot) -> String {
         s.all.total_allocations
     ));
     out.push_str(&format!(
-        "reserved {} (peak {}), cached {}, segments {}; driver calls: {}; {} retries, {} OOMs\n",
+        "reserved {} (peak {}), cached {}, plain segments {}; driver calls: {}; {} retries, {} OOMs\n",
         Bytes(s.reserved_bytes.current),
         Bytes(s.reserved_bytes.peak),
         Bytes(s.cached_bytes),

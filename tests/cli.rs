@@ -48,6 +48,10 @@ fn values_that_would_give_empty_figures_are_refused() {
         (["--capacity", "1"], "--capacity: 1 is less than the 2 MiB"),
         (["--capacity", "0"], "--capacity: 0 is less than the 2 MiB"),
         (["--remap-piece", "0"], "--remap-piece: 0 is no piece"),
+        (
+            ["--sync-us", "1e300"],
+            "--sync-us: 1e300 is not a number of microseconds",
+        ),
     ] {
         let out = cli(&[
             "replay",
