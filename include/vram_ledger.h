@@ -66,11 +66,13 @@ typedef void (*vram_ledger_memory_report)(void *ptr, int64_t size, uint64_t allo
 
 /* ---- src/ffi/boundary.rs ----------------------------------------------------
  * The boundary every C entry point goes through: errors and panics become return values and a
- * per-thread message, failures are logged, and arguments from C are checked.
+ * per-thread message, failures of entry points that return nothing are logged, and arguments
+ * from C are checked.
  */
 
-/* Send the failures of C entry points to `callback` instead of stderr (NULL goes back to
- * stderr). The Python package hands it `logging`. The callback runs on the failing thread,
+/* Send the failures of C entry points that return nothing (`void`, such as a free) to
+ * `callback` instead of stderr (NULL goes back to stderr); the others' failures are in their
+ * results. The Python package hands it `logging`. The callback runs on the failing thread,
  * after the failed call has released every lock of the allocator, and must not unwind.
  */
 void vram_ledger_set_log_callback(vram_ledger_log_callback callback);

@@ -17,8 +17,9 @@ their allocations are counted as "untracked" (set a tag inside a hook to change 
 
 The shared library is found from, in order: the VRAM_LEDGER_LIB environment variable, this
 package's folder (where the wheel and `pip install ./python` put it), and the repository's
-target/release folder. Failures inside the library (a failed free or record_stream, which return nothing, too)
-are logged through `logging` (logger "vram_ledger", level WARNING). With VRAM_LEDGER_LOG set
+target/release folder. A failure that raises is not logged as well; failures of calls that return
+nothing (a failed free or record_stream) are logged through `logging` (logger "vram_ledger",
+level WARNING). With VRAM_LEDGER_LOG set
 (`debug`, `off`, any tracing filter) the library logs to stderr itself, at that level.
 
 Every public function, with its errors, is described in docs/python.md in the repository.

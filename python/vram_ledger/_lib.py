@@ -218,7 +218,7 @@ def _loaded() -> Tuple[ctypes.CDLL, Abi]:
                 raise VramLedgerError(f"cannot load {path}: {e}") from e
             described = _bind(lib, path, _read_abi(lib, path))
             if not os.environ.get("VRAM_LEDGER_LOG"):
-                # Failures inside the library reach `logging` (logger "vram_ledger"); an
+                # Failures of calls that return nothing reach `logging` (logger "vram_ledger"); an
                 # explicit VRAM_LEDGER_LOG keeps the library's own stderr output and filter.
                 # Handed back before the interpreter shuts down, after which a callback into
                 # Python could not run: frees during teardown log to stderr.

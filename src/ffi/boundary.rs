@@ -1,5 +1,6 @@
 //! The boundary every C entry point goes through: errors and panics become return values and a
-//! per-thread message, failures are logged, and arguments from C are checked.
+//! per-thread message, failures of entry points that return nothing are logged, and arguments
+//! from C are checked.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -61,8 +62,9 @@ pub type LogCallback = unsafe extern "C" fn(level: c_int, message: *const c_char
 /// The host's sink, as an address (0: none, the log goes to stderr through `tracing`).
 static LOG_CALLBACK: AtomicUsize = AtomicUsize::new(0);
 
-/// Send the failures of C entry points to `callback` instead of stderr (NULL goes back to
-/// stderr). The Python package hands it `logging`. The callback runs on the failing thread,
+/// Send the failures of C entry points that return nothing (`void`, such as a free) to
+/// `callback` instead of stderr (NULL goes back to stderr); the others' failures are in their
+/// results. The Python package hands it `logging`. The callback runs on the failing thread,
 /// after the failed call has released every lock of the allocator, and must not unwind.
 #[no_mangle]
 pub extern "C" fn vram_ledger_set_log_callback(callback: Option<LogCallback>) {
@@ -87,22 +89,27 @@ fn report_failure(msg: &str) {
 /// Python's `logging.WARNING`.
 const WARNING: c_int = 30;
 
-/// Run `f`, turning errors and panics into `on_err` and a last-error message, logged at warn
-/// level (so that a failure of a `void` entry point, which returns nothing to check, is never
-/// silent). Building and storing the message runs under `catch_unwind` too: a panic there (an
-/// allocation failure, say) leaves the static [`UNRECORDED`] message instead, and never
-/// unwinds into C.
-pub(crate) fn guard<T>(on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
-    guard_with(true, on_err, f)
+/// Run `f`, turning errors and panics into `on_err` and a last-error message. A failure of a
+/// `void` entry point, which returns nothing to check, is logged at warn level (to the host's
+/// callback if it gave one), so that it is never silent; any other entry point's caller sees
+/// the failure in its result and reads the message, so it is logged at debug level only (at
+/// warn too, every error a host raised was printed a second time). Building and storing the
+/// message runs under `catch_unwind` too: a panic there (an allocation failure, say) leaves
+/// the static [`UNRECORDED`] message instead, and never unwinds into C.
+pub(crate) fn guard<T: 'static>(on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
+    let void = std::any::TypeId::of::<T>() == std::any::TypeId::of::<()>();
+    guard_with(void, on_err, f)
 }
 
 /// [`guard`] for an entry point whose caller receives the failure's message itself (a C++
-/// exception): it is recorded as the last error but not logged.
+/// exception): it is recorded as the last error and logged at debug level only.
 pub(crate) fn guard_unlogged<T>(on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
     guard_with(false, on_err, f)
 }
 
-fn guard_with<T>(log: bool, on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
+/// `warn`: the failure goes to the host's sink or the log at warn level; otherwise to the log
+/// at debug level.
+fn guard_with<T>(warn: bool, on_err: T, f: impl FnOnce() -> Result<T, String>) -> T {
     let run = || {
         let msg = match catch_unwind(AssertUnwindSafe(f)) {
             Ok(Ok(v)) => return Some(v),
@@ -112,8 +119,11 @@ fn guard_with<T>(log: bool, on_err: T, f: impl FnOnce() -> Result<T, String>) ->
                 panic_message(&*panic)
             ),
         };
-        if log {
+        if warn {
             report_failure(&msg);
+        } else {
+            ensure_logging();
+            tracing::debug!("{msg}");
         }
         let c = CString::new(msg.replace('\0', " ")).unwrap_or_else(|_| UNRECORDED.into());
         set_error(Cow::Owned(c));
@@ -233,18 +243,20 @@ mod tests {
     #[test]
     fn failures_go_to_the_hosts_callback_when_it_gave_one() {
         vram_ledger_set_log_callback(Some(sink));
-        assert_eq!(guard(-1, || Err("routed failure".to_string())), -1);
+        guard((), || Err("routed failure".to_string()));
+        // A failure its caller sees in the result is the caller's to report, not the log's.
+        assert_eq!(guard(-1, || Err("checked failure".to_string())), -1);
+        assert_eq!(last_error(), "checked failure");
         vram_ledger_set_log_callback(None);
-        assert_eq!(guard(-1, || Err("unrouted failure".to_string())), -1);
+        guard((), || Err("unrouted failure".to_string()));
         let seen = SEEN.lock().unwrap();
         assert!(
             seen.contains(&(30, "routed failure".to_string())),
             "{seen:?}"
         );
-        assert!(
-            !seen.iter().any(|(_, m)| m == "unrouted failure"),
-            "{seen:?}"
-        );
+        for m in ["unrouted failure", "checked failure"] {
+            assert!(!seen.iter().any(|(_, s)| s == m), "{m}: {seen:?}");
+        }
     }
 
     #[test]
