@@ -252,7 +252,8 @@ impl Streams {
     }
 
     /// Number the streams again in order of first appearance in `events` (the default stream
-    /// staying 0), after events were put before the first.
+    /// staying 0), keeping only those the events name, after events were put before the first
+    /// (or the end state named streams of its own).
     fn renumber(&mut self, events: &mut [Event]) {
         let mut new: HashMap<u64, u64> = HashMap::from([(0, 0)]);
         let mut handles = vec![0];
@@ -264,13 +265,7 @@ impl Streams {
             });
             e.stream = id;
         }
-        // Streams only the end state names, after those the events name.
-        for (old, &h) in self.handles.iter().enumerate() {
-            if let std::collections::hash_map::Entry::Vacant(v) = new.entry(old as u64) {
-                v.insert(handles.len() as u64);
-                handles.push(h);
-            }
-        }
+        // Streams only the end state's idle segments named are left out: no event uses them.
         self.ids = handles
             .iter()
             .enumerate()
@@ -360,11 +355,9 @@ fn parse_snapshot(value: &Value, device: Option<usize>) -> Result<Trace, TraceEr
         end.as_deref(),
         trace.expandable == Some(true),
     );
-    if !live.is_empty() {
-        events.append(&mut trace.events);
-        trace.events = events;
-        streams.renumber(&mut trace.events);
-    }
+    events.append(&mut trace.events);
+    trace.events = events;
+    streams.renumber(&mut trace.events);
     trace.before = live;
     trace.streams = streams.handles;
     Ok(trace)
