@@ -77,11 +77,16 @@ int main(void) {
     CHECK(vram_ledger_configure("remap") == 0, "configure remap");
     CHECK(vram_ledger_separate_tags(1) == 0, "separate_tags");
 
-    /* An error: -1, its message on this thread, and one report to the callback at WARNING. */
+    /* An error with a result: -1 and its message on this thread. The caller has it, so it is
+     * not reported to the callback as well. */
     CHECK(vram_ledger_configure("nonsense") == -1, "configure nonsense");
     CHECK(strstr(vram_ledger_last_error(), "nonsense") != NULL, "%s", vram_ledger_last_error());
+    CHECK(logged == 0, "logged %d: \"%s\"", logged, last_logged);
+    /* A void function's failure (a free of a pointer never allocated) has no result to carry
+     * it: one report to the callback at WARNING. */
+    vram_ledger_free((void *)0x3039, 16, 0, NULL);
     CHECK(logged == 1 && last_level == 30, "logged %d at %d", logged, last_level);
-    CHECK(strstr(last_logged, "nonsense") != NULL, "logged \"%s\"", last_logged);
+    CHECK(strstr(last_logged, "0x3039") != NULL, "logged \"%s\"", last_logged);
 
     /* Tags nest per thread; kv is kv_cache's alias. */
     CHECK(strcmp(vram_ledger_current_tag(), "untracked") == 0, "%s", vram_ledger_current_tag());
