@@ -232,7 +232,7 @@ def test_unknown_modes_and_tags_are_refused_by_install_and_mempool_before_torch_
     for bad in (3, b"native", True):
         with pytest.raises(TypeError, match="mode must be a str or None"):
             vl.install(mode=bad)
-    with pytest.raises(ValueError, match="needs a virtual-memory mode: install\\(mode='expandable', sleep=True\\), or compact, or remap"):
+    with pytest.raises(ValueError, match="needs a virtual-memory mode: mode='expandable', or compact, or remap"):
         vl.install(mode="native", sleep=True)
     with pytest.raises(ValueError, match="tag must be one of weights, activation, activations, kv_cache, kv, untracked"):
         vl.mempool("weight")

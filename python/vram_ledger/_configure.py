@@ -37,7 +37,7 @@ def _validated(mode, sleep, unmap_later, remap_piece, move_across_streams) -> Se
         mode = DEFAULT_MODE
     if sleep and mode not in abi().virtual_modes:
         first, *others = [m for m in abi().modes if m in abi().virtual_modes]
-        raise ValueError(f"sleep=True needs a virtual-memory mode: install(mode={first!r}, sleep=True), or {', or '.join(others)}")
+        raise ValueError(f"sleep=True needs a virtual-memory mode: mode={first!r}, or {', or '.join(others)}")
     if not isinstance(unmap_later, bool):
         raise TypeError(f"unmap_later must be True or False, not {unmap_later!r}")
     if unmap_later and mode != "remap":

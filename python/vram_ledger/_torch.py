@@ -26,8 +26,6 @@ def _address(fn: Any) -> Optional[int]:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-
-
 def install(
     mode: Optional[str] = None,
     torch_stats: bool = True,

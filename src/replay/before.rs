@@ -18,12 +18,12 @@
 //!   recorded address, size and stream, and the tag of the event that frees it (untracked when
 //!   none does).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 
 use serde_pickle::{HashableValue, Value};
 
 use super::error::{FieldError, TraceError};
-use super::trace::{bounded, get, kind, Action, Event, Streams};
+use super::trace::{bounded, get, kind, stream_handle, Action, Event, Streams};
 use crate::allocator::rules::ABSURD_SIZE;
 use crate::tag::Tag;
 
@@ -81,11 +81,7 @@ pub(crate) fn end_segments(
                 continue;
             }
         }
-        let handle = match get(fields, "stream") {
-            None | Some(Value::None) => 0,
-            Some(v) => bounded(v, i128::from(i64::MIN), 1 << 64, "-2^63 to 2^64 - 1")
-                .map_err(|p| err("stream", p))?,
-        };
+        let handle = stream_handle(fields).map_err(|p| err("stream", p))?;
         let stream = streams.number(handle).ok_or_else(|| {
             err(
                 "stream",
@@ -222,18 +218,18 @@ pub(crate) fn live_before(
             }
         }
     }
-    // A block's state through the trace: allocated, freed (requested, not yet completed).
-    let mut live: HashMap<u64, bool> = HashMap::new();
+    // Addresses the trace holds a block at: allocated, or freed and not yet completed.
+    let mut held: HashSet<u64> = HashSet::new();
     let mut put_back: HashSet<u64> = HashSet::new();
     let mut blocks = Vec::new();
     let mut requested = Vec::new();
     for e in events {
         match e.action {
             Action::Alloc => {
-                live.insert(e.addr, true);
+                held.insert(e.addr);
             }
             Action::FreeRequested | Action::FreeCompleted => {
-                if !live.contains_key(&e.addr) && put_back.insert(e.addr) {
+                if !held.contains(&e.addr) && put_back.insert(e.addr) {
                     blocks.push(event(Action::Alloc, e.addr, e.size, e.stream, e.tag));
                     // Its free was asked for before the recording; only its completion is in
                     // the trace (the block awaited other streams' work).
@@ -248,9 +244,9 @@ pub(crate) fn live_before(
                     }
                 }
                 if e.action == Action::FreeRequested {
-                    live.insert(e.addr, false);
+                    held.insert(e.addr);
                 } else {
-                    live.remove(&e.addr);
+                    held.remove(&e.addr);
                 }
             }
             _ => {}
@@ -259,7 +255,7 @@ pub(crate) fn live_before(
     let mut only_at_end = BTreeMap::new();
     for s in end.unwrap_or_default() {
         for &(addr, size) in &s.live {
-            if !live.contains_key(&addr) && !put_back.contains(&addr) {
+            if !held.contains(&addr) && !put_back.contains(&addr) {
                 only_at_end.insert(
                     addr,
                     event(Action::Alloc, addr, size, s.stream, Tag::Untracked),
@@ -291,16 +287,8 @@ fn event(action: Action, addr: u64, size: u64, stream: u64, tag: Tag) -> Event {
 #[cfg(test)]
 mod tests {
     use super::super::trace::read_bytes;
+    use super::super::trace::tests::entry as d;
     use super::*;
-
-    fn d(fields: &[(&str, Value)]) -> Value {
-        Value::Dict(
-            fields
-                .iter()
-                .map(|(k, v)| (HashableValue::String((*k).into()), v.clone()))
-                .collect(),
-        )
-    }
 
     fn ev(action: &str, addr: i64, size: i64, stream: i64) -> Value {
         d(&[

@@ -141,6 +141,15 @@ pub(super) fn bounded(
     Ok(i as u64)
 }
 
+/// The recorded stream handle of a trace entry or an end-state segment: any 64-bit integer,
+/// signed (as PyTorch writes it) or not; the default stream when absent.
+pub(super) fn stream_handle(fields: &BTreeMap<HashableValue, Value>) -> Result<u64, FieldError> {
+    match get(fields, "stream") {
+        None | Some(Value::None) => Ok(0),
+        Some(v) => bounded(v, i128::from(i64::MIN), 1 << 64, "-2^63 to 2^64 - 1"),
+    }
+}
+
 /// One trace entry's fields, read as the replay needs them.
 struct Entry<'a> {
     fields: &'a BTreeMap<HashableValue, Value>,
@@ -175,14 +184,9 @@ impl Entry<'_> {
         self.int("size", i128::from(ABSURD_SIZE), "0 to 2^60 - 1")
     }
 
-    /// The recorded stream handle: any 64-bit integer, signed (as PyTorch writes it) or not;
-    /// the default stream when absent.
+    /// The recorded stream handle ([`stream_handle`]).
     fn stream(&self) -> Result<u64, TraceError> {
-        match get(self.fields, "stream") {
-            None | Some(Value::None) => Ok(0),
-            Some(v) => bounded(v, i128::from(i64::MIN), 1 << 64, "-2^63 to 2^64 - 1")
-                .map_err(|p| self.error("stream", p)),
-        }
+        stream_handle(self.fields).map_err(|p| self.error("stream", p))
     }
 
     /// The tag named by `user_metadata`, and whether it marks a segment event of sleep or
@@ -364,7 +368,7 @@ fn parse_snapshot(value: &Value, device: Option<usize>) -> Result<Trace, TraceEr
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     fn snapshot(entries: Vec<Value>) -> Vec<u8> {
@@ -376,7 +380,7 @@ mod tests {
         serde_pickle::value_to_vec(&Value::Dict(top), Default::default()).unwrap()
     }
 
-    fn entry(fields: &[(&str, Value)]) -> Value {
+    pub(in crate::replay) fn entry(fields: &[(&str, Value)]) -> Value {
         Value::Dict(
             fields
                 .iter()
