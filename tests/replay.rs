@@ -385,6 +385,25 @@ fn replay_synthetic_snapshot_exactly() {
 }
 
 #[test]
+fn the_default_device_holds_what_an_h200_holds() {
+    // PyTorch gives the H200's total as 139.80 GiB: a 139 GiB block fits the device a replay
+    // simulates by default, a 140 GiB one does not.
+    for (gib, fits) in [(139, true), (140, false)] {
+        let mib = gib * 1024;
+        let bytes = snapshot(events(&format!(
+            "alloc 0x10000000 {mib}; free_requested 0x10000000 {mib}; free_completed 0x10000000 {mib};"
+        )));
+        let t = replay::trace::read_bytes(&bytes, None).unwrap();
+        let opts = ReplayOptions {
+            timeline_points: 0,
+            ..Default::default()
+        };
+        let r = replay::replay(&t, &opts, |_| {}).unwrap();
+        assert_eq!(r.ooms == 0, fits, "{gib} GiB: {} out of memory", r.ooms);
+    }
+}
+
+#[test]
 fn replay_drains_pytorchs_streams_one_by_one() {
     // PyTorch's expandable segments synchronise a segment's stream before unmapping it (one
     // call per unmap), which drains that stream's work only; a segment free synchronises the

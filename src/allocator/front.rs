@@ -441,8 +441,10 @@ impl<D: Driver> Allocator<D> {
         self.core.history.live_contexts()
     }
 
-    /// Free an allocation. Looks the pointer up in every shard; prefer [`Allocator::free_on`]
-    /// when the allocation's stream is known. Pointer 0 is a no-op.
+    /// Free an allocation. The address tables name the shard that holds the pointer (a few
+    /// loads); only where they cannot (segments of two shards in one granule) are the shards
+    /// searched in turn. [`Allocator::free_on`] takes the stream's shard directly. Pointer 0 is
+    /// a no-op.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
         if ptr == 0 {
             return Ok(());

@@ -61,8 +61,9 @@ pub struct ReplayOptions {
     pub unmap_later: bool,
 }
 
-/// An H200's memory as `cuMemGetInfo` reports it.
-pub const H200_CAPACITY: u64 = 143_771_287_552;
+/// An H200's memory as `cuMemGetInfo` reports it: 139.80 GiB, the total capacity PyTorch's
+/// out-of-memory message gives on the H200 machines.
+pub const H200_CAPACITY: u64 = 150_110_519_296;
 
 impl Default for ReplayOptions {
     fn default() -> Self {
