@@ -21,6 +21,8 @@ pub struct OomReport {
     pub device_free: u64,
     /// This process's usage as the driver reports it, when it can.
     pub process_usage: Option<u64>,
+    /// Bytes allocated to awake tags (an asleep tag's allocations hold no device memory; they
+    /// are in `asleep`).
     pub allocated: u64,
     pub reserved: u64,
     /// Reserved but unallocated.
@@ -28,9 +30,14 @@ pub struct OomReport {
     /// process usage − reserved: context, libraries, memory allocated behind our back.
     pub non_allocator: Option<u64>,
     pub per_tag: PerTag<u64>,
+    /// Bytes of each tag given back to the driver while it sleeps (its allocations stay
+    /// allocated, in `per_tag`).
+    pub asleep: PerTag<u64>,
     pub limit: Option<u64>,
     /// The budget contract: what this process as a whole may use, when one is set.
     pub cap: Option<u64>,
+    /// The allocator's segment mode ([`crate::SegmentMode::name`]).
+    pub mode: &'static str,
     /// Why the last attempt failed.
     #[serde(serialize_with = "as_text")]
     pub cause: OomCause,
@@ -55,6 +62,15 @@ pub enum OomCause {
         held: u64,
         outside: u64,
         cap: u64,
+    },
+    /// The KV cache would grow past what the budget contract leaves it.
+    #[error(
+        "{} more is past the {} the budget contract leaves it ({})",
+        Bytes(*wanted), Bytes(room.room), room
+    )]
+    KvRoom {
+        wanted: u64,
+        room: Box<crate::allocator::KvRoom>,
     },
     /// The driver has no memory for it.
     #[error(transparent)]
@@ -134,6 +150,17 @@ impl OomReport {
             write!(f, " {} {}", t, Bytes(self.per_tag[t]))?;
         }
         write!(f, ".")?;
+        let asleep: Vec<_> = crate::tag::Tag::ALL
+            .into_iter()
+            .filter(|&t| self.asleep[t] > 0)
+            .collect();
+        if !asleep.is_empty() {
+            write!(f, " Asleep (given back to the driver until they wake):")?;
+            for t in asleep {
+                write!(f, " {} {}", t, Bytes(self.asleep[t]))?;
+            }
+            write!(f, ".")?;
+        }
         if let Some(l) = self.limit {
             write!(f, " The allocator's limit is {}.", Bytes(l))?;
         }
@@ -145,11 +172,20 @@ impl OomReport {
             )?;
         }
         write!(f, " Last failure: {}.", self.cause)?;
+        // What is still cached after the release could not be given back: free memory beside
+        // live blocks (or in graph pools, which keep theirs).
         if self.cached > self.needed {
-            write!(
-                f,
-                " Much is cached but fragmented: the expandable segment mode may help."
-            )?;
+            if self.mode == crate::SegmentMode::Native.name() {
+                write!(
+                    f,
+                    " Much is cached but fragmented: a virtual-memory mode (expandable, compact or remap) may help."
+                )?;
+            } else {
+                write!(
+                    f,
+                    " Much is cached but pinned beside live blocks or held by graph pools."
+                )?;
+            }
         }
         Ok(())
     }
@@ -235,6 +271,22 @@ pub enum Error {
          its streams' memory can no longer be used (other shards still work)"
     )]
     Poisoned { shard: usize },
+
+    /// Profiling failed ([`crate::profile`]); an allocator error met while profiling is
+    /// that error itself, not this.
+    #[error(transparent)]
+    Profile(Box<crate::profile::ProfileError>),
+}
+
+/// So that one `?` serves an engine's start-up, profiling included, in a function that returns
+/// [`Result`].
+impl From<crate::profile::ProfileError> for Error {
+    fn from(e: crate::profile::ProfileError) -> Error {
+        match e {
+            crate::profile::ProfileError::Alloc(e) => e,
+            e => Error::Profile(Box::new(e)),
+        }
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

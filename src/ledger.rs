@@ -2,7 +2,9 @@
 //!
 //! Invariants (hold at every quiescent point; the allocator keeps them, `invariants` checks):
 //! - Σ over tags of allocated bytes = allocated bytes (likewise requested bytes, counts);
-//! - allocated ≤ active ≤ reserved; cached = reserved − allocated;
+//! - allocated ≤ active ≤ reserved + sleeping; cached = reserved + sleeping − allocated (an
+//!   asleep tag's allocations stay allocated, and its memory is counted as sleeping, not
+//!   reserved);
 //! - every peak ≥ its current value.
 //!
 //! Layout, and why: the per-allocation counters live in one `ShardCells` per allocator
@@ -459,7 +461,9 @@ pub struct Snapshot {
     pub active_bytes: Counter,
     /// Bytes held from the driver (segments, or mapped pages).
     pub reserved_bytes: Counter,
-    /// Reserved but not allocated: cache slack and fragmentation.
+    /// Reserved but not allocated: cache slack and fragmentation. While a tag sleeps, its
+    /// allocations stay allocated and its memory is in `sleeping_bytes`, not reserved: this is
+    /// reserved + sleeping − allocated.
     pub cached_bytes: u64,
     /// Plain segments held.
     pub segments: Counter,

@@ -46,4 +46,5 @@ pub use allocator::{
 pub use driver::{Capture, DevicePtr, Driver, GraphPool, StreamId};
 pub use error::{Error, OomCause, OomReport, Result};
 pub use ledger::{Counter, KvBytes, PerTag, Snapshot, TagStats};
+pub use profile::{Margin, ProfileError, ProfileOptions, ProfileResult, Profiler};
 pub use tag::Tag;

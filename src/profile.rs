@@ -256,10 +256,10 @@ impl ProfileResult {
             g(self.cached),
             g(self.non_allocator),
             match self.source {
-                UsageSource::Process => format!("{} at the first allocation", g(self.non_allocator_baseline)),
-                // The device-wide figure counts from the first allocation, so it has no part
-                // before it to show.
-                UsageSource::DeviceWide => "counted from the first allocation".to_string(),
+                UsageSource::Process => format!("{} at the baseline", g(self.non_allocator_baseline)),
+                // The device-wide figure counts from the baseline, so it has no part before it
+                // to show.
+                UsageSource::DeviceWide => "counted from the baseline".to_string(),
             },
             g(self.non_allocator_at_begin),
             g(self.non_allocator.saturating_sub(self.non_allocator_at_begin)),
@@ -455,7 +455,7 @@ impl<D: Driver> ProfileScope<'_, '_, D> {
         let outside = self.outside(&exit)?;
         let result = self.compute(&exit, &peak, outside);
         result.log();
-        if !result.overridden && self.requested <= result.non_kv + result.margin {
+        if !result.overridden && self.requested <= result.non_kv.saturating_add(result.margin) {
             return Err(ProfileError::NoRoomForKvCache(Box::new(result)));
         }
         // Eager work's peak, what it still holds at the end (the weights, mostly) and what it

@@ -568,3 +568,98 @@ fn a_fraction_made_as_bytes_over_the_total_is_those_bytes() {
         "limits that came back other than asked (total {total})"
     );
 }
+
+/// A request that fails leaves the process holding what it held before: the memory growth
+/// mapped on the way to failing goes back to the driver, so a process beside it can use it.
+#[test]
+fn a_failed_allocation_gives_back_what_it_mapped() {
+    use vram_ledger::driver::sim::SimDevice;
+    for mode in [
+        SegmentMode::Native,
+        SegmentMode::Expandable,
+        SegmentMode::Compact,
+        SegmentMode::Remap,
+    ] {
+        let dev = SimDevice::new(SimConfig::default());
+        let a = Allocator::new(dev.spawn_process().unwrap(), Config::with_mode(mode)).unwrap();
+        let b = Allocator::new(dev.spawn_process().unwrap(), Config::with_mode(mode)).unwrap();
+        let kept = a.allocate(GIB, S0).unwrap();
+        let held = a.snapshot().reserved_bytes.current;
+        let err = a.allocate(79 * GIB, S0).unwrap_err();
+        let Error::OutOfMemory(r) = &err else {
+            panic!("{mode}: {err}")
+        };
+        assert_eq!(
+            a.snapshot().reserved_bytes.current,
+            held,
+            "{mode}: the failed request left memory mapped"
+        );
+        assert_eq!(r.reserved, held, "{mode}: the report reads what is left");
+        let other = b
+            .allocate(GIB, S0)
+            .expect("the process beside it gets its memory");
+        b.free(other.ptr).unwrap();
+        a.free(kept.ptr).unwrap();
+        check(&a);
+        check(&b);
+    }
+}
+
+/// Pointer 0, a zero-byte allocation's, has no memory: recording a stream's use of it does
+/// nothing, as freeing it does (PyTorch's `recordStream` of an empty tensor likewise).
+#[test]
+fn record_stream_of_pointer_0_is_a_no_op() {
+    let a = sim(SegmentMode::Native);
+    let z = a.allocate(0, S0).unwrap();
+    assert_eq!(z.ptr, 0);
+    a.record_stream(z.ptr, S1).unwrap();
+    a.free(z.ptr).unwrap();
+    assert!(matches!(
+        a.record_stream(0x1234, S1),
+        Err(Error::UnknownPointer(0x1234))
+    ));
+    check(&a);
+}
+
+/// What an out-of-memory message advises for cached memory it could not use depends on the
+/// mode: a virtual-memory mode for native segments, not the one the allocator is already in.
+#[test]
+fn oom_advice_about_cached_memory_fits_the_mode() {
+    for mode in [
+        SegmentMode::Native,
+        SegmentMode::Expandable,
+        SegmentMode::Remap,
+    ] {
+        let device = SimConfig {
+            capacity: 4 * GIB,
+            ..Default::default()
+        };
+        let a = sim_on(device, Config::with_mode(mode));
+        // Live blocks pin free memory beside them: one 4 MiB block in five kept, 2.2 GiB free.
+        let blocks: Vec<_> = (0..700).map(|_| a.allocate(4 * MIB, S0).unwrap()).collect();
+        for (i, b) in blocks.iter().enumerate() {
+            if i % 5 != 0 {
+                a.free(b.ptr).unwrap();
+            }
+        }
+        let err = a.allocate(1200 * MIB, S0).unwrap_err();
+        let Error::OutOfMemory(r) = &err else {
+            panic!("{mode}: {err}")
+        };
+        assert_eq!(r.mode, mode.name());
+        assert!(r.cached > r.needed, "{mode}: {r:?}");
+        let text = err.to_string();
+        let advice = "a virtual-memory mode (expandable, compact or remap) may help";
+        assert_eq!(
+            text.contains(advice),
+            mode == SegmentMode::Native,
+            "{mode}: {text}"
+        );
+        assert!(
+            mode == SegmentMode::Native || text.contains("pinned beside live blocks"),
+            "{mode}: {text}"
+        );
+        free_all(&a, blocks.iter().step_by(5).map(|b| b.ptr));
+        check(&a);
+    }
+}

@@ -527,3 +527,47 @@ fn profile_override_margin_and_token_figures() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A margin too large to add to what was measured leaves no room for the KV cache: refused,
+/// not wrapped around to a budget of 0 with the contract armed.
+#[test]
+fn a_margin_of_every_byte_leaves_no_room() {
+    let a = sim(SegmentMode::Native);
+    let p = Profiler::new(&a).unwrap();
+    let o = ProfileOptions {
+        utilization: 0.5,
+        margin: Margin::Bytes(u64::MAX),
+        ..Default::default()
+    };
+    match p.profile(o, || {}) {
+        Err(ProfileError::NoRoomForKvCache(r)) => assert_eq!(r.margin, u64::MAX),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(a.cap(), None, "no contract armed");
+}
+
+/// An engine's start-up in one function returning the crate's `Result`, as the README shows
+/// it: profiling's errors convert with `?`, and its types are at the crate's root.
+#[test]
+fn profiling_errors_convert_into_the_crates_error() {
+    fn start(a: &Allocator<SimDriver>, utilization: f64) -> vram_ledger::Result<u64> {
+        let p = vram_ledger::Profiler::new(a)?;
+        let o = vram_ledger::ProfileOptions {
+            utilization,
+            margin: vram_ledger::Margin::Auto,
+            ..Default::default()
+        };
+        Ok(p.profile(o, || {})?.kv_budget)
+    }
+    let a = sim(SegmentMode::Native);
+    assert!(start(&a, 0.5).unwrap() > 0);
+    let e = start(&a, 1.5).unwrap_err();
+    assert!(
+        matches!(&e, vram_ledger::Error::Profile(p) if matches!(**p, ProfileError::BadUtilization(_))),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("utilization must be in (0, 1]"),
+        "{e}"
+    );
+}

@@ -623,3 +623,38 @@ fn sleep_and_wake_copy_with_no_shard_locked() {
         check(&a);
     }
 }
+
+/// An out-of-memory while a tag sleeps sets beside this process's usage only what holds
+/// device memory: the awake tags' allocations, and the asleep tag's bytes apart.
+#[test]
+fn an_out_of_memory_while_a_tag_sleeps_counts_only_awake_memory_as_in_use() {
+    for mode in VIRTUAL {
+        let a = allocator(mode, 8 * GIB);
+        let w = a.allocate_tagged(3 * GIB, S, Tag::Weights).unwrap();
+        a.sleep(&[Tag::Weights], &[]).unwrap();
+        let x = a.allocate_tagged(2 * GIB, S, Tag::Activation).unwrap();
+        let err = a.allocate_tagged(6 * GIB, S, Tag::Activation).unwrap_err();
+        let Error::OutOfMemory(r) = &err else {
+            panic!("{mode}: {err}")
+        };
+        let usage = r.process_usage.expect("the simulated driver reports usage");
+        assert_eq!(r.allocated, 2 * GIB, "{mode}: {r:?}");
+        assert!(r.allocated + r.cached <= usage, "{mode}: {r:?}");
+        // Its memory, pages or pieces rounded: 3 GiB and at most one piece more.
+        let asleep = r.asleep[Tag::Weights];
+        assert!(
+            (3 * GIB..3 * GIB + 68 * MIB).contains(&asleep),
+            "{mode}: {asleep}"
+        );
+        assert_eq!(r.per_tag[Tag::Weights], 3 * GIB, "{mode}: still allocated");
+        let text = err.to_string();
+        assert!(
+            text.contains("Asleep (given back to the driver until they wake): weights 3."),
+            "{mode}: {text}"
+        );
+        a.free(x.ptr).unwrap();
+        a.wake(&[]).unwrap();
+        a.free(w.ptr).unwrap();
+        check(&a);
+    }
+}

@@ -108,7 +108,8 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// Set or clear the limit on reserved bytes. A limit below what is held now is allowed:
-    /// growth fails (after releasing the cache) until enough is freed.
+    /// growth fails (after releasing the cache) until enough is freed. `u64::MAX` bytes is no
+    /// limit ([`Allocator::limit`] then says `None`): nothing can reserve that much.
     pub fn set_limit(&self, limit: Option<Limit>) -> Result<()> {
         let bytes = match limit {
             None => NONE,
@@ -140,7 +141,8 @@ impl<D: Driver> Allocator<D> {
     /// [`Error::OutOfMemory`] says the cap was the limit. Profiling sets it to the requested
     /// memory unless told not to. When the driver cannot see this process's usage, growth
     /// assumes the memory outside the allocator that profiling measured (0 if it never ran):
-    /// without per-process figures, nothing outside can be measured again.
+    /// without per-process figures, nothing outside can be measured again. A cap of `u64::MAX`
+    /// is no cap ([`Allocator::cap`] then says `None`).
     pub fn set_cap(&self, cap: Option<u64>) {
         let floor = match cap {
             Some(_) => self.core.outside_now(),
@@ -347,6 +349,17 @@ impl<D: Driver> Allocator<D> {
             return Ok(self.hand_out(&mut sh, pool, t.allocation(size, stream, tag)));
         }
         drop(sh);
+        // Growth that failed part-way keeps what it mapped before the failure (`mapped.rs`),
+        // and the retry mapped afresh what the release gave back: free blocks now, which would
+        // leave this process holding the memory it could not use, where other processes on the
+        // device need it (PyTorch's expandable segments undo a failed map too). Given back, so
+        // that a failed request leaves the process holding what it held before, and the report
+        // reads what is left.
+        if !self.core.driver.is_capturing(stream) {
+            if let Err(e) = self.empty_cache() {
+                tracing::warn!(error = %e, "giving back what a failed allocation mapped failed; it stays cached");
+            }
+        }
         self.core.ledger.ooms.fetch_add(1, Relaxed);
         // Returned, not logged: the caller has the report (the C boundary logs what it does not
         // hand over itself).
@@ -360,19 +373,29 @@ impl<D: Driver> Allocator<D> {
         let snap = self.snapshot();
         let reserved = snap.reserved_bytes.current;
         let needed = self.growth.needed(rounded, self.core.granularity);
+        let per_tag = PerTag(snap.per_tag.0.map(|t| t.allocated_bytes.current));
+        // An asleep tag's allocations hold no device memory: the figures set beside this
+        // process's usage are the awake tags'.
+        let allocated = Tag::ALL
+            .iter()
+            .filter(|&&t| snap.sleeping_bytes[t] == 0)
+            .map(|&t| per_tag[t])
+            .sum::<u64>();
         OomReport {
             requested,
             needed,
             device_total: info.total,
             device_free: info.free,
             process_usage: usage,
-            allocated: snap.all.allocated_bytes.current,
+            allocated,
             reserved,
-            cached: snap.cached_bytes,
+            cached: reserved.saturating_sub(allocated),
             non_allocator: usage.map(|u| u.saturating_sub(reserved)),
-            per_tag: PerTag(snap.per_tag.0.map(|t| t.allocated_bytes.current)),
+            per_tag,
+            asleep: snap.sleeping_bytes,
             limit: self.limit(),
             cap: self.cap(),
+            mode: self.mode().name(),
             cause,
         }
     }
@@ -483,7 +506,9 @@ impl<D: Driver> Allocator<D> {
         Err(poisoned.unwrap_or(Error::UnknownPointer(ptr)))
     }
 
-    /// the pointer is not in `stream`'s shard.
+    /// Free an allocation made on `stream`: one lock, that stream's shard. A pointer that
+    /// shard does not hold is then looked up as [`Allocator::free`] does, so a wrong stream
+    /// costs a second lookup, not an error. Pointer 0 is a no-op.
     #[inline]
     pub fn free_on(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
         if ptr == 0 {
@@ -509,8 +534,12 @@ impl<D: Driver> Allocator<D> {
     }
 
     /// Record that `stream` uses the allocation at `ptr`: when it is freed, its memory is not
-    /// reused until the work queued on `stream` by then has completed.
+    /// reused until the work queued on `stream` by then has completed. Pointer 0 (a zero-byte
+    /// allocation, which has no memory) is a no-op, as in PyTorch.
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
         self.in_owning_shard(ptr, |sh| sh.record_stream(ptr, stream))
     }
 

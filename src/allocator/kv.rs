@@ -72,9 +72,43 @@ pub struct KvRoom {
     /// The memory of tags asleep now, which their wake takes back within the cap.
     pub asleep: u64,
     pub margin: u64,
+    /// The allocator's limit ([`crate::Config::limit`]), when one is set: it bounds what the
+    /// allocator reserves, the KV cache included.
+    pub limit: Option<u64>,
     /// What is left for the KV cache: cap − (eager now + transient + graph pools + outside +
-    /// asleep + margin).
+    /// asleep + margin), and no more than limit − (eager now + transient + graph pools +
+    /// asleep) where a limit is set (memory outside the allocator is not under the limit).
     pub room: u64,
+}
+
+impl std::fmt::Display for KvRoom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use crate::units::Bytes;
+        write!(
+            f,
+            "{} requested, less {} held by eager work, {} kept for its passes, {} of graph pools, \
+             {} outside the allocator, {} asleep and a margin of {}",
+            Bytes(self.cap),
+            Bytes(self.eager_now),
+            Bytes(self.transient),
+            Bytes(self.graph_pools),
+            Bytes(self.outside),
+            Bytes(self.asleep),
+            Bytes(self.margin)
+        )?;
+        if let Some(limit) = self.limit {
+            let under = (self.eager_now + self.transient + self.graph_pools + self.asleep)
+                .saturating_add(self.room);
+            if under >= limit {
+                write!(
+                    f,
+                    "; the allocator's limit of {} leaves no more",
+                    Bytes(limit)
+                )?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// What [`Allocator::commit_kv`] did.
@@ -253,19 +287,17 @@ impl<D: Driver> Allocator<D> {
             )));
         }
         self.close_window(region);
-        if blocks > region.usable {
+        let g = self.core.granularity;
+        let want = (blocks * region.unit).div_ceil(g) * g;
+        // Blocks within memory the cache keeps mapped (a shrink keeps a partly used piece)
+        // need nothing new, and so no budget.
+        if blocks > region.usable && want > region.mapped() {
             self.empty_cache()?;
             let room = self.kv_room(region)?;
-            let g = self.core.granularity;
-            let want = (blocks * region.unit).div_ceil(g) * g;
-            // Blocks within memory the cache keeps mapped (a shrink keeps a partly used
-            // piece) need nothing new.
-            if want > region.mapped() && want > room.room {
-                return Err(Error::KvShort(Box::new(OomCause::Cap {
+            if want > room.room {
+                return Err(Error::KvShort(Box::new(OomCause::KvRoom {
                     wanted: want - region.mapped(),
-                    held: self.core.ledger.reserved(),
-                    outside: room.outside,
-                    cap: room.cap,
+                    room: Box::new(room),
                 })));
             }
         }
@@ -341,6 +373,11 @@ impl<D: Driver> Allocator<D> {
             .map(|&t| self.core.ledger.sleeping(t))
             .sum::<u64>();
         let non_kv = eager_now + transient + graph_pools + outside + asleep + margin;
+        let limit = self.limit();
+        let mut room = cap.saturating_sub(non_kv);
+        if let Some(limit) = limit {
+            room = room.min(limit.saturating_sub(eager_now + transient + graph_pools + asleep));
+        }
         Ok(KvRoom {
             cap,
             eager_now,
@@ -350,7 +387,8 @@ impl<D: Driver> Allocator<D> {
             outside,
             asleep,
             margin,
-            room: cap.saturating_sub(non_kv),
+            limit,
+            room,
         })
     }
 

@@ -143,14 +143,16 @@ impl KvRegion {
         Ok(())
     }
 
-    /// Map from the current end up to `want` bytes, in pieces of at most [`KV_PIECE`].
+    /// Map from the current end up to `want` bytes, in pieces of at most [`KV_PIECE`] (or one
+    /// granule, if larger).
     fn grow<D: Driver>(&mut self, core: &Core<D>, want: u64) -> Result<()> {
         let more = want - self.mapped;
         commit(core, more)?;
         let (before, start) = (self.pieces.len(), self.mapped);
         let mut done = 0;
         while done < more {
-            let bytes = (more - done).min(KV_PIECE);
+            // A granularity above the piece (none on today's GPUs) makes each piece a granule.
+            let bytes = (more - done).min(KV_PIECE.max(core.granularity));
             match map_one(core, self.base + start + done, bytes) {
                 Ok(handle) => {
                     self.pieces.push(Piece {

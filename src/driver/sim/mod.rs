@@ -142,6 +142,8 @@ pub struct SimDevice {
 }
 
 impl SimDevice {
+    /// # Panics
+    /// If `config.granularity` is not a power of two (no GPU's is).
     pub fn new(config: SimConfig) -> Arc<SimDevice> {
         assert!(
             config.granularity.is_power_of_two(),
@@ -235,6 +237,10 @@ impl SimDriver {
     }
 
     /// A process on a fresh device.
+    ///
+    /// # Panics
+    /// If the device cannot hold a process's context (`capacity` below `context_overhead`), or
+    /// as [`SimDevice::new`] does; [`SimDevice::spawn_process`] returns the first as an error.
     pub fn with_config(config: SimConfig) -> SimDriver {
         SimDevice::new(config)
             .spawn_process()
