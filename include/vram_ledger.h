@@ -73,12 +73,15 @@ typedef void (*vram_ledger_memory_report)(void *ptr, int64_t size, uint64_t allo
 /* Send the failures of C entry points that return nothing (`void`, such as a free) to
  * `callback` instead of stderr (NULL goes back to stderr); the others' failures are in their
  * results. The Python package hands it `logging`. The callback runs on the failing thread,
- * after the failed call has released every lock of the allocator, and must not unwind.
+ * after the failed call has released every lock of the allocator, and must not unwind. The
+ * library's own notes on calls that succeeded (a commit that left the KV cache as it was, say)
+ * are not failures: they go to stderr, filtered by `VRAM_LEDGER_LOG` (default `warn`; `off`
+ * silences them).
  */
 void vram_ledger_set_log_callback(vram_ledger_log_callback callback);
 
 /* The message of the last failure on this thread ("" if none). Valid until the next failure
- * on this thread. Never NULL.
+ * on this thread, and not after the thread exits: copy it to keep it. Never NULL.
  */
 const char *vram_ledger_last_error(void);
 
@@ -89,8 +92,10 @@ const char *vram_ledger_last_error(void);
  */
 void vram_ledger_string_free(char *s);
 
-/* The number of this process's devices: CUDA devices (0 without a driver or a device), or
- * with `VRAM_LEDGER_DRIVER=sim` simulated ones.
+/* The number of this process's devices: CUDA devices, or with `VRAM_LEDGER_DRIVER=sim`
+ * simulated ones. 0 without a device; when the backend cannot count them (no driver, or a
+ * `VRAM_LEDGER_DRIVER` or `VRAM_LEDGER_SIM_DEVICES` value that names nothing) also 0, and
+ * `vram_ledger_last_error` says why.
  */
 int vram_ledger_device_count(void);
 
@@ -102,7 +107,10 @@ int vram_ledger_device_count(void);
  */
 
 /* Choose the segment mode ("native", "expandable", "compact" or "remap") of allocators not yet
- * created (refused once a device is in use, unless it is the mode set already).
+ * created (refused once a device is in use, unless it is the mode set already). A device is
+ * in use from the first call that names it, queries included (`vram_ledger_cap`,
+ * `vram_ledger_stats_json`, …): configure first. `vram_ledger_init`, `vram_ledger_device_count`
+ * and `vram_ledger_free` or `vram_ledger_record_stream` of NULL put none in use.
  *
  * Safety:
  * `mode` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
@@ -179,7 +187,8 @@ int vram_ledger_reset_accumulated(int device);
 int vram_ledger_empty_cache(int device);
 
 /* Start (`enabled` non-zero; clearing what was recorded, keeping the newest `max_entries`
- * entries) or stop recording `device`'s allocation history.
+ * entries, which must be positive) or stop recording `device`'s allocation history
+ * (`max_entries` is then not read).
  */
 int vram_ledger_record_history(int device, int enabled, int64_t max_entries);
 
@@ -245,7 +254,10 @@ void vram_ledger_set_oom_observer(vram_ledger_oom_observer observer);
 void *vram_ledger_malloc_or_throw(ssize_t size, int device, void *stream);
 
 /* `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`. `ptr` is looked up,
- * never dereferenced: NULL is ignored, and a pointer this library did not allocate is an error.
+ * never dereferenced: NULL is ignored (nothing else is looked at, and no device is put in
+ * use), and a pointer this library did not allocate is an error. `size` is what was asked for
+ * it, told to the memory reporter as a negative allocation; a negative `size` is an error
+ * (after the free: the memory is freed, the reporter told nothing).
  *
  * Safety:
  * `stream` is as for `vram_ledger_malloc`. Work that uses `ptr` is queued on `stream`, or on
@@ -263,11 +275,18 @@ void vram_ledger_init(int device);
 /* `void reset(void)`: `torch.cuda.empty_cache()`. */
 void vram_ledger_reset(void);
 
-/* `void memory_fraction(double fraction, int device)`. */
+/* `void memory_fraction(double fraction, int device)`: limit what `device`'s allocator reserves
+ * to `fraction` (in [0, 1]) of the device's total memory, as PyTorch's
+ * `set_per_process_memory_fraction`; 1.0 reserves up to the whole device. Growth past the
+ * limit fails as an out-of-memory that names it. A limit on the allocator's own memory,
+ * apart from the budget contract (`vram_ledger_set_cap`, the process's whole usage); a
+ * fraction outside [0, 1] is an error (logged: the function returns nothing).
+ */
 void vram_ledger_memory_fraction(double fraction, int device);
 
 /* `void record_stream(void* ptr, cudaStream_t stream)`: `ptr`'s memory is not reused before
- * the work queued on `stream` so far completes. `ptr` is looked up, never dereferenced.
+ * the work queued on `stream` so far completes. `ptr` is looked up, never dereferenced; NULL
+ * (a zero-byte allocation's) is ignored.
  *
  * Safety:
  * On the CUDA backend `stream` is a live `cudaStream_t` of the context of the device that
@@ -310,8 +329,11 @@ char *vram_ledger_kv_reserve(int device, uint64_t block_bytes, int64_t max_bytes
  */
 char *vram_ledger_kv_commit(int device);
 
-/* Make `blocks` usable (every block from `free_from` on is free); returns the KV cache as
- * JSON.
+/* Make `blocks` usable; returns the KV cache as JSON. Shrinking needs every block from
+ * `free_from` on free (the engine says so; a `free_from` at or above the usable blocks says
+ * nothing is); growing past the memory the cache keeps mapped needs the budget contract
+ * (profiling, or `vram_ledger_set_cap`), whose room it may not pass. On an error the KV cache
+ * is as it was.
  */
 char *vram_ledger_kv_resize(int device, uint64_t blocks, uint64_t free_from);
 

@@ -281,7 +281,13 @@ fn slots() -> Result<&'static Slots> {
 /// The number of this process's devices (0 when its backend has none, or cannot count them:
 /// [`device`] then says why).
 pub fn count() -> usize {
-    slots().map_or(0, |s| s.len())
+    try_count().unwrap_or(0)
+}
+
+/// The number of this process's devices, or why the backend cannot count them (no driver, or
+/// a backend variable that names nothing).
+pub fn try_count() -> Result<usize> {
+    slots().map(|s| s.len())
 }
 
 /// Device `ordinal`'s state, created at its first use.

@@ -63,12 +63,14 @@ pub enum OomCause {
         outside: u64,
         cap: u64,
     },
-    /// The KV cache would grow past what the budget contract leaves it.
+    /// The KV cache would grow past what the budget contract (and the allocator's limit)
+    /// leaves it: to `to` bytes mapped in all, `wanted` more than it has.
     #[error(
-        "{} more is past the {} the budget contract leaves it ({})",
-        Bytes(*wanted), Bytes(room.room), room
+        "growing it to {} ({} more) is past the {} left to it ({})",
+        Bytes(*to), Bytes(*wanted), Bytes(room.room), room
     )]
     KvRoom {
+        to: u64,
         wanted: u64,
         room: Box<crate::allocator::KvRoom>,
     },
@@ -272,8 +274,8 @@ pub enum Error {
     )]
     Poisoned { shard: usize },
 
-    /// Profiling failed ([`crate::profile`]); an allocator error met while profiling is
-    /// that error itself, not this.
+    /// Profiling failed ([`crate::profile`]); an allocator or driver error met while
+    /// profiling is that error itself, not this.
     #[error(transparent)]
     Profile(Box<crate::profile::ProfileError>),
 }
@@ -284,6 +286,7 @@ impl From<crate::profile::ProfileError> for Error {
     fn from(e: crate::profile::ProfileError) -> Error {
         match e {
             crate::profile::ProfileError::Alloc(e) => e,
+            crate::profile::ProfileError::Driver(e) => Error::Driver(e),
             e => Error::Profile(Box::new(e)),
         }
     }

@@ -623,6 +623,7 @@ fn record_stream_of_pointer_0_is_a_no_op() {
 
 /// What an out-of-memory message advises for cached memory it could not use depends on the
 /// mode: a virtual-memory mode for native segments, not the one the allocator is already in.
+/// (Compact serves this request: it unmaps the free pages between the live blocks.)
 #[test]
 fn oom_advice_about_cached_memory_fits_the_mode() {
     for mode in [

@@ -101,7 +101,7 @@ fn kv_resize_refusal_names_what_the_contract_keeps() {
         let Error::KvShort(cause) = &e else {
             panic!("{mode}: {e}")
         };
-        let OomCause::KvRoom { wanted, room } = cause.as_ref() else {
+        let OomCause::KvRoom { to, wanted, room } = cause.as_ref() else {
             panic!("{mode}: {cause}")
         };
         assert_eq!(room.cap, r.requested, "{mode}");
@@ -118,7 +118,11 @@ fn kv_resize_refusal_names_what_the_contract_keeps() {
             + room.margin;
         assert_eq!(room.room, room.cap - kept, "{mode}");
         assert_eq!(room.room, c.room.room, "{mode}: the commit's room");
-        assert_eq!(*wanted, 10 * GIB - c.kv.mapped_bytes, "{mode}");
+        assert_eq!(
+            (*to, *wanted),
+            (10 * GIB, 10 * GIB - c.kv.mapped_bytes),
+            "{mode}"
+        );
         let text = e.to_string();
         for part in [
             "requested",
@@ -146,6 +150,60 @@ fn kv_cache_on_a_device_with_granules_larger_than_its_pieces() {
         let k = a.reserve_kv(32 * MIB, Some(4 * GIB), 40).unwrap();
         assert_eq!(k.mapped_bytes, 2 * GIB, "{mode}: {k:?}");
         a.release_kv().unwrap();
+        check(&a);
+    }
+}
+
+/// Under a limit tighter than the contract, a resize past it is refused naming the limit, and
+/// one within it maps.
+#[test]
+fn kv_resize_is_refused_past_the_limit_naming_it() {
+    for mode in MODES {
+        let config = Config {
+            limit: Some(Limit::Bytes(GIB)),
+            ..Config::with_mode(mode)
+        };
+        let a = sim_on(SimConfig::default(), config);
+        a.reserve_kv(BLOCK, Some(4 * GIB), 10).unwrap();
+        a.set_cap(Some(20 * GIB));
+        let e = a.resize_kv(1024, 0).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            matches!(&e, Error::KvShort(c) if matches!(**c, OomCause::KvRoom { .. })),
+            "{mode}: {e}"
+        );
+        assert!(
+            text.contains("the allocator's limit of 1.00 GiB leaves no more"),
+            "{mode}: {text}"
+        );
+        assert_eq!(a.kv_cache().unwrap().usable_blocks, 10, "{mode}");
+        assert_eq!(a.resize_kv(500, 0).unwrap().usable_blocks, 500, "{mode}");
+        check(&a);
+    }
+}
+
+/// A margin of every byte, with the KV cache's size given to profiling (which then does not
+/// weigh the margin against the request), leaves the KV cache nothing: the room does not wrap
+/// around.
+#[test]
+fn a_margin_of_every_byte_leaves_the_kv_cache_nothing() {
+    for mode in [SegmentMode::Native, SegmentMode::Remap] {
+        let a = sim_on(SimConfig::default(), Config::with_mode(mode));
+        let p = Profiler::new(&a).unwrap();
+        p.profile(
+            ProfileOptions {
+                utilization: 0.5,
+                margin: vram_ledger::Margin::Bytes(u64::MAX),
+                kv_override: Some(GIB),
+                ..Default::default()
+            },
+            || {},
+        )
+        .unwrap();
+        a.reserve_kv(BLOCK, Some(4 * GIB), 4).unwrap();
+        let c = a.commit_kv().unwrap();
+        assert_eq!(c.room.room, 0, "{mode}: {:?}", c.room);
+        assert_eq!(c.kv.usable_blocks, 4, "{mode}: nothing more mapped");
         check(&a);
     }
 }

@@ -60,3 +60,64 @@ def test_a_file_that_is_no_library_raises_the_packages_error(not_a_library, tmp_
     out = child(STATS, VRAM_LEDGER_DRIVER="sim", VRAM_LEDGER_LIB=path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"error: cannot load {path}:"), out.stdout
+
+
+COUNT = """
+import ctypes, vram_ledger as vl
+lib = ctypes.CDLL(vl.library_path())
+lib.vram_ledger_last_error.restype = ctypes.c_char_p
+print(lib.vram_ledger_device_count(), lib.vram_ledger_last_error().decode())
+"""
+
+
+@pytest.mark.parametrize("driver, sim_devices, says", [
+    ("bogus", None, 'VRAM_LEDGER_DRIVER="bogus" names no backend'),
+    ("sim", "abc", 'VRAM_LEDGER_SIM_DEVICES="abc" is not a count of devices'),
+])
+def test_a_device_count_of_0_from_a_backend_it_cannot_use_says_why(driver, sim_devices, says):
+    env = {"VRAM_LEDGER_DRIVER": driver, **({"VRAM_LEDGER_SIM_DEVICES": sim_devices} if sim_devices else {})}
+    out = child(COUNT, **env)
+    count, _, why = out.stdout.strip().partition(" ")
+    assert count == "0" and says in why, out.stdout + out.stderr
+
+
+def test_a_device_count_from_a_backend_that_works_leaves_no_error():
+    out = child(COUNT, VRAM_LEDGER_DRIVER="sim", VRAM_LEDGER_SIM_DEVICES="3")
+    assert out.stdout.strip() == "3", out.stdout + out.stderr
+
+
+NULL_THEN_CONFIGURE = """
+import ctypes, vram_ledger as vl
+lib = ctypes.CDLL(vl.library_path())
+lib.vram_ledger_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+lib.vram_ledger_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+lib.vram_ledger_configure.argtypes = [ctypes.c_char_p]
+lib.vram_ledger_last_error.restype = ctypes.c_char_p
+lib.vram_ledger_free(None, 0, 0, None)
+lib.vram_ledger_free(None, 0, 99, None)
+lib.vram_ledger_record_stream(None, None)
+print(lib.vram_ledger_configure(b"remap"), lib.vram_ledger_last_error().decode())
+"""
+
+
+def test_freeing_null_puts_no_device_in_use_and_logs_nothing():
+    # NULL is ignored, whatever device it names: the configuration is still open after it, and
+    # nothing reaches stderr (a failure of a void entry point is logged there).
+    out = child(NULL_THEN_CONFIGURE, VRAM_LEDGER_DRIVER="sim")
+    assert out.stdout.strip() == "0", out.stdout + out.stderr
+    assert out.stderr == "", out.stderr
+
+
+HISTORY_OFF = """
+import ctypes, vram_ledger as vl
+lib = ctypes.CDLL(vl.library_path())
+lib.vram_ledger_record_history.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+lib.vram_ledger_last_error.restype = ctypes.c_char_p
+print(lib.vram_ledger_record_history(0, 1, 0), lib.vram_ledger_record_history(0, 1, 10),
+      lib.vram_ledger_record_history(0, 0, 0))
+"""
+
+
+def test_stopping_the_history_reads_no_max_entries():
+    out = child(HISTORY_OFF, VRAM_LEDGER_DRIVER="sim")
+    assert out.stdout.split() == ["-1", "0", "0"], out.stdout + out.stderr

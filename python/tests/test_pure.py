@@ -88,7 +88,7 @@ def test_metrics_are_prometheus_text():
 
 def test_env_var_naming_a_missing_file_is_a_clear_error(tmp_path):
     missing = tmp_path / "nope.so"
-    code = f"import vram_ledger as vl\ntry:\n    vl.library_path()\nexcept vl.VramLedgerError as e:\n    print(e)\n"
+    code = "import vram_ledger as vl\ntry:\n    vl.library_path()\nexcept vl.VramLedgerError as e:\n    print(e)\n"
     out = subprocess.run(
         [sys.executable, "-c", code], env=child_env(VRAM_LEDGER_LIB=str(missing)), capture_output=True, text=True
     )

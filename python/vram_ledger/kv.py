@@ -84,7 +84,8 @@ class KvCache:
         """Map the KV cache up to what the budget contract leaves now (call it once the CUDA
         graphs are captured, instantiated and replayed): returns `kv`, `room` (what was
         measured: cap, eager work now and the transient kept for it, serving's largest rise,
-        graph pools, outside the allocator, tags asleep, margin, room) and `blocks_before`. Called again
+        graph pools, outside the allocator, tags asleep, margin, the allocator's limit, room) and
+        `blocks_before`. Called again
         once the engine has served its largest batches, it keeps serving's largest rise
         instead of the profiled pass's (once serving has taken at least what that pass takes
         in fresh memory), so memory the profile kept for cuts serving did not make goes to

@@ -339,7 +339,14 @@ impl<D: Driver> Allocator<D> {
         let owner = self.owner(&sh, stream, tag);
         let served = match sh.try_alloc(&self.core, owner, rounded, size, tag) {
             Some(t) => Ok(t),
-            None => self.grow_and_take(&mut sh, owner, stream, rounded, size, tag)?,
+            None => match self.grow_and_take(&mut sh, owner, stream, rounded, size, tag) {
+                Ok(served) => served,
+                Err(e) => {
+                    drop(sh);
+                    self.give_back_after_failure(stream);
+                    return Err(e);
+                }
+            },
         };
         let cause = match served {
             Ok(t) => return Ok(self.hand_out(&mut sh, owner, t.allocation(size, stream, tag))),
@@ -349,22 +356,26 @@ impl<D: Driver> Allocator<D> {
             return Ok(self.hand_out(&mut sh, pool, t.allocation(size, stream, tag)));
         }
         drop(sh);
-        // Growth that failed part-way keeps what it mapped before the failure (`mapped.rs`),
-        // and the retry mapped afresh what the release gave back: free blocks now, which would
-        // leave this process holding the memory it could not use, where other processes on the
-        // device need it (PyTorch's expandable segments undo a failed map too). Given back, so
-        // that a failed request leaves the process holding what it held before, and the report
-        // reads what is left.
-        if !self.core.driver.is_capturing(stream) {
-            if let Err(e) = self.empty_cache() {
-                tracing::warn!(error = %e, "giving back what a failed allocation mapped failed; it stays cached");
-            }
-        }
+        self.give_back_after_failure(stream);
         self.core.ledger.ooms.fetch_add(1, Relaxed);
         // Returned, not logged: the caller has the report (the C boundary logs what it does not
         // hand over itself).
         let report = self.oom_report(size, rounded, cause);
         Err(Error::OutOfMemory(Box::new(report)))
+    }
+
+    /// Growth that failed part-way keeps what it mapped before the failure (`mapped.rs`), and
+    /// the retry mapped afresh what the release gave back: free blocks now, which would leave
+    /// this process holding memory it could not use, where other processes on the device need
+    /// it (PyTorch's expandable segments undo a failed map too). Given back, so that a failed
+    /// request leaves the process holding what it held before, and the report reads what is
+    /// left. Not while `stream` captures a graph (a release would spoil the capture).
+    fn give_back_after_failure(&self, stream: StreamId) {
+        if !self.core.driver.is_capturing(stream) {
+            if let Err(e) = self.empty_cache() {
+                tracing::warn!(error = %e, "giving back what a failed allocation mapped failed; it stays cached");
+            }
+        }
     }
 
     pub(super) fn oom_report(&self, requested: u64, rounded: u64, cause: OomCause) -> OomReport {

@@ -18,7 +18,13 @@
 //!   KV cache was last sized before it;
 //! - graph pools, as held now;
 //! - memory outside the allocator, as this process's usage shows it now (CUDA context,
-//!   libraries, graph instantiation), and the margin profiling chose.
+//!   libraries, graph instantiation), and the margin profiling chose;
+//! - the memory of tags asleep, which their wake takes back.
+//!
+//! An allocator limit ([`crate::Config::limit`]) bounds what the allocator reserves, the KV
+//! cache included: where one is set, the KV cache gets no more than the limit less eager work
+//! (held and transient), graph pools and tags asleep (memory outside the allocator is not
+//! under it).
 //!
 //! Invariants: one KV cache per allocator; its lock is taken before any shard lock, never
 //! while one is held; nothing here runs while a capture is routed to a graph pool (giving the
@@ -97,8 +103,14 @@ impl std::fmt::Display for KvRoom {
             Bytes(self.margin)
         )?;
         if let Some(limit) = self.limit {
-            let under = (self.eager_now + self.transient + self.graph_pools + self.asleep)
-                .saturating_add(self.room);
+            let under = [
+                self.eager_now,
+                self.transient,
+                self.graph_pools,
+                self.asleep,
+            ]
+            .into_iter()
+            .fold(self.room, u64::saturating_add);
             if under >= limit {
                 write!(
                     f,
@@ -296,6 +308,7 @@ impl<D: Driver> Allocator<D> {
             let room = self.kv_room(region)?;
             if want > room.room {
                 return Err(Error::KvShort(Box::new(OomCause::KvRoom {
+                    to: want,
                     wanted: want - region.mapped(),
                     room: Box::new(room),
                 })));
@@ -372,11 +385,16 @@ impl<D: Driver> Allocator<D> {
             .iter()
             .map(|&t| self.core.ledger.sleeping(t))
             .sum::<u64>();
-        let non_kv = eager_now + transient + graph_pools + outside + asleep + margin;
+        // Saturating: a margin may be any byte count (profiling with the KV cache's size given
+        // does not check it against the request), and then nothing is left.
+        let eager = [eager_now, transient, graph_pools, asleep]
+            .into_iter()
+            .fold(0u64, u64::saturating_add);
+        let non_kv = eager.saturating_add(outside).saturating_add(margin);
         let limit = self.limit();
         let mut room = cap.saturating_sub(non_kv);
         if let Some(limit) = limit {
-            room = room.min(limit.saturating_sub(eager_now + transient + graph_pools + asleep));
+            room = room.min(limit.saturating_sub(eager));
         }
         Ok(KvRoom {
             cap,

@@ -65,7 +65,10 @@ static LOG_CALLBACK: AtomicUsize = AtomicUsize::new(0);
 /// Send the failures of C entry points that return nothing (`void`, such as a free) to
 /// `callback` instead of stderr (NULL goes back to stderr); the others' failures are in their
 /// results. The Python package hands it `logging`. The callback runs on the failing thread,
-/// after the failed call has released every lock of the allocator, and must not unwind.
+/// after the failed call has released every lock of the allocator, and must not unwind. The
+/// library's own notes on calls that succeeded (a commit that left the KV cache as it was, say)
+/// are not failures: they go to stderr, filtered by `VRAM_LEDGER_LOG` (default `warn`; `off`
+/// silences them).
 #[no_mangle]
 pub extern "C" fn vram_ledger_set_log_callback(callback: Option<LogCallback>) {
     LOG_CALLBACK.store(callback.map_or(0, |f| f as usize), Ordering::Release);
@@ -173,7 +176,7 @@ pub(crate) fn into_c_string(s: String) -> *mut c_char {
 }
 
 /// The message of the last failure on this thread ("" if none). Valid until the next failure
-/// on this thread. Never NULL.
+/// on this thread, and not after the thread exits: copy it to keep it. Never NULL.
 #[no_mangle]
 pub extern "C" fn vram_ledger_last_error() -> *const c_char {
     LAST_ERROR
@@ -193,12 +196,15 @@ pub unsafe extern "C" fn vram_ledger_string_free(s: *mut c_char) {
     }
 }
 
-/// The number of this process's devices: CUDA devices (0 without a driver or a device), or
-/// with `VRAM_LEDGER_DRIVER=sim` simulated ones.
+/// The number of this process's devices: CUDA devices, or with `VRAM_LEDGER_DRIVER=sim`
+/// simulated ones. 0 without a device; when the backend cannot count them (no driver, or a
+/// `VRAM_LEDGER_DRIVER` or `VRAM_LEDGER_SIM_DEVICES` value that names nothing) also 0, and
+/// `vram_ledger_last_error` says why.
 #[no_mangle]
 pub extern "C" fn vram_ledger_device_count() -> c_int {
     guard(0, || {
-        Ok(c_int::try_from(devices::count()).unwrap_or(c_int::MAX))
+        let n = devices::try_count().map_err(|e| e.to_string())?;
+        Ok(c_int::try_from(n).unwrap_or(c_int::MAX))
     })
 }
 

@@ -44,8 +44,11 @@ pub extern "C" fn vram_ledger_kv_commit(device: c_int) -> *mut c_char {
     })
 }
 
-/// Make `blocks` usable (every block from `free_from` on is free); returns the KV cache as
-/// JSON.
+/// Make `blocks` usable; returns the KV cache as JSON. Shrinking needs every block from
+/// `free_from` on free (the engine says so; a `free_from` at or above the usable blocks says
+/// nothing is); growing past the memory the cache keeps mapped needs the budget contract
+/// (profiling, or `vram_ledger_set_cap`), whose room it may not pass. On an error the KV cache
+/// is as it was.
 #[no_mangle]
 pub extern "C" fn vram_ledger_kv_resize(device: c_int, blocks: u64, free_from: u64) -> *mut c_char {
     guard(std::ptr::null_mut(), || {

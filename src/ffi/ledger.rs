@@ -10,7 +10,10 @@ use crate::devices::{self, Device};
 use crate::{SegmentMode, Tag};
 
 /// Choose the segment mode ("native", "expandable", "compact" or "remap") of allocators not yet
-/// created (refused once a device is in use, unless it is the mode set already).
+/// created (refused once a device is in use, unless it is the mode set already). A device is
+/// in use from the first call that names it, queries included (`vram_ledger_cap`,
+/// `vram_ledger_stats_json`, …): configure first. `vram_ledger_init`, `vram_ledger_device_count`
+/// and `vram_ledger_free` or `vram_ledger_record_stream` of NULL put none in use.
 ///
 /// # Safety
 /// `mode` is NULL (an error) or a NUL-terminated string, readable for the length of the call.
@@ -196,7 +199,8 @@ pub extern "C" fn vram_ledger_empty_cache(device: c_int) -> c_int {
 }
 
 /// Start (`enabled` non-zero; clearing what was recorded, keeping the newest `max_entries`
-/// entries) or stop recording `device`'s allocation history.
+/// entries, which must be positive) or stop recording `device`'s allocation history
+/// (`max_entries` is then not read).
 #[no_mangle]
 pub extern "C" fn vram_ledger_record_history(
     device: c_int,
@@ -204,10 +208,11 @@ pub extern "C" fn vram_ledger_record_history(
     max_entries: i64,
 ) -> c_int {
     guard(-1, || {
-        let max = usize::try_from(max_entries)
-            .ok()
-            .filter(|&m| m > 0)
-            .ok_or_else(|| format!("max_entries must be positive, not {max_entries}"))?;
+        let max = match usize::try_from(max_entries).ok().filter(|&m| m > 0) {
+            Some(m) => m,
+            None if enabled == 0 => 1,
+            None => return Err(format!("max_entries must be positive, not {max_entries}")),
+        };
         status(on_device!(state(device)?, d => d.allocator().record_history(enabled != 0, max)))
     })
 }

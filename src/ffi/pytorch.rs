@@ -121,8 +121,10 @@ fn notify_oom(device: c_int, r: &crate::error::OomReport) {
         let n = |b: u64| i64::try_from(b).unwrap_or(i64::MAX);
         // SAFETY: a non-zero value was stored from an `OomObserver` by the setter above.
         let f: OomObserver = unsafe { std::mem::transmute::<usize, OomObserver>(f) };
+        // Every tag's allocations, asleep ones included: what `memory_allocated()` says.
+        let allocated = r.per_tag.0.iter().fold(0u64, |a, &b| a.saturating_add(b));
         // SAFETY: the host's observer, called as its contract says.
-        unsafe { f(device, n(r.requested), n(r.allocated), n(r.device_free)) };
+        unsafe { f(device, n(r.requested), n(allocated), n(r.device_free)) };
     }
 }
 
@@ -164,7 +166,10 @@ pub unsafe extern "C-unwind" fn vram_ledger_malloc_or_throw(
 }
 
 /// `void free(void* ptr, ssize_t size, int device, cudaStream_t stream)`. `ptr` is looked up,
-/// never dereferenced: NULL is ignored, and a pointer this library did not allocate is an error.
+/// never dereferenced: NULL is ignored (nothing else is looked at, and no device is put in
+/// use), and a pointer this library did not allocate is an error. `size` is what was asked for
+/// it, told to the memory reporter as a negative allocation; a negative `size` is an error
+/// (after the free: the memory is freed, the reporter told nothing).
 ///
 /// # Safety
 /// `stream` is as for [`vram_ledger_malloc`]. Work that uses `ptr` is queued on `stream`, or on
@@ -178,14 +183,24 @@ pub unsafe extern "C" fn vram_ledger_free(
     stream: *mut c_void,
 ) {
     guard((), || {
+        if ptr.is_null() {
+            return Ok(());
+        }
         let state = state(device)?;
         let r = match context(CONTEXT_OF_FREE) {
             0 => free_on(state, ptr, stream),
             c => history::with_context(c, || free_on(state, ptr, stream)),
         };
-        // The size PyTorch passes is the one it asked for, as the allocation reported.
-        r.map(|()| super::profiler::report(state, device, ptr, -(size as i64)))
-            .map_err(|e| format!("free of {ptr:?} on device {device} failed: {e}"))
+        r.map_err(|e| format!("free of {ptr:?} on device {device} failed: {e}"))?;
+        // The size PyTorch passes is the one it asked for, as the allocation reported: negated,
+        // the free. A negative one would be reported as an allocation.
+        if size < 0 {
+            return Err(format!(
+                "free of {ptr:?} on device {device}: size {size} is negative (the memory is freed; the memory reporter was not told)"
+            ));
+        }
+        super::profiler::report(state, device, ptr, -(size as i64));
+        Ok(())
     })
 }
 
@@ -209,7 +224,12 @@ pub extern "C" fn vram_ledger_reset() {
     });
 }
 
-/// `void memory_fraction(double fraction, int device)`.
+/// `void memory_fraction(double fraction, int device)`: limit what `device`'s allocator reserves
+/// to `fraction` (in [0, 1]) of the device's total memory, as PyTorch's
+/// `set_per_process_memory_fraction`; 1.0 reserves up to the whole device. Growth past the
+/// limit fails as an out-of-memory that names it. A limit on the allocator's own memory,
+/// apart from the budget contract (`vram_ledger_set_cap`, the process's whole usage); a
+/// fraction outside [0, 1] is an error (logged: the function returns nothing).
 #[no_mangle]
 pub extern "C" fn vram_ledger_memory_fraction(fraction: c_double, device: c_int) {
     guard((), || {
@@ -219,7 +239,8 @@ pub extern "C" fn vram_ledger_memory_fraction(fraction: c_double, device: c_int)
 }
 
 /// `void record_stream(void* ptr, cudaStream_t stream)`: `ptr`'s memory is not reused before
-/// the work queued on `stream` so far completes. `ptr` is looked up, never dereferenced.
+/// the work queued on `stream` so far completes. `ptr` is looked up, never dereferenced; NULL
+/// (a zero-byte allocation's) is ignored.
 ///
 /// # Safety
 /// On the CUDA backend `stream` is a live `cudaStream_t` of the context of the device that
@@ -227,6 +248,9 @@ pub extern "C" fn vram_ledger_memory_fraction(fraction: c_double, device: c_int)
 #[no_mangle]
 pub unsafe extern "C" fn vram_ledger_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     guard((), || {
+        if ptr.is_null() {
+            return Ok(());
+        }
         let mut last = String::from("no device has been used");
         for s in devices::created() {
             match on_device!(s, d => d.allocator().record_stream(ptr as u64, StreamId(stream as u64)))
