@@ -219,6 +219,13 @@ fn abi_profiling_scope() {
     setup();
     assert!(vram_ledger_profile_end(5).is_null());
     assert!(last_error().contains("no profiling scope is open"));
+    // Past the 9 devices, the device is what is missing.
+    assert!(vram_ledger_profile_end(12).is_null());
+    assert!(
+        last_error().contains("no device with ordinal 12: 9 device(s) available"),
+        "{}",
+        last_error()
+    );
     assert_eq!(vram_ledger_profile_begin(5, 1.5, 0), -1);
     assert!(last_error().contains("utilization"));
     assert_eq!(push_tag("weights"), 0);

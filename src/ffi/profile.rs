@@ -71,11 +71,19 @@ pub extern "C" fn vram_ledger_profile_begin(
 pub extern "C" fn vram_ledger_profile_end(device: c_int) -> *mut c_char {
     guard(std::ptr::null_mut(), || {
         let d = device_index(device)?;
-        let scope = SCOPES
-            .get_or_init(Default::default)
-            .lock()
-            .remove(&d)
-            .ok_or("no profiling scope is open on this device")?;
+        let scope = SCOPES.get_or_init(Default::default).lock().remove(&d);
+        let scope = match scope {
+            Some(s) => s,
+            // A device past the count has no scope because it is no device: say that.
+            None => match crate::devices::try_count() {
+                Ok(n) if d >= n => {
+                    return Err(format!(
+                        "no device with ordinal {d}: {n} device(s) available"
+                    ))
+                }
+                _ => return Err("no profiling scope is open on this device".into()),
+            },
+        };
         let r = match scope {
             Scope::Cuda(s) => s.end(),
             Scope::Sim(s) => s.end(),
