@@ -20,9 +20,8 @@ const MODES: [SegmentMode; 4] = [
     SegmentMode::Remap,
 ];
 
-/// With a limit on the allocator tighter than the cap, the commit maps what the limit leaves
-/// (it used to map nothing and fail with the limit's error, though a resize could then map
-/// hundreds of blocks).
+/// With a limit on the allocator tighter than the cap, the commit maps what the limit leaves:
+/// not nothing (the memory is there), and not past the limit (a commit that fails).
 #[test]
 fn kv_commit_stays_within_the_allocators_limit() {
     for mode in MODES {
