@@ -152,13 +152,12 @@ impl OomReport {
             write!(f, " {} {}", t, Bytes(self.per_tag[t]))?;
         }
         write!(f, ".")?;
-        let asleep: Vec<_> = crate::tag::Tag::ALL
-            .into_iter()
-            .filter(|&t| self.asleep[t] > 0)
-            .collect();
-        if !asleep.is_empty() {
+        if self.asleep.0.iter().any(|&b| b > 0) {
             write!(f, " Asleep (given back to the driver until they wake):")?;
-            for t in asleep {
+            for t in crate::tag::Tag::ALL
+                .into_iter()
+                .filter(|&t| self.asleep[t] > 0)
+            {
                 write!(f, " {} {}", t, Bytes(self.asleep[t]))?;
             }
             write!(f, ".")?;

@@ -6,10 +6,12 @@
 mod common;
 
 use common::{check, sim_on};
-use vram_ledger::driver::sim::SimConfig;
+use vram_ledger::driver::sim::{SimConfig, SimDriver};
 use vram_ledger::driver::StreamId;
 use vram_ledger::units::{GIB, MIB};
-use vram_ledger::{Config, Error, Limit, OomCause, ProfileOptions, Profiler, SegmentMode, Tag};
+use vram_ledger::{
+    Allocator, Config, Error, Limit, OomCause, ProfileOptions, Profiler, SegmentMode, Tag,
+};
 
 const S: StreamId = StreamId(0x10);
 const BLOCK: u64 = 2 * MIB;
@@ -20,16 +22,21 @@ const MODES: [SegmentMode; 4] = [
     SegmentMode::Remap,
 ];
 
+/// An allocator whose reserved bytes are limited to 1 GiB, on the default simulated device.
+fn limited_to_1_gib(mode: SegmentMode) -> Allocator<SimDriver> {
+    let config = Config {
+        limit: Some(Limit::Bytes(GIB)),
+        ..Config::with_mode(mode)
+    };
+    sim_on(SimConfig::default(), config)
+}
+
 /// With a limit on the allocator tighter than the cap, the commit maps what the limit leaves:
 /// not nothing (the memory is there), and not past the limit (a commit that fails).
 #[test]
 fn kv_commit_stays_within_the_allocators_limit() {
     for mode in MODES {
-        let config = Config {
-            limit: Some(Limit::Bytes(GIB)),
-            ..Config::with_mode(mode)
-        };
-        let a = sim_on(SimConfig::default(), config);
+        let a = limited_to_1_gib(mode);
         let w = a.allocate_tagged(100 * MIB, S, Tag::Weights).unwrap();
         a.reserve_kv(BLOCK, Some(10 * GIB), 10).unwrap();
         a.set_cap(Some(20 * GIB));
@@ -158,11 +165,7 @@ fn kv_cache_on_a_device_with_granules_larger_than_its_pieces() {
 #[test]
 fn kv_resize_is_refused_past_the_limit_naming_it() {
     for mode in MODES {
-        let config = Config {
-            limit: Some(Limit::Bytes(GIB)),
-            ..Config::with_mode(mode)
-        };
-        let a = sim_on(SimConfig::default(), config);
+        let a = limited_to_1_gib(mode);
         a.reserve_kv(BLOCK, Some(4 * GIB), 10).unwrap();
         a.set_cap(Some(20 * GIB));
         let e = a.resize_kv(1024, 0).unwrap_err();

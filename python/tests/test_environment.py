@@ -62,10 +62,14 @@ def test_a_file_that_is_no_library_raises_the_packages_error(not_a_library, tmp_
     assert out.stdout.startswith(f"error: cannot load {path}:"), out.stdout
 
 
-COUNT = """
+# The library straight through ctypes, in a child: the C entry points as a C caller sees them.
+LIB = """
 import ctypes, vram_ledger as vl
 lib = ctypes.CDLL(vl.library_path())
 lib.vram_ledger_last_error.restype = ctypes.c_char_p
+"""
+
+COUNT = LIB + """
 print(lib.vram_ledger_device_count(), lib.vram_ledger_last_error().decode())
 """
 
@@ -86,13 +90,10 @@ def test_a_device_count_from_a_backend_that_works_leaves_no_error():
     assert out.stdout.strip() == "3", out.stdout + out.stderr
 
 
-NULL_THEN_CONFIGURE = """
-import ctypes, vram_ledger as vl
-lib = ctypes.CDLL(vl.library_path())
+NULL_THEN_CONFIGURE = LIB + """
 lib.vram_ledger_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
 lib.vram_ledger_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 lib.vram_ledger_configure.argtypes = [ctypes.c_char_p]
-lib.vram_ledger_last_error.restype = ctypes.c_char_p
 lib.vram_ledger_free(None, 0, 0, None)
 lib.vram_ledger_free(None, 0, 99, None)
 lib.vram_ledger_record_stream(None, None)
@@ -108,11 +109,8 @@ def test_freeing_null_puts_no_device_in_use_and_logs_nothing():
     assert out.stderr == "", out.stderr
 
 
-HISTORY_OFF = """
-import ctypes, vram_ledger as vl
-lib = ctypes.CDLL(vl.library_path())
+HISTORY_OFF = LIB + """
 lib.vram_ledger_record_history.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-lib.vram_ledger_last_error.restype = ctypes.c_char_p
 print(lib.vram_ledger_record_history(0, 1, 0), lib.vram_ledger_record_history(0, 1, 10),
       lib.vram_ledger_record_history(0, 0, 0))
 """

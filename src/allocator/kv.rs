@@ -87,6 +87,21 @@ pub struct KvRoom {
     pub room: u64,
 }
 
+impl KvRoom {
+    /// What eager work keeps under the limit as under the cap: held now, transient, graph
+    /// pools and tags asleep (saturating: a figure may be any byte count).
+    fn eager(&self) -> u64 {
+        [
+            self.eager_now,
+            self.transient,
+            self.graph_pools,
+            self.asleep,
+        ]
+        .into_iter()
+        .fold(0u64, u64::saturating_add)
+    }
+}
+
 impl std::fmt::Display for KvRoom {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         use crate::units::Bytes;
@@ -103,15 +118,7 @@ impl std::fmt::Display for KvRoom {
             Bytes(self.margin)
         )?;
         if let Some(limit) = self.limit {
-            let under = [
-                self.eager_now,
-                self.transient,
-                self.graph_pools,
-                self.asleep,
-            ]
-            .into_iter()
-            .fold(self.room, u64::saturating_add);
-            if under >= limit {
+            if self.eager().saturating_add(self.room) >= limit {
                 write!(
                     f,
                     "; the allocator's limit of {} leaves no more",
@@ -385,18 +392,7 @@ impl<D: Driver> Allocator<D> {
             .iter()
             .map(|&t| self.core.ledger.sleeping(t))
             .sum::<u64>();
-        // Saturating: a margin may be any byte count (profiling with the KV cache's size given
-        // does not check it against the request), and then nothing is left.
-        let eager = [eager_now, transient, graph_pools, asleep]
-            .into_iter()
-            .fold(0u64, u64::saturating_add);
-        let non_kv = eager.saturating_add(outside).saturating_add(margin);
-        let limit = self.limit();
-        let mut room = cap.saturating_sub(non_kv);
-        if let Some(limit) = limit {
-            room = room.min(limit.saturating_sub(eager));
-        }
-        Ok(KvRoom {
+        let mut r = KvRoom {
             cap,
             eager_now,
             transient,
@@ -405,9 +401,17 @@ impl<D: Driver> Allocator<D> {
             outside,
             asleep,
             margin,
-            limit,
-            room,
-        })
+            limit: self.limit(),
+            room: 0,
+        };
+        // Saturating: a margin may be any byte count (profiling with the KV cache's size given
+        // does not check it against the request), and then nothing is left.
+        let eager = r.eager();
+        r.room = cap.saturating_sub(eager.saturating_add(outside).saturating_add(margin));
+        if let Some(limit) = r.limit {
+            r.room = r.room.min(limit.saturating_sub(eager));
+        }
+        Ok(r)
     }
 
     /// What eager work's next pass may take on top of what it holds now.

@@ -75,9 +75,9 @@ static CONTEXT_SOURCE: AtomicUsize = AtomicUsize::new(0);
 static CONTEXT_KINDS: AtomicUsize = AtomicUsize::new(0);
 
 /// Name a context for allocations (`kinds` bit 0) and frees (bit 1) through this ABI (NULL:
-/// none, the default; other bits of `kinds` are ignored). The source runs on the allocating or freeing thread before the
-/// allocator takes any lock, so it may wait on the host's own locks (such as Python's) and
-/// call the library; it must not unwind.
+/// none, the default; other bits of `kinds` are ignored). The source runs on the allocating
+/// or freeing thread before the allocator takes any lock, so it may wait on the host's own
+/// locks (such as Python's) and call the library; it must not unwind.
 #[no_mangle]
 pub extern "C" fn vram_ledger_set_context_source(source: Option<ContextSource>, kinds: c_int) {
     CONTEXT_KINDS.store(kinds as usize & 0b11, Ordering::Release);
