@@ -229,9 +229,9 @@ char *vram_ledger_metrics(void);
 void *vram_ledger_malloc(ssize_t size, int device, void *stream);
 
 /* Name a context for allocations (`kinds` bit 0) and frees (bit 1) through this ABI (NULL:
- * none, the default; other bits of `kinds` are ignored). The source runs on the allocating or freeing thread before the
- * allocator takes any lock, so it may wait on the host's own locks (such as Python's) and
- * call the library; it must not unwind.
+ * none, the default; other bits of `kinds` are ignored). The source runs on the allocating
+ * or freeing thread before the allocator takes any lock, so it may wait on the host's own
+ * locks (such as Python's) and call the library; it must not unwind.
  */
 void vram_ledger_set_context_source(vram_ledger_context_source source, int kinds);
 
